@@ -1,0 +1,1 @@
+"""Built-in backends, installed as ``vtp_runtime.backends.*``."""

@@ -1,0 +1,353 @@
+"""The ``eager`` backend: pure PyTorch, every op and option, any device and dtype.
+
+It is the readable statement of the vocabulary-parallel algorithm every other backend
+implements faster:
+
+- Statistics are max-rescaled: per token the global max ``m`` (one all-reduce MAX over all
+  inputs), then sums relative to it (one all-reduce SUM over all sums the op needs). JSD
+  needs one more all-reduce for its divergence sums. The count never depends on V_local.
+- Elementwise work runs over chunks of token rows so fp32 temporaries stay near
+  ``CHUNK_ELEMENTS`` whatever N and V_local; collectives run once, over all tokens.
+- Values are differences from the max (``x - m``, ``log s``) so a large common offset
+  (1e4 and more) cancels exactly instead of rounding away.
+- Backward recomputes probabilities from the saved inputs and O(N) statistics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vtp_runtime.backend import ALL_DTYPES, Backend, Call, OpCapability
+from vtp_runtime.comm import all_reduce_
+from vtp_runtime.registry import hookimpl
+
+CHUNK_ELEMENTS = 1 << 24
+
+Tensor = torch.Tensor
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _row_chunks(n: int, v: int):
+    step = max(1, CHUNK_ELEMENTS // max(v, 1))
+    for lo in range(0, n, step):
+        yield lo, min(lo + step, n)
+
+
+def _scaled(z: Tensor, lo: int, hi: int, call: Call) -> Tensor:
+    """``z[lo:hi] / T`` in the accumulation dtype (a new tensor; inputs are never modified)."""
+    x = z[lo:hi].to(_acc_dtype(z.dtype), copy=True)
+    t = call.options["temperature"]
+    return x.div_(t) if t != 1.0 else x
+
+
+def _global_max(call: Call, inputs: tuple[Tensor, ...]) -> Tensor:
+    """``[len(inputs), N]`` global row maxima of ``x``; rows of all ``-inf`` get 0 so that
+    ``x - m`` stays ``-inf`` rather than NaN."""
+    n, v = inputs[0].shape
+    m = torch.full((len(inputs), n), -math.inf, dtype=_acc_dtype(inputs[0].dtype), device=inputs[0].device)
+    if v:
+        for lo, hi in _row_chunks(n, v):
+            for i, z in enumerate(inputs):
+                m[i, lo:hi] = _scaled(z, lo, hi, call).amax(dim=1)
+    all_reduce_(m, call.group, "max")
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _xlogy_rel(p: Tensor, diff: Tensor) -> Tensor:
+    """``p * diff`` with ``0 * anything = 0`` (the ``0 log 0 = 0`` rule)."""
+    return torch.where(p > 0, p * diff, torch.zeros_like(p))
+
+
+def _index_in_shard(index: Tensor, call: Call, v: int) -> tuple[Tensor, Tensor]:
+    """(local column, whether the global id lies in this shard)."""
+    local = index - call.vocab_start
+    inside = (local >= 0) & (local < v)
+    return local.clamp(0, max(v - 1, 0)), inside
+
+
+def _bad_index(index: Tensor, call: Call) -> Tensor:
+    ii = call.options["ignore_index"]
+    return (index != ii) & ((index < 0) | (index >= call.vocab_size))
+
+
+class EagerBackend(Backend):
+    name = "eager"
+    priority = 0
+    _ANY = dict(device_types=None, dtypes=ALL_DTYPES)
+    ops = {
+        "cross_entropy": OpCapability(**_ANY, features=frozenset({"label_smoothing", "z_loss", "temperature"})),
+        "logprobs": OpCapability(**_ANY, features=frozenset({"topk", "temperature"})),
+        "entropy": OpCapability(**_ANY, features=frozenset({"mask", "temperature"})),
+        "kl": OpCapability(**_ANY, features=frozenset({"mask", "temperature", "reverse", "teacher_grad"})),
+        "jsd": OpCapability(**_ANY, features=frozenset({"mask", "temperature", "teacher_grad"})),
+    }
+
+    def forward(self, call, inputs, index, mask):
+        op = call.op
+        if op in ("kl", "jsd"):
+            beta = call.options.get("beta", 0.5)
+            if op == "kl" or beta in (0.0, 1.0):
+                reverse = call.options["reverse"] if op == "kl" else beta == 1.0
+                return _kl_forward(call, inputs, mask, reverse)
+            return _jsd_forward(call, inputs, mask, beta)
+        return {"cross_entropy": _ce_forward, "logprobs": _logprobs_forward,
+                "entropy": _entropy_forward}[op](call, inputs, index, mask)
+
+    def backward(self, call, saved, grad):
+        op = call.op
+        if op in ("kl", "jsd"):
+            beta = call.options.get("beta", 0.5)
+            if op == "kl" or beta in (0.0, 1.0):
+                reverse = call.options["reverse"] if op == "kl" else beta == 1.0
+                return _kl_backward(call, saved, grad, reverse)
+            return _jsd_backward(call, saved, grad, beta)
+        return {"cross_entropy": _ce_backward, "logprobs": _logprobs_backward,
+                "entropy": _entropy_backward}[op](call, saved, grad)
+
+
+# -- cross entropy -------------------------------------------------------------------------
+
+def _ce_forward(call, inputs, labels, mask):
+    (z,) = inputs
+    n, v = z.shape
+    eps, lam, ii = call.options["label_smoothing"], call.options["z_loss"], call.options["ignore_index"]
+    m = _global_max(call, inputs)[0]
+    local, inside = _index_in_shard(labels, call, v)
+    sums = torch.zeros(3, n, dtype=m.dtype, device=z.device)  # sum exp(x-m), sum (x-m), (x-m)[y]
+    for lo, hi in _row_chunks(n, v):
+        xm = _scaled(z, lo, hi, call).sub_(m[lo:hi, None])
+        sums[0, lo:hi] = xm.exp().sum(dim=1)
+        if eps:
+            sums[1, lo:hi] = xm.sum(dim=1)
+        if v:
+            picked = xm.gather(1, local[lo:hi, None]).squeeze(1)
+            sums[2, lo:hi] = torch.where(inside[lo:hi], picked, torch.zeros_like(picked))
+    all_reduce_(sums, call.group, "sum")
+    log_s = sums[0].log()
+    value = (1 - eps) * (log_s - sums[2])
+    if eps:
+        value = value + eps * (log_s - sums[1] / call.vocab_size)
+    lse = m + log_s
+    if lam:
+        value = value + lam * lse * lse
+    value = torch.where(_bad_index(labels, call), torch.full_like(value, math.nan), value)
+    value = torch.where(labels != ii, value, torch.zeros_like(value))
+    return value, (z, labels, m, log_s)
+
+
+def _ce_backward(call, saved, grad):
+    z, labels, m, log_s = saved
+    n, v = z.shape
+    eps, lam, ii = call.options["label_smoothing"], call.options["z_loss"], call.options["ignore_index"]
+    keep = labels != ii
+    scale = torch.where(keep, grad / call.options["temperature"], torch.zeros_like(grad))
+    scale = torch.where(_bad_index(labels, call), torch.full_like(scale, math.nan), scale)
+    local, inside = _index_in_shard(labels, call, v)
+    lse = m + log_s
+    out = torch.empty_like(z)
+    for lo, hi in _row_chunks(n, v):
+        p = _scaled(z, lo, hi, call).sub_(m[lo:hi, None]).sub_(log_s[lo:hi, None]).exp_()
+        d = p * (1 + 2 * lam * lse[lo:hi, None]) if lam else p
+        if eps:
+            d = d - eps / call.vocab_size
+        if v:
+            hit = inside[lo:hi].to(d.dtype) * (1 - eps)
+            d = d.scatter_add(1, local[lo:hi, None], -hit[:, None])
+        d = d * scale[lo:hi, None]
+        out[lo:hi] = torch.where(keep[lo:hi, None], d, torch.zeros_like(d))
+    return (out,)
+
+
+# -- log-probs -----------------------------------------------------------------------------
+
+def _logprobs_forward(call, inputs, index, mask):
+    (z,) = inputs
+    n, v = z.shape
+    idx = index if call.topk else index[:, None]
+    m = _global_max(call, inputs)[0]
+    local, inside = _index_in_shard(idx, call, v)
+    s = torch.zeros(n, dtype=m.dtype, device=z.device)
+    picked = torch.zeros(idx.shape, dtype=m.dtype, device=z.device)
+    for lo, hi in _row_chunks(n, v):
+        xm = _scaled(z, lo, hi, call).sub_(m[lo:hi, None])
+        s[lo:hi] = xm.exp().sum(dim=1)
+        if v:
+            got = xm.gather(1, local[lo:hi])
+            picked[lo:hi] = torch.where(inside[lo:hi], got, torch.zeros_like(got))
+    both = all_reduce_(torch.cat([s[:, None], picked], dim=1), call.group, "sum")
+    log_s = both[:, 0].log()
+    value = both[:, 1:] - log_s[:, None]
+    value = torch.where(_bad_index(idx, call), torch.full_like(value, math.nan), value)
+    value = torch.where(idx != call.options["ignore_index"], value, torch.zeros_like(value))
+    return (value if call.topk else value[:, 0]), (z, index, m, log_s)
+
+
+def _logprobs_backward(call, saved, grad):
+    z, index, m, log_s = saved
+    n, v = z.shape
+    idx = index if call.topk else index[:, None]
+    g = grad if call.topk else grad[:, None]
+    keep = idx != call.options["ignore_index"]
+    g = torch.where(keep, g, torch.zeros_like(g)) / call.options["temperature"]
+    g = torch.where(_bad_index(idx, call), torch.full_like(g, math.nan), g)
+    local, inside = _index_in_shard(idx, call, v)
+    g_total = g.sum(dim=1)
+    out = torch.empty_like(z)
+    for lo, hi in _row_chunks(n, v):
+        p = _scaled(z, lo, hi, call).sub_(m[lo:hi, None]).sub_(log_s[lo:hi, None]).exp_()
+        d = torch.where(g_total[lo:hi, None] != 0, -p * g_total[lo:hi, None], torch.zeros_like(p))
+        if v:
+            hit = torch.where(inside[lo:hi], g[lo:hi], torch.zeros_like(g[lo:hi]))
+            d = d.scatter_add(1, local[lo:hi], hit)
+        out[lo:hi] = d
+    return (out,)
+
+
+# -- entropy -------------------------------------------------------------------------------
+
+def _entropy_forward(call, inputs, index, mask):
+    (z,) = inputs
+    n, v = z.shape
+    m = _global_max(call, inputs)[0]
+    sums = torch.zeros(2, n, dtype=m.dtype, device=z.device)  # sum e, sum e (x - m)
+    for lo, hi in _row_chunks(n, v):
+        xm = _scaled(z, lo, hi, call).sub_(m[lo:hi, None])
+        e = xm.exp()
+        sums[0, lo:hi] = e.sum(dim=1)
+        sums[1, lo:hi] = _xlogy_rel(e, xm).sum(dim=1)
+    all_reduce_(sums, call.group, "sum")
+    log_s = sums[0].log()
+    h = log_s - sums[1] / sums[0]
+    if mask is not None:
+        h = torch.where(mask, h, torch.zeros_like(h))
+    return h, (z, m, log_s, h) + ((mask,) if mask is not None else ())
+
+
+def _entropy_backward(call, saved, grad):
+    z, m, log_s, h = saved[:4]
+    mask = saved[4] if len(saved) > 4 else None
+    n, v = z.shape
+    scale = grad / call.options["temperature"]
+    out = torch.empty_like(z)
+    for lo, hi in _row_chunks(n, v):
+        logp = _scaled(z, lo, hi, call).sub_(m[lo:hi, None]).sub_(log_s[lo:hi, None])
+        p = logp.exp()
+        d = -_xlogy_rel(p, logp + h[lo:hi, None]) * scale[lo:hi, None]
+        if mask is not None:
+            d = torch.where(mask[lo:hi, None], d, torch.zeros_like(d))
+        out[lo:hi] = d
+    return (out,)
+
+
+# -- KL ------------------------------------------------------------------------------------
+
+def _kl_forward(call, inputs, mask, reverse):
+    """KL(A || B): forward A = teacher, B = student; reverse A = student, B = teacher."""
+    student, teacher = inputs
+    a, b = (student, teacher) if reverse else (teacher, student)
+    n, v = a.shape
+    m = _global_max(call, (a, b))
+    sums = torch.zeros(3, n, dtype=m.dtype, device=a.device)  # s_a, s_b, sum e_a (la - lb)
+    for lo, hi in _row_chunks(n, v):
+        la = _scaled(a, lo, hi, call).sub_(m[0, lo:hi, None])
+        lb = _scaled(b, lo, hi, call).sub_(m[1, lo:hi, None])
+        ea = la.exp()
+        sums[0, lo:hi] = ea.sum(dim=1)
+        sums[1, lo:hi] = lb.exp().sum(dim=1)
+        sums[2, lo:hi] = _xlogy_rel(ea, la - lb).sum(dim=1)
+    all_reduce_(sums, call.group, "sum")
+    log_sa, log_sb = sums[0].log(), sums[1].log()
+    value = sums[2] / sums[0] - log_sa + log_sb
+    if mask is not None:
+        value = torch.where(mask, value, torch.zeros_like(value))
+    stats = torch.stack([m[0], m[1], log_sa, log_sb, value])
+    return value, (student, teacher, stats) + ((mask,) if mask is not None else ())
+
+
+def _kl_backward(call, saved, grad, reverse):
+    student, teacher, stats = saved[:3]
+    mask = saved[3] if len(saved) > 3 else None
+    a, b = (student, teacher) if reverse else (teacher, student)
+    need_s, need_t = call.needs_grad
+    need_a, need_b = (need_s, need_t) if reverse else (need_t, need_s)
+    n, v = a.shape
+    ma, mb, log_sa, log_sb, kl = stats
+    scale = grad / call.options["temperature"]
+    grad_a = torch.empty_like(a) if need_a else None
+    grad_b = torch.empty_like(b) if need_b else None
+    for lo, hi in _row_chunks(n, v):
+        logpa = _scaled(a, lo, hi, call).sub_(ma[lo:hi, None]).sub_(log_sa[lo:hi, None])
+        logpb = _scaled(b, lo, hi, call).sub_(mb[lo:hi, None]).sub_(log_sb[lo:hi, None])
+        pa = logpa.exp()
+        g = scale[lo:hi, None]
+        keep = mask[lo:hi, None] if mask is not None else None
+        if need_a:
+            d = _xlogy_rel(pa, logpa - logpb - kl[lo:hi, None]) * g
+            grad_a[lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
+        if need_b:
+            d = (logpb.exp() - pa) * g
+            grad_b[lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
+    return (grad_a, grad_b) if reverse else (grad_b, grad_a)
+
+
+# -- generalized JSD (interior beta) -------------------------------------------------------
+
+def _log_mixture(logp_s: Tensor, logp_t: Tensor, beta: float) -> Tensor:
+    return torch.logaddexp(logp_t + math.log(beta), logp_s + math.log1p(-beta))
+
+
+def _jsd_forward(call, inputs, mask, beta):
+    student, teacher = inputs
+    n, v = student.shape
+    m = _global_max(call, inputs)
+    s = torch.zeros(2, n, dtype=m.dtype, device=student.device)
+    for lo, hi in _row_chunks(n, v):
+        for i, z in enumerate(inputs):
+            s[i, lo:hi] = _scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).exp_().sum(dim=1)
+    all_reduce_(s, call.group, "sum")
+    log_s = s.log()
+    kls = torch.zeros(2, n, dtype=m.dtype, device=student.device)  # KL(p_s||M), KL(p_t||M)
+    for lo, hi in _row_chunks(n, v):
+        lps, lpt = (_scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).sub_(log_s[i, lo:hi, None])
+                    for i, z in enumerate(inputs))
+        lm = _log_mixture(lps, lpt, beta)
+        kls[0, lo:hi] = _xlogy_rel(lps.exp(), lps - lm).sum(dim=1)
+        kls[1, lo:hi] = _xlogy_rel(lpt.exp(), lpt - lm).sum(dim=1)
+    all_reduce_(kls, call.group, "sum")
+    value = (1 - beta) * kls[0] + beta * kls[1]
+    if mask is not None:
+        value = torch.where(mask, value, torch.zeros_like(value))
+    stats = torch.cat([m, log_s, kls])
+    return value, (student, teacher, stats) + ((mask,) if mask is not None else ())
+
+
+def _jsd_backward(call, saved, grad, beta):
+    student, teacher, stats = saved[:3]
+    mask = saved[3] if len(saved) > 3 else None
+    need_s, need_t = call.needs_grad
+    n, v = student.shape
+    m, log_s, kls = stats[0:2], stats[2:4], stats[4:6]
+    scale = grad / call.options["temperature"]
+    grad_s = torch.empty_like(student) if need_s else None
+    grad_t = torch.empty_like(teacher) if need_t else None
+    for lo, hi in _row_chunks(n, v):
+        lps, lpt = (_scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).sub_(log_s[i, lo:hi, None])
+                    for i, z in enumerate((student, teacher)))
+        lm = _log_mixture(lps, lpt, beta)
+        g = scale[lo:hi, None]
+        keep = mask[lo:hi, None] if mask is not None else None
+        for need, out, lp, kl, w in ((need_s, grad_s, lps, kls[0], 1 - beta), (need_t, grad_t, lpt, kls[1], beta)):
+            if need:
+                d = _xlogy_rel(lp.exp(), lp - lm - kl[lo:hi, None]) * (w * g)
+                out[lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
+    return grad_s, grad_t
+
+
+@hookimpl
+def vtp_runtime_register_backends(register):
+    register(EagerBackend())

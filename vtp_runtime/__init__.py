@@ -1,0 +1,20 @@
+"""vtp_runtime: exact vocabulary-parallel losses on logits sharded over the vocabulary.
+
+    import vtp_runtime as vtp
+    loss = vtp.loss("jsd", student_logits, teacher_logits, beta=0.3, tp_group=group)
+"""
+
+from .api import cross_entropy, entropy, explain, jsd, kl, logprobs, loss
+from .backend import Backend, Call, OpCapability, Request
+from .dispatch import Explanation, use_backend
+from .errors import BackendUnavailable, PluginError, ShardError, UnknownBackend, VtpError
+from .ops import FEATURES, OPS
+from .registry import hookimpl, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend",
+    "Explanation", "Backend", "Call", "OpCapability", "Request", "FEATURES", "OPS", "hookimpl",
+    "register", "VtpError", "ShardError", "BackendUnavailable", "UnknownBackend", "PluginError",
+]

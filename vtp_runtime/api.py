@@ -1,0 +1,290 @@
+"""The public API: ``loss`` and the typed helpers, ``explain``.
+
+Every call: validate locally (errors become codes, not exceptions, until after the gather),
+gather the metadata of every rank in one collective, validate the gathered table, pick the
+backend, run it under one autograd Function, reduce. Outputs are replicated on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import dispatch, shards
+from .backend import Backend, Call, Request
+from .errors import UnknownBackend
+from .ops import COMMON_OPTIONS, OpSpec, check_options, features_of, get_spec
+from .registry import REGISTRY
+
+Tensor = torch.Tensor
+
+
+class _Prepared:
+    """A call after local validation, metadata gather and backend selection."""
+
+    __slots__ = ("spec", "inputs", "index", "mask", "options", "lead", "topk", "needs_grad",
+                 "request", "layout", "backend", "forced", "forced_by")
+
+
+def _local_checks(spec: OpSpec, inputs, index, options) -> None:
+    """Raise ValueError/TypeError describing what is wrong with this rank's arguments."""
+    check_options(spec, options)
+    logits = inputs[0]
+    for name, t in zip(spec.inputs, inputs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+        if t.dim() < 1:
+            raise ValueError(f"{name} must have a vocabulary dimension: shape [..., V_local]")
+    if len(inputs) == 2:
+        student, teacher = inputs
+        if student.shape != teacher.shape:
+            raise ValueError(f"student_logits {tuple(student.shape)} and teacher_logits "
+                             f"{tuple(teacher.shape)} must have the same shape")
+        if student.dtype != teacher.dtype:
+            raise TypeError(f"student_logits ({student.dtype}) and teacher_logits ({teacher.dtype}) "
+                            f"must have the same dtype")
+        if student.device != teacher.device:
+            raise ValueError(f"student_logits ({student.device}) and teacher_logits "
+                             f"({teacher.device}) must be on the same device")
+    lead = tuple(logits.shape[:-1])
+    extra = {spec.index: index} if spec.index else {"mask": options["mask"], "labels": options["labels"]}
+    for name, t in extra.items():
+        if t is None:
+            if spec.index:
+                raise TypeError(f"{spec.name} needs {name}")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != logits.device:
+            raise ValueError(f"{name} ({t.device}) must be on the logits' device ({logits.device})")
+        if name == "mask":
+            if t.dtype != torch.bool:
+                raise TypeError(f"mask must be a bool tensor (True = keep), got {t.dtype}")
+        elif t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        shapes = [lead, lead + tuple(t.shape[-1:])] if name == "index" and t.dim() == len(lead) + 1 else [lead]
+        if tuple(t.shape) not in shapes:
+            want = "logits.shape[:-1] or logits.shape[:-1] + (k,)" if name == "index" else "logits.shape[:-1]"
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want} = {lead}")
+    start, end = options["vocab_start"], options["vocab_end"]
+    if (start is None) != (end is None):
+        raise ValueError("pass both vocab_start and vocab_end, or neither (rank order is the default)")
+    if start is not None:
+        v_local = logits.shape[-1]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start and end - start == v_local):
+            raise ValueError(f"vocab_start={start}, vocab_end={end} must be ints with 0 <= vocab_start "
+                             f"and vocab_end - vocab_start == V_local = {v_local}")
+    gv = options["global_vocab_size"]
+    if gv is not None and not (isinstance(gv, int) and gv > 0):
+        raise ValueError(f"global_vocab_size must be a positive int, got {gv!r}")
+    forced = options["backend"]
+    if forced is not None and not isinstance(forced, str):
+        raise TypeError(f"backend must be a backend name (str), got {type(forced).__name__}")
+
+
+def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim: int) -> str:
+    parts = [spec.name, f"topk={int(topk)}", f"k={index.shape[-1] if topk else 0}",
+             f"grad={needs_grad}", f"mask={options.get('mask') is not None}",
+             f"labels={options.get('labels') is not None}", f"ndim={lead_ndim}"]
+    for name in sorted(options):
+        if name in ("tp_group", "mask", "labels", "backend", "vocab_start", "vocab_end", "global_vocab_size"):
+            continue  # compared elsewhere, or per rank by nature
+        parts.append(f"{name}={options[name]!r}")
+    return "|".join(parts)
+
+
+def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
+    spec = get_spec(op)
+    n_expected = len(spec.inputs) + (1 if spec.index else 0)
+    if len(tensors) != n_expected:
+        names = ", ".join(spec.inputs + ((spec.index,) if spec.index else ()))
+        raise TypeError(f"{op} takes {n_expected} tensor argument(s) ({names}), got {len(tensors)}")
+    allowed = {**COMMON_OPTIONS, **spec.options}
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise TypeError(f"{op} got unknown option(s) {', '.join(unknown)}; it takes: {', '.join(allowed)}")
+    options = {**allowed, **given}
+    inputs = tuple(tensors[: len(spec.inputs)])
+    index = tensors[len(spec.inputs)] if spec.index else None
+    group = options["tp_group"]
+
+    p = _Prepared()
+    p.spec, p.options = spec, options
+    error, detail = 0, ""
+    try:
+        _local_checks(spec, inputs, index, options)
+    except (TypeError, ValueError) as exc:
+        error, detail = (3 if isinstance(exc, TypeError) else 1), str(exc)
+    ok = error == 0
+    logits = inputs[0] if ok else None
+    p.lead = tuple(logits.shape[:-1]) if ok else ()
+    p.topk = bool(ok and spec.name == "logprobs" and index.dim() == len(p.lead) + 1)
+    grad_on = torch.is_grad_enabled()
+    p.needs_grad = tuple(bool(grad_on and t.requires_grad) for t in inputs) if ok else ()
+
+    forced, forced_by = dispatch.forced_backend(spec.name, options["backend"])
+    registered = REGISTRY.backends()
+    if forced is not None and forced not in registered and not error:
+        error, detail = 5, (f"unknown backend {forced!r} (from {forced_by}); registered backends: "
+                            f"{', '.join(sorted(registered))}")
+    device = logits.device if ok else torch.device("cpu")
+    local = shards.LocalCall(
+        op=spec.name,
+        v_local=logits.shape[-1] if ok else 0,
+        vocab_start=options["vocab_start"] if ok else None,
+        vocab_end=options["vocab_end"] if ok else None,
+        global_vocab_size=options["global_vocab_size"] if ok else None,
+        num_tokens=math.prod(p.lead) if ok else 0,
+        dtype=logits.dtype if ok else torch.float32,
+        device_type=device.type,
+        options_fingerprint=_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead)) if ok else "",
+        forced=forced,
+        available=dispatch.local_availability(device.type),
+        registry_fingerprint=",".join(f"{b.name}:{b.priority}" for b in registered.values()),
+        error=error,
+        error_detail=detail,
+    )
+    if error and shards.group_size(group) == 1:
+        raise {3: TypeError, 5: UnknownBackend}.get(error, ValueError)(detail)
+    table = shards.gather(local, group, device)
+    layout = shards.validate(table, local, group)
+    p.layout = layout
+    p.inputs, p.index = inputs, index
+    p.request = Request(
+        op=spec.name, device_type=device.type, dtype=logits.dtype, tp_size=layout.tp_size,
+        vocab_size=layout.vocab_size, num_tokens=layout.num_tokens, even_shards=layout.even_shards,
+        empty_shard=0 in layout.sizes,
+        features=features_of(spec.name, options, topk=p.topk,
+                             teacher_grad=len(inputs) == 2 and p.needs_grad[1]))
+    p.forced, p.forced_by = forced, forced_by
+    return p
+
+
+def _rows(t: Tensor, n: int, backend: Backend) -> Tensor:
+    """``[..., V]`` as ``[N, V]`` rows, a view where strides allow. A backend that takes
+    strided rows gets a 3-D view (e.g. ``logits[:, :-1]``) instead of a copy."""
+    v = t.shape[-1]
+    try:
+        return t.view(n, v)
+    except RuntimeError:
+        if backend.takes_strided_rows and t.dim() == 3 and t.stride(-1) == 1:
+            return t
+        return t.reshape(n, v)
+
+
+class _VocabParallelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, backend: Backend, call: Call, index, mask, *inputs):
+        values, saved = backend.forward(call, inputs, index, mask)
+        ctx.backend, ctx.call = backend, call
+        ctx.save_for_backward(*saved)
+        return values
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        grads = ctx.backend.backward(ctx.call, ctx.saved_tensors, grad.contiguous())
+        return (None, None, None, None, *grads)
+
+
+def _run(p: _Prepared) -> Tensor:
+    spec, options, layout = p.spec, p.options, p.layout
+    backend = dispatch.select(p.request, layout, p.forced, p.forced_by)
+    n = layout.num_tokens
+    inputs = tuple(_rows(t, n, backend) for t in p.inputs)
+    ignore_index = options.get("ignore_index", -100)
+    index = mask = None
+    if spec.index:
+        index = p.index.reshape(n, -1) if p.topk else p.index.reshape(n)
+        index = index.long()
+    else:
+        if options["mask"] is not None:
+            mask = options["mask"].reshape(n)
+        if options["labels"] is not None:
+            keep = options["labels"].reshape(n) != ignore_index
+            mask = keep if mask is None else mask & keep
+    call_options = {k: options[k] for k in spec.options if k not in ("mask", "labels")}
+    call_options["temperature"] = float(options["temperature"])
+    call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
+                vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
+                needs_grad=p.needs_grad, topk=p.topk)
+    values = _VocabParallelFunction.apply(backend, call, index, mask, *inputs)
+    values = values.view(*p.lead, *values.shape[1:])
+    return _reduce(values, options, index, mask, ignore_index)
+
+
+def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
+    reduction, normalizer = options["reduction"], options["normalizer"]
+    if reduction == "none":
+        return values if normalizer is None else values / normalizer
+    total = values.sum()
+    if normalizer is not None:
+        return total / normalizer
+    if reduction == "sum":
+        return total
+    # mean over unmasked tokens (index entries for top-k log-probs); 0 when all are masked
+    if index is not None:
+        count = (index != ignore_index).sum()
+    elif mask is not None:
+        count = mask.sum()
+    else:
+        count = torch.tensor(values.numel(), device=values.device)
+    return total / count.clamp(min=1).to(total.dtype)
+
+
+# -- public functions ----------------------------------------------------------------------
+
+def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
+    """Compute ``op`` on vocabulary-sharded logits; see the typed helpers for each op.
+
+    ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
+    each rank passing its local ``[..., V_local]`` shard. The result is fp32 (fp64 for fp64
+    inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for top-k log-probs) or a scalar when
+    reduced, and identical on every rank of ``tp_group``.
+    """
+    return _run(_prepare(op, tensors, options))
+
+
+def explain(op: str, *tensors: Tensor, **options: Any) -> dispatch.Explanation:
+    """Which backend ``loss(op, *tensors, **options)`` would use and why not the others.
+    A collective call like ``loss``: every rank of ``tp_group`` must call it."""
+    p = _prepare(op, tensors, options)
+    return dispatch.explain_request(p.request, p.layout, p.forced, p.forced_by)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  z_loss: float = 0.0, **options: Any) -> Tensor:
+    """Cross entropy of ``logits`` [..., V_local] against global ``labels`` [...] (int).
+
+    ``(1-e)(lse - x[y]) + e(lse - mean_j x_j) + z_loss * lse^2`` with ``x = logits / T`` and
+    the mean over the global vocabulary. ``ignore_index`` tokens give exactly 0.
+    """
+    return loss("cross_entropy", logits, labels, ignore_index=ignore_index,
+                label_smoothing=label_smoothing, z_loss=z_loss, **options)
+
+
+def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, **options: Any) -> Tensor:
+    """``log softmax(logits / T)`` at global vocabulary ids ``index``: shaped like
+    ``logits.shape[:-1]`` or with a trailing top-k dimension."""
+    return loss("logprobs", logits, index, ignore_index=ignore_index, **options)
+
+
+def entropy(logits: Tensor, **options: Any) -> Tensor:
+    """Entropy ``-sum p log p`` of ``softmax(logits / T)`` over the global vocabulary.
+    Takes ``mask=`` (bool, True = keep) or ``labels=`` with ``ignore_index``."""
+    return loss("entropy", logits, **options)
+
+
+def kl(student_logits: Tensor, teacher_logits: Tensor, *, reverse: bool = False, **options: Any) -> Tensor:
+    """Forward ``KL(p_teacher || p_student)``, or reverse ``KL(p_student || p_teacher)``."""
+    return loss("kl", student_logits, teacher_logits, reverse=reverse, **options)
+
+
+def jsd(student_logits: Tensor, teacher_logits: Tensor, *, beta: float = 0.5, **options: Any) -> Tensor:
+    """Generalized JSD ``b KL(p_t||M) + (1-b) KL(p_s||M)``, ``M = b p_t + (1-b) p_s``;
+    ``beta=0`` is forward KL(teacher||student), ``beta=1`` reverse KL(student||teacher)."""
+    return loss("jsd", student_logits, teacher_logits, beta=beta, **options)

@@ -1,0 +1,179 @@
+"""What a backend is: declared capabilities per op, an environment probe, forward and backward.
+
+A backend never sees reductions, reshaping or cross-rank metadata: the core flattens the
+inputs to rows, gathers and validates metadata, picks the backend, wraps it in autograd and
+reduces the per-token result. A backend computes per-token values on its local shard and
+combines statistics across ``call.group`` with collectives whose number never depends on
+the local vocabulary size (uneven shards would deadlock otherwise).
+
+Contract of ``forward(call, inputs, index, mask)``:
+
+- ``inputs``: one (``cross_entropy``, ``logprobs``, ``entropy``) or two (``kl``, ``jsd``:
+  student, teacher) floating tensors of shape ``[N, V_local]`` (the last dim has stride 1;
+  rows may be strided). ``V_local`` may be 0 and ``N`` may be 0.
+- ``index``: int64 ``[N]`` labels (``cross_entropy``), ``[N]`` or ``[N, k]`` (``logprobs``)
+  holding **global** vocabulary ids or ``call.options["ignore_index"]``; else None.
+- ``mask``: bool ``[N]`` (True = keep) for ``entropy``/``kl``/``jsd``, already combined with
+  their ``labels``; None when every token counts.
+- returns ``(values, saved)``: values fp32 (fp64 for fp64 inputs) ``[N]`` (``[N, k]`` for
+  top-k log-probs), replicated on every rank, exactly 0 on masked tokens; ``saved`` a tuple
+  of tensors the core keeps for backward (inputs and O(N) statistics, never O(N x V)).
+
+Contract of ``backward(call, saved, grad)``: ``grad`` is the upstream gradient shaped like
+``values``; return one gradient per input (shape and dtype of that input) or None where
+``call.needs_grad`` is False. No collectives: every rank back-propagates the same values.
+``saved`` must not be modified, so a second backward through a retained graph is right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+from .ops import FEATURES, OPS
+
+ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
+LOW_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+@dataclass(frozen=True)
+class OpCapability:
+    """What one backend can do for one op. Everything not listed is refused by dispatch."""
+
+    device_types: frozenset[str] | None  # None: any device type
+    dtypes: frozenset[torch.dtype] = LOW_DTYPES
+    features: frozenset[str] = frozenset()  # subset of ops.FEATURES
+    tp_sizes: frozenset[int] | None = None  # None: any TP size
+    even_shards_only: bool = False
+    empty_shards: bool = True  # can a rank hold V_local = 0?
+    empty_tokens: bool = True  # can N be 0?
+
+    def __post_init__(self) -> None:
+        unknown = set(self.features) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"unknown features {sorted(unknown)}; known: {', '.join(FEATURES)}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """A call as every rank sees it, built from the gathered metadata. Hashable."""
+
+    op: str
+    device_type: str
+    dtype: torch.dtype
+    tp_size: int
+    vocab_size: int  # global V
+    num_tokens: int
+    even_shards: bool
+    empty_shard: bool  # some rank holds V_local = 0
+    features: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """Everything a backend needs for one call on this rank."""
+
+    request: Request
+    group: Any  # torch.distributed ProcessGroup, or None for a single device
+    rank: int  # rank within the group
+    vocab_start: int  # global id of this rank's first local column
+    vocab_end: int
+    options: Mapping[str, Any]  # op options: temperature, ignore_index, beta, ...
+    needs_grad: tuple[bool, ...]  # per floating input
+    topk: bool = False
+
+    @property
+    def op(self) -> str:
+        return self.request.op
+
+    @property
+    def vocab_size(self) -> int:
+        return self.request.vocab_size
+
+
+class Backend:
+    """Base class of every backend. Subclasses set ``name``, ``priority`` and ``ops``.
+
+    Higher priority wins. The built-in ones: eager 0, liger 10, triton 20, triton_xpu 20.
+    ``takes_strided_rows``: if True the core may pass inputs whose rows are not evenly
+    strided as ``[A, B, V_local]`` views instead of copying them to ``[N, V_local]``.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    ops: ClassVar[Mapping[str, OpCapability]]
+    takes_strided_rows: ClassVar[bool] = False
+
+    # -- environment -------------------------------------------------------------------
+    def probe(self, device_type: str) -> list[str]:
+        """Reasons this process cannot run the backend on ``device_type`` (missing imports,
+        no device, compute capability). Must never raise. Empty list: it can."""
+        return []
+
+    def probe_reasons(self, device_type: str) -> list[str]:
+        """``probe`` cached per device type; exceptions become reasons."""
+        cache = self.__dict__.setdefault("_probe_cache", {})
+        if device_type not in cache:
+            try:
+                found = list(self.probe(device_type))
+            except Exception as exc:  # a probe that raises is a reason, never a crash
+                found = [f"environment probe raised {type(exc).__name__}: {exc}"]
+            cache[device_type] = found
+        return cache[device_type]
+
+    # -- capabilities ------------------------------------------------------------------
+    def capability_reasons(self, request: Request) -> list[str]:
+        """Why the declared capabilities exclude ``request`` (no environment checks)."""
+        cap = self.ops.get(request.op)
+        if cap is None:
+            return [f"does not implement op {request.op!r}"]
+        out = []
+        if cap.device_types is not None and request.device_type not in cap.device_types:
+            out.append(f"device type {request.device_type!r} not supported "
+                       f"(supports {', '.join(sorted(cap.device_types))})")
+        if request.dtype not in cap.dtypes:
+            names = ", ".join(sorted(str(d).replace("torch.", "") for d in cap.dtypes))
+            out.append(f"dtype {str(request.dtype).replace('torch.', '')} not supported (supports {names})")
+        if cap.tp_sizes is not None and request.tp_size not in cap.tp_sizes:
+            out.append(f"TP size {request.tp_size} not supported (supports {sorted(cap.tp_sizes)})")
+        if cap.even_shards_only and not request.even_shards:
+            out.append("needs even vocabulary shards in rank order (vocab_start = rank * V_local)")
+        if not cap.empty_shards and request.empty_shard:
+            out.append("cannot handle a rank with an empty vocabulary shard (V_local = 0)")
+        if not cap.empty_tokens and request.num_tokens == 0:
+            out.append("cannot handle zero tokens")
+        for feature in sorted(request.features - cap.features):
+            out.append(f"does not support {feature}")
+        return out
+
+    def reasons(self, request: Request) -> list[str]:
+        """Why this backend cannot run ``request`` here; empty list means it can."""
+        return self.probe_reasons(request.device_type) + self.capability_reasons(request)
+
+    # -- compute -----------------------------------------------------------------------
+    def forward(self, call: Call, inputs: tuple[torch.Tensor, ...], index: torch.Tensor | None,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        raise NotImplementedError
+
+    def backward(self, call: Call, saved: tuple[torch.Tensor, ...],
+                 grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        raise NotImplementedError
+
+
+def check_backend(backend: Backend) -> None:
+    """Validate a backend at registration time (fail early, not at call time)."""
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        raise ValueError(f"backend name must be a lowercase identifier, got {name!r}")
+    if not isinstance(backend.priority, int):
+        raise ValueError(f"backend {name!r}: priority must be an int")
+    ops = getattr(backend, "ops", None)
+    if not isinstance(ops, Mapping) or not ops:
+        raise ValueError(f"backend {name!r}: ops must be a non-empty mapping op -> OpCapability")
+    for op, cap in ops.items():
+        if op not in OPS:
+            raise ValueError(f"backend {name!r}: unknown op {op!r}; the ops are {', '.join(OPS)}")
+        if not isinstance(cap, OpCapability):
+            raise ValueError(f"backend {name!r}: ops[{op!r}] must be an OpCapability")

@@ -1,0 +1,171 @@
+"""Choosing a backend: a pure function of the gathered table, so every rank picks the same.
+
+Rule, in full:
+
+1. The forced name, if any, is taken from (first match wins) the ``backend=`` argument, the
+   innermost ``use_backend(name, op)`` for this op or for every op, ``VTP_BACKEND_<OP>``,
+   ``VTP_BACKEND``. A forced backend that cannot run the call raises with its reasons; it
+   never falls back. An unknown name raises and lists the registered ones.
+2. Otherwise the first backend in canonical order (priority descending, then name) that is
+   available on **every** rank and whose declared capabilities cover the call.
+3. Nothing fits: raise, with one block per backend and one line per reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping
+
+from .backend import Backend, Request
+from .errors import BackendUnavailable
+from .registry import REGISTRY
+from .shards import Layout, backend_key
+
+log = logging.getLogger("vtp_runtime")
+
+_OVERRIDES: ContextVar[tuple[tuple[str | None, str], ...]] = ContextVar("vtp_backend_overrides", default=())
+
+
+@contextlib.contextmanager
+def use_backend(name: str, op: str | None = None) -> Iterator[None]:
+    """Force backend ``name`` for ``op`` (or every op) inside the block. Thread- and
+    task-safe (a ContextVar), nests, and restores the previous choice on exit."""
+    REGISTRY.get(name)  # unknown names fail here, listing the registered ones
+    if op is not None:
+        from .ops import get_spec
+        get_spec(op)
+    token = _OVERRIDES.set(_OVERRIDES.get() + ((op, name),))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def forced_backend(op: str, argument: str | None) -> tuple[str | None, str]:
+    """The forced backend name for this call and where it came from."""
+    if argument:
+        return argument, "the backend= argument"
+    for scoped_op, name in reversed(_OVERRIDES.get()):
+        if scoped_op is None or scoped_op == op:
+            return name, "use_backend()"
+    for var in (f"VTP_BACKEND_{op.upper()}", "VTP_BACKEND"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            return value, var
+    return None, ""
+
+
+def local_availability(device_type: str) -> tuple[int, ...]:
+    """Keys of the backends registered here whose environment probe passes."""
+    return tuple(backend_key(b.name, b.priority) for b in REGISTRY.backends().values()
+                 if not b.probe_reasons(device_type))
+
+
+@dataclass
+class Explanation:
+    """Which backend runs a call, and why every other one does not."""
+
+    request: Request
+    backend: str | None
+    forced: str | None = None
+    forced_by: str = ""
+    reasons: Mapping[str, list[str]] = field(default_factory=dict)
+    local_notes: Mapping[str, list[str]] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        r = self.request
+        lines = [f"vtp_runtime: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
+                 f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
+                 f"shards={'even' if r.even_shards else 'uneven'}{', one empty' if r.empty_shard else ''} "
+                 f"features={','.join(sorted(r.features)) or '-'}"]
+        if self.forced:
+            lines.append(f"forced: {self.forced} (by {self.forced_by})")
+        lines.append(f"selected: {self.backend or 'none'}")
+        for name, why in self.reasons.items():
+            if name == self.backend:
+                lines.append(f"`{name}`: selected")
+            elif not why:
+                lines.append(f"`{name}`: could run (lower in priority order)")
+            else:
+                lines.append(f"`{name}` is not supported because:")
+                lines.extend(f"    {reason}" for reason in why)
+            lines.extend(f"    (this rank) {note}" for note in self.local_notes.get(name, ()))
+        return "\n".join(lines)
+
+
+def _reasons(backend: Backend, request: Request, layout: Layout | None) -> tuple[list[str], list[str]]:
+    """(reasons every rank agrees on, reasons only this rank knows)."""
+    if layout is None or layout.tp_size == 1:  # single process: the probe is the whole truth
+        return backend.reasons(request), []
+    key = backend_key(backend.name, backend.priority)
+    out = []
+    if key not in layout.available:
+        missing = [r for r, keys in enumerate(layout.available_per_rank) if key not in keys]
+        out.append(f"not available on rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                   f"(not installed there, or its environment probe failed)")
+    return out + backend.capability_reasons(request), backend.probe_reasons(request.device_type)
+
+
+def explain_request(request: Request, layout: Layout | None, forced: str | None = None,
+                    forced_by: str = "") -> Explanation:
+    """Pure selection: the same inputs give the same answer on every rank."""
+    backends = REGISTRY.backends()
+    if forced is not None:
+        REGISTRY.get(forced)
+    reasons, notes, chosen = {}, {}, None
+    for name, backend in backends.items():
+        why, local = _reasons(backend, request, layout)
+        reasons[name] = why
+        if local:
+            notes[name] = local
+        if chosen is None and not why and (forced is None or forced == name):
+            chosen = name
+    return Explanation(request, chosen, forced, forced_by, reasons, notes)
+
+
+_CACHE: dict = {}
+
+
+def select(request: Request, layout: Layout | None, forced: str | None, forced_by: str) -> Backend:
+    """The backend for this call, or the same BackendUnavailable on every rank."""
+    key = (request, None if layout is None or layout.tp_size == 1 else
+           (layout.available, layout.available_per_rank), forced, REGISTRY.version)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    ex = explain_request(request, layout, forced, forced_by)
+    if ex.backend is None:
+        err = BackendUnavailable(_unavailable_message(ex))
+        for name, local in ex.local_notes.items():
+            err.add_note(f"on this rank, `{name}`: " + "; ".join(local))
+        raise err
+    if os.environ.get("VTP_DEBUG", "").strip() not in ("", "0"):
+        log.warning("%s", ex)  # once per distinct call signature: the cache below stops repeats
+    backend = REGISTRY.get(ex.backend)
+    if len(_CACHE) > 4096:
+        _CACHE.clear()
+    _CACHE[key] = backend
+    return backend
+
+
+def _unavailable_message(ex: Explanation) -> str:
+    if ex.forced:
+        why = ex.reasons.get(ex.forced, [])
+        head = (f"backend {ex.forced!r} was forced by {ex.forced_by} but cannot run this call; "
+                f"it does not fall back. Remove the override or change the call.")
+        blocks = [f"`{ex.forced}` is not supported because:"] + [f"    {r}" for r in why]
+    else:
+        head = "no registered backend can run this call."
+        blocks = []
+        for name, why in ex.reasons.items():
+            blocks.append(f"`{name}` is not supported because:")
+            blocks.extend(f"    {r}" for r in why)
+    r = ex.request
+    call = (f"call: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
+            f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
+            f"features={','.join(sorted(r.features)) or '-'}")
+    return "\n".join([head, call, *blocks])

@@ -1,0 +1,140 @@
+"""The ops: their inputs, options, defaults and the exact math every backend implements.
+
+Notation, per token: ``x = z / T`` (T = ``temperature``), ``p = softmax(x)`` over the
+**global** vocabulary of size V, ``lse = logsumexp(x)``. Values are per token, in fp32
+(fp64 for fp64 inputs), identical on every rank of the TP group.
+
+==================  ===============================================  ==========================================
+op                  value per token                                  gradient w.r.t. x (times upstream g; 1/T on z)
+==================  ===============================================  ==========================================
+cross_entropy       (1-e)(lse - x[y]) + e(lse - mean_j x_j) + l*lse^2   p - (1-e) onehot(y) - e/V + 2 l lse p
+logprobs            x[i] - lse  (i is [N] or [N, k])                 sum_k g_k onehot(i_k) - (sum_k g_k) p
+entropy             H = -sum p log p                                 -p (log p + H)
+kl (A || B)         sum p_A (log p_A - log p_B)                      dA = p_A (log p_A - log p_B - KL), dB = p_B - p_A
+jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b) p_s (log p_s - log M - KL(p_s||M))
+                    M = b p_t + (1-b) p_s                            dz_t = b p_t (log p_t - log M - KL(p_t||M))
+==================  ===============================================  ==========================================
+
+- ``kl``: forward (``reverse=False``) is KL(p_t || p_s) (A = teacher); reverse is KL(p_s || p_t).
+- ``jsd``: ``beta=0`` **is** forward KL(p_t || p_s) and ``beta=1`` **is** reverse KL(p_s || p_t),
+  explicit branches (the interior formula tends to 0 at both ends).
+- Label smoothing averages over the global V; z-loss is ``l * lse^2``.
+- Masked tokens (``ignore_index`` labels/index entries, or ``mask`` False) give exactly 0
+  value and exactly 0 gradient. An index outside ``[0, V)`` that is not ``ignore_index``
+  gives NaN for that token (value and gradient), never a silently wrong number.
+- ``0 * log 0 = 0``; KL is ``+inf`` where the weighting distribution has mass the other
+  lacks; an unmasked row of all ``-inf`` gives NaN in that row only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+# Features a call may use beyond the plain op; a backend lists those it supports.
+FEATURES = (
+    "label_smoothing",  # cross_entropy with label_smoothing != 0
+    "z_loss",  # cross_entropy with z_loss != 0
+    "temperature",  # temperature != 1
+    "topk",  # logprobs with an index of shape [..., k]
+    "mask",  # entropy/kl/jsd with mask= or labels=
+    "reverse",  # kl with reverse=True
+    "teacher_grad",  # kl/jsd with a teacher that requires grad
+)
+
+REDUCTIONS = ("none", "sum", "mean")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    inputs: tuple[str, ...]  # floating-point logits inputs, in call order
+    index: str | None  # name of the integer index input, if any
+    options: Mapping[str, Any]  # op-specific options and their defaults
+
+    @property
+    def is_divergence(self) -> bool:
+        return len(self.inputs) == 2
+
+
+_MASKING = {"mask": None, "labels": None, "ignore_index": -100}
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("cross_entropy", ("logits",), "labels",
+               {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0}),
+        OpSpec("logprobs", ("logits",), "index", {"ignore_index": -100}),
+        OpSpec("entropy", ("logits",), None, dict(_MASKING)),
+        OpSpec("kl", ("student_logits", "teacher_logits"), None, {"reverse": False, **_MASKING}),
+        OpSpec("jsd", ("student_logits", "teacher_logits"), None, {"beta": 0.5, **_MASKING}),
+    )
+}
+
+# Options every op takes; handled by the core, not by backends.
+COMMON_OPTIONS: dict[str, Any] = {
+    "tp_group": None,
+    "temperature": 1.0,
+    "reduction": "none",
+    "normalizer": None,
+    "vocab_start": None,
+    "vocab_end": None,
+    "global_vocab_size": None,
+    "backend": None,
+}
+
+
+def get_spec(op: str) -> OpSpec:
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(OPS)}") from None
+
+
+def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
+    """Validate option values (not tensors). Raises ValueError with what to change."""
+    t = options["temperature"]
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
+    if options["reduction"] not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {options['reduction']!r}")
+    n = options["normalizer"]
+    if n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0):
+        raise ValueError(f"normalizer must be a number > 0 (e.g. num_items_in_batch), got {n!r}")
+    if not isinstance(options.get("ignore_index", -100), int):
+        raise ValueError(f"ignore_index must be an int, got {options['ignore_index']!r}")
+    if spec.name == "cross_entropy":
+        eps, lam = options["label_smoothing"], options["z_loss"]
+        if not (isinstance(eps, (int, float)) and 0.0 <= eps <= 1.0):
+            raise ValueError(f"label_smoothing must be in [0, 1], got {eps!r}")
+        if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0.0):
+            raise ValueError(f"z_loss must be a finite number >= 0, got {lam!r}")
+    if spec.name == "jsd":
+        beta = options["beta"]
+        if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
+            raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta!r}")
+    if spec.name == "kl" and not isinstance(options["reverse"], bool):
+        raise ValueError(f"reverse must be a bool, got {options['reverse']!r}")
+
+
+def features_of(op: str, options: Mapping[str, Any], *, topk: bool,
+                teacher_grad: bool) -> frozenset[str]:
+    """The features (see FEATURES) a call uses; dispatch matches them against capabilities."""
+    used = set()
+    if options["temperature"] != 1.0:
+        used.add("temperature")
+    if op == "cross_entropy":
+        if options["label_smoothing"] != 0.0:
+            used.add("label_smoothing")
+        if options["z_loss"] != 0.0:
+            used.add("z_loss")
+    if topk:
+        used.add("topk")
+    if options.get("mask") is not None or options.get("labels") is not None:
+        used.add("mask")
+    if op == "kl" and options["reverse"]:
+        used.add("reverse")
+    if teacher_grad:
+        used.add("teacher_grad")
+    return frozenset(used)

@@ -1,0 +1,1 @@
+"""Helpers for testing backends: the float64 reference, gloo rank pools, the conformance kit."""

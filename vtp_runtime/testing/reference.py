@@ -1,0 +1,99 @@
+"""The float64 dense reference every backend is tested against.
+
+It works on the **full** (unsharded) logits, straight from the definitions in
+``vtp_runtime.ops`` with ``torch.log_softmax`` in float64, and gets gradients from autograd.
+It shares no code with any backend, so it can disagree with them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def _safe_mul(p: Tensor, log_ratio: Tensor) -> Tensor:
+    """``p * log_ratio`` with ``0 * anything = 0``, NaN-free in backward too."""
+    pos = p > 0
+    return p * torch.where(pos, log_ratio, torch.zeros_like(log_ratio))
+
+
+def _kl(logp_a: Tensor, logp_b: Tensor) -> Tensor:
+    return _safe_mul(logp_a.exp(), logp_a - logp_b).sum(-1)
+
+
+def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, temperature: float = 1.0,
+           ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+           reverse: bool = False, beta: float = 0.5, mask: Tensor | None = None,
+           labels: Tensor | None = None) -> Tensor:
+    """Per-token float64 values of ``op`` on full logits ``[N, V]`` (differentiable)."""
+    n = logits[0].shape[0]
+    keep = torch.ones(n, dtype=torch.bool, device=logits[0].device)
+    if mask is not None:
+        keep &= mask
+    if labels is not None:
+        keep &= labels != ignore_index
+    if op in ("cross_entropy",):
+        keep &= index != ignore_index
+    # masked rows get zero logits so that nothing non-finite flows through autograd there
+    xs = [torch.where(keep[:, None], z.double() / temperature, torch.zeros((), dtype=torch.float64))
+          for z in logits]
+    logps = [torch.log_softmax(x, dim=-1) for x in xs]
+    big_v = logits[0].shape[-1]
+
+    if op == "cross_entropy":
+        y = index
+        bad = (y != ignore_index) & ((y < 0) | (y >= big_v))
+        yy = torch.where(keep & ~bad, y, torch.zeros_like(y))
+        nll = -logps[0].gather(-1, yy[:, None]).squeeze(-1)
+        out = (1 - label_smoothing) * nll
+        if label_smoothing:
+            out = out - label_smoothing * logps[0].mean(-1)
+        if z_loss:
+            out = out + z_loss * torch.logsumexp(xs[0], -1) ** 2
+        out = torch.where(bad, torch.full_like(out, math.nan), out)
+    elif op == "logprobs":
+        idx = index if index.dim() == 2 else index[:, None]
+        valid = idx != ignore_index
+        bad = valid & ((idx < 0) | (idx >= big_v))
+        got = logps[0].gather(-1, torch.where(valid & ~bad, idx, torch.zeros_like(idx)))
+        got = torch.where(bad, torch.full_like(got, math.nan), got)
+        out = torch.where(valid & keep[:, None], got, torch.zeros_like(got))
+        return out if index.dim() == 2 else out[:, 0]
+    elif op == "entropy":
+        out = -_safe_mul(logps[0].exp(), logps[0]).sum(-1)
+    elif op == "kl":
+        ls, lt = logps
+        out = _kl(ls, lt) if reverse else _kl(lt, ls)
+    elif op == "jsd":
+        ls, lt = logps
+        if beta == 0.0:
+            out = _kl(lt, ls)
+        elif beta == 1.0:
+            out = _kl(ls, lt)
+        else:
+            mix = (beta * lt.exp() + (1 - beta) * ls.exp())
+            log_mix = torch.where(mix > 0, mix, torch.ones_like(mix)).log()
+            log_mix = torch.where(mix > 0, log_mix, torch.full_like(log_mix, -math.inf))
+            out = beta * _kl(lt, log_mix) + (1 - beta) * _kl(ls, log_mix)
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return torch.where(keep, out, torch.zeros_like(out))
+
+
+def values_and_grads(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None,
+                     grad_output: Tensor | None = None, *, needs_grad: tuple[bool, ...] | None = None,
+                     **options) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+    """Values and float64 gradients of ``sum(values * grad_output)`` w.r.t. each logits input
+    (None where ``needs_grad`` is False). ``grad_output`` defaults to ones."""
+    needs_grad = needs_grad or (True,) * len(logits)
+    leaves = tuple(z.detach().double().requires_grad_(need) for z, need in zip(logits, needs_grad))
+    with torch.enable_grad():
+        out = values(op, leaves, index, **options)
+        g = torch.ones_like(out) if grad_output is None else grad_output.double()
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = torch.autograd.grad((out * g).sum(), wanted, allow_unused=True) if wanted else ()
+    it = iter(grads)
+    return out.detach(), tuple(next(it) if need else None for need in needs_grad)
