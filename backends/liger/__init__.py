@@ -1,0 +1,1 @@
+"""The ``liger`` backend: liger-kernel's vocabulary-parallel cross entropy and JSD."""

@@ -1,0 +1,1 @@
+"""The ``triton_xpu`` backend: the Triton kernels launched on Intel XPU."""
