@@ -31,9 +31,10 @@ def all_gather_stack(tensor: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     if world == 1:
         return tensor.unsqueeze(0)
-    tensor = tensor.contiguous()
-    out = torch.empty((world, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    flat = tensor.contiguous().view(-1)
+    # the concatenated form: every process group backend (gloo too) accepts it
+    out = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)
     # torch >= 2.13 names it all_gather_single (the old name is deprecated); 2.11 has only the old.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, tensor, group=group)
-    return out
+    gather(out, flat, group=group)
+    return out.view(world, *tensor.shape)

@@ -1,0 +1,241 @@
+"""One correctness case, run on every rank: shard fresh random logits, call vtp_runtime,
+compare values and local gradients with the float64 dense reference on the full logits.
+
+Every rank draws the same full inputs from the case's seed, takes its own vocabulary
+shard, and checks its own gradient slice, so a wrong shard offset or a missing cross-rank
+term fails on the rank where it happens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+import vtp_runtime as vtp
+from vtp_runtime.ops import get_spec
+
+from .reference import values_and_grads
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+# Elementwise relative tolerance of gradients, which are rounded to the input dtype.
+GRAD_RTOL = {"float32": 2e-4, "bfloat16": 2e-2, "float16": 4e-3, "float64": 1e-7}
+VALUE_RTOL = {"float32": 2e-5, "bfloat16": 2e-5, "float16": 2e-5, "float64": 1e-9}
+LAYOUTS = ("even", "uneven", "empty", "explicit")
+EDGES = ("", "neg_inf", "offset", "disjoint", "all_neg_inf_masked", "all_neg_inf", "bad_index", "no_tokens")
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str
+    dtype: str = "float32"
+    shape: tuple[int, ...] = (3, 4)  # leading (token) shape
+    vocab: int = 37  # global V (rounded down to a multiple of the TP size for "even")
+    layout: str = "uneven"
+    options: tuple[tuple[str, Any], ...] = ()  # e.g. (("label_smoothing", 0.1),)
+    topk: int = 0  # logprobs: index with a trailing k dimension
+    masked: str = ""  # "", "labels" or "mask": how tokens are masked (about a quarter)
+    grads: tuple[bool, bool] = (True, True)  # (student/logits, teacher) require grad
+    edge: str = ""
+    strided: bool = False  # pass a causal-shift view logits[:, :-1]
+    backend: str | None = "eager"
+    seed: int = 0
+    scale: float = 3.0
+    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def with_(self, **kw) -> "Case":
+        return replace(self, **kw)
+
+    @property
+    def id(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        parts = [self.op, self.dtype, self.layout, opts, f"k{self.topk}" if self.topk else "",
+                 self.masked, self.edge, "strided" if self.strided else "",
+                 "" if self.grads == (True, True) else f"grads{int(self.grads[0])}{int(self.grads[1])}"]
+        return "-".join(p for p in parts if p)
+
+
+def shard_sizes(layout: str, vocab: int, world: int, seed: int) -> tuple[list[int], list[int] | None]:
+    """(V_local per rank, explicit vocab_start per rank or None for rank order)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    if layout == "even" or world == 1 and layout != "explicit":
+        return [vocab // world] * world, None
+    if layout == "uneven":
+        cuts = sorted(torch.randperm(vocab - 1, generator=g)[: world - 1].add(1).tolist())
+        bounds = [0, *cuts, vocab]
+        return [bounds[i + 1] - bounds[i] for i in range(world)], None
+    if layout == "empty":  # rank 1 (or the only rank) holds nothing... the only rank can't
+        sizes, _ = shard_sizes("uneven", vocab, world - 1, seed)
+        return sizes[:1] + [0] + sizes[1:], None
+    if layout == "explicit":  # uneven shards laid out in a permuted order
+        sizes, _ = shard_sizes("uneven", vocab, world, seed) if world > 1 else ([vocab], None)
+        order = torch.randperm(world, generator=g).tolist()
+        starts, pos = [0] * world, 0
+        for r in order:
+            starts[r] = pos
+            pos += sizes[r]
+        return sizes, starts
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def make_inputs(case: Case, vocab: int):
+    """Full inputs, identical on every rank: logits tuple, index, mask/labels options."""
+    g = torch.Generator().manual_seed(case.seed)
+    spec = get_spec(case.op)
+    n = math.prod(case.shape)
+    shape = (*case.shape, vocab)
+    logits = [torch.randn(shape, generator=g, dtype=torch.float64) * case.scale for _ in spec.inputs]
+    ignore = dict(case.options).get("ignore_index", -100)
+    if case.edge == "neg_inf":  # a masked-out vocabulary slice and scattered -inf
+        for z in logits:
+            z[..., : max(1, vocab // 5)] = -math.inf
+        logits[0].view(n, vocab)[torch.rand(n, vocab, generator=g) < 0.2] = -math.inf
+    if case.edge == "offset":
+        for z in logits:
+            z += 1e4
+    if case.edge == "disjoint" and len(logits) == 2:  # teacher and student supports disjoint
+        half = vocab // 2
+        logits[0][..., :half] = -math.inf
+        logits[1][..., half:] = -math.inf
+    if case.edge in ("all_neg_inf_masked", "all_neg_inf"):
+        for z in logits:
+            z.view(n, vocab)[0] = -math.inf
+    logits = [z.to(DTYPES[case.dtype]) for z in logits]
+    index = None
+    if spec.index:
+        ishape = (*case.shape, case.topk) if case.topk else case.shape
+        index = torch.randint(0, vocab, ishape, generator=g)
+        if case.masked:
+            index[torch.rand(ishape, generator=g) < 0.25] = ignore
+        if case.edge == "all_neg_inf_masked":
+            index.view(n, -1)[0] = ignore
+        if case.edge == "bad_index":
+            index.view(-1)[1] = vocab + 3
+        if case.edge in ("neg_inf", "disjoint"):  # labels where the logit is finite
+            flat = logits[0].view(n, vocab)
+            best = flat.float().argmax(-1)
+            index = best.view(case.shape) if not case.topk else best.view(*case.shape, 1).expand(ishape).clone()
+    extra = {}
+    if not spec.index and (case.masked or case.edge == "all_neg_inf_masked"):
+        keep = torch.rand(case.shape, generator=g) >= 0.25
+        if case.edge == "all_neg_inf_masked":
+            keep.view(-1)[0] = False
+        if case.masked == "labels":
+            labels = torch.randint(0, vocab, case.shape, generator=g)
+            labels[~keep] = ignore
+            extra["labels"] = labels
+        else:
+            extra["mask"] = keep
+    return logits, index, extra
+
+
+def run_case(rank: int, world: int, group, case: Case) -> dict:
+    """Run ``case`` on this rank and assert it matches the reference. Returns max errors."""
+    torch.manual_seed(case.seed)
+    full_vocab = case.vocab - case.vocab % world if case.layout == "even" else case.vocab
+    sizes, starts = shard_sizes(case.layout, full_vocab, world, case.seed)
+    full_vocab = sum(sizes)
+    logits, index, extra = make_inputs(case, full_vocab)
+    start = starts[rank] if starts is not None else sum(sizes[:rank])
+    end = start + sizes[rank]
+    opts = dict(case.options)
+    if case.strided:  # a causal-shift view: the last position of every sequence dropped
+        assert len(case.shape) == 2, "strided cases need a [batch, seq] token shape"
+        logits = [z[:, :-1] for z in logits]
+        index = None if index is None else index[:, :-1]
+        extra = {k: v[:, :-1] for k, v in extra.items()}
+    lead = logits[0].shape[:-1]
+    n = math.prod(lead)
+    # local shards: slice a padded copy so that strided views stay strided views
+    local = []
+    for z, need in zip(logits, case.grads):
+        if case.strided:  # the shard of the full [B, S, V] logits, then the view
+            base = torch.cat([z, z[:, :1]], dim=1)[..., start:end].contiguous()
+            shard = base.requires_grad_(need)[:, :-1] if need else base[:, :-1]
+        else:
+            shard = z[..., start:end].contiguous().requires_grad_(need)
+        local.append(shard)
+    before = [t.detach().clone() for t in local]
+    kwargs = {**opts, **extra, "tp_group": group if world > 1 else None}
+    if case.layout == "explicit":
+        kwargs.update(vocab_start=start, vocab_end=end)
+    if case.backend:
+        kwargs["backend"] = case.backend
+    tensors = local + ([index] if index is not None else [])
+    out = vtp.loss(case.op, *tensors, **kwargs)
+
+    reduction = opts.get("reduction", "none")
+    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer")}
+    flat_logits = tuple(z.reshape(n, full_vocab) for z in logits)
+    flat_index = None if index is None else index.reshape(n, -1) if case.topk else index.reshape(n)
+    flat_extra = {k: v.reshape(n) for k, v in extra.items()}
+    g = torch.Generator().manual_seed(case.seed + 7)
+    grad_shape = out.shape
+    upstream = torch.randn(grad_shape, generator=g, dtype=torch.float64) if out.dim() else torch.tensor(1.5,
+                                                                                            dtype=torch.float64)
+    ref_vals, _ = values_and_grads(case.op, flat_logits, flat_index, **ref_opts, **flat_extra)
+    ref_vals = ref_vals.view(out.shape) if reduction == "none" else ref_vals
+    # the reference of the reduction, and the upstream gradient it sends to every token
+    if reduction == "none":
+        per_token_grad = upstream.reshape(ref_vals.shape).reshape(n, -1) if case.topk else upstream.reshape(n)
+        ref_out = ref_vals
+    else:
+        ii = opts.get("ignore_index", -100)
+        if flat_index is not None:
+            count = (flat_index != ii).sum()
+        elif flat_extra:
+            keep = flat_extra.get("mask", torch.ones(n, dtype=torch.bool))
+            if "labels" in flat_extra:
+                keep = keep & (flat_extra["labels"] != ii)
+            count = keep.sum()
+        else:
+            count = torch.tensor(n)
+        div = opts.get("normalizer") or (1 if reduction == "sum" else max(int(count), 1))
+        ref_out = ref_vals.sum() / div
+        per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
+    ref_out2, ref_grads = values_and_grads(case.op, flat_logits, flat_index, per_token_grad,
+                                           needs_grad=case.grads[: len(flat_logits)], **ref_opts, **flat_extra)
+    errors = {}
+    # values: fp32 accumulation against float64
+    _close("value", out.detach().double(), ref_out.double().reshape(out.shape), VALUE_RTOL[case.dtype], errors)
+    if any(t.requires_grad for t in local):
+        wanted = [t for t in local if t.requires_grad]
+        grads = torch.autograd.grad((out.double() * upstream).sum(), wanted, retain_graph=True)
+        it = iter(grads)
+        for i, (t, rg) in enumerate(zip(local, ref_grads)):
+            if not t.requires_grad:
+                continue
+            got = next(it)
+            assert got.dtype == t.dtype, f"gradient dtype {got.dtype} != input dtype {t.dtype}"
+            want = rg.reshape(n, full_vocab)[:, start:end].reshape(t.shape)
+            _close(f"grad[{i}]", got.double(), want, GRAD_RTOL[case.dtype], errors)
+        # a second backward through the retained graph gives the same gradient
+        again = torch.autograd.grad((out.double() * upstream).sum(), wanted)
+        for a, b in zip(grads, again):
+            assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), "second backward differs from the first"
+    for t, b in zip(local, before):
+        assert torch.equal(torch.nan_to_num(t.detach()), torch.nan_to_num(b)), "an input was modified"
+    return errors
+
+
+def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_got, nan_want), (f"{what}: NaN at {nan_got.nonzero().tolist()[:5]}, "
+                                            f"reference NaN at {nan_want.nonzero().tolist()[:5]}")
+    inf_want = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), inf_want) and torch.equal(got[inf_want], want[inf_want]), \
+        f"{what}: infinities differ from the reference"
+    finite = ~(nan_want | inf_want)
+    g, w = got[finite], want[finite]
+    scale = w.abs().max().item() if w.numel() else 0.0
+    atol = rtol * max(scale, 1e-3)
+    err = (g - w).abs()
+    bad = err > atol + rtol * w.abs()
+    errors[what] = err.max().item() if err.numel() else 0.0
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {w.numel()} elements off; max error "
+                           f"{errors[what]:.3g} (atol {atol:.3g}, rtol {rtol:g}); first bad at "
+                           f"{bad.nonzero()[0].tolist()}: got {g[bad][0].item():.6g}, want {w[bad][0].item():.6g}")

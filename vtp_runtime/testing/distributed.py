@@ -1,0 +1,127 @@
+"""A pool of spawned CPU processes joined in a gloo group, for multi-rank tests.
+
+Starting torch in a process takes seconds, so a pool is started once per world size and
+runs many jobs. Every job has a timeout: a hang fails the job (and the pool is torn down)
+instead of stalling the test run. Gloo's own collective timeout is set short as well.
+
+    pool = RankPool(2)
+    results = pool.run(my_fn, arg, timeout=60)   # my_fn(rank, world, group, arg) on every rank
+    pool.close()
+
+``my_fn`` must be a module-level function (it is pickled by reference).
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+class RankFailure(AssertionError):
+    """A job raised on one or more ranks; the message holds every rank's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """A job did not finish on every rank in time (a hang, or a rank that died)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # ranks share few cores; oversubscription makes gloo crawl
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=collective_timeout))
+    group = dist.group.WORLD
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        job_id, fn, args, kwargs = job
+        try:
+            results.put((job_id, rank, True, fn(rank, world, group, *args, **kwargs)))
+        except BaseException as exc:  # report everything, including AssertionError
+            results.put((job_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned processes in one gloo group, running jobs in lockstep."""
+
+    def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict[str, str] | None = None):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._ids = itertools.count()
+        port = _free_port()
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            self._procs = [ctx.Process(target=_worker, daemon=True,
+                                       args=(r, world_size, port, self._jobs[r], self._results, collective_timeout))
+                           for r in range(world_size)]
+            for p in self._procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.alive = True
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world, group, *args, **kwargs)`` on every rank; per-rank results in
+        rank order. Raises RankFailure if any rank raised, RankTimeout past ``timeout`` s."""
+        if not self.alive:
+            raise RankTimeout("the rank pool was torn down by an earlier timeout")
+        job_id = next(self._ids)
+        for q in self._jobs:
+            q.put((job_id, fn, args, kwargs))
+        got: dict[int, tuple[bool, Any]] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(got) < self.world_size:
+            left = (deadline - datetime.datetime.now()).total_seconds()
+            try:
+                jid, rank, ok, value = self._results.get(timeout=max(left, 0.01))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                missing = sorted(set(range(self.world_size)) - set(got))
+                self.close(force=True)
+                raise RankTimeout(f"{getattr(fn, '__name__', fn)} did not finish within {timeout:.0f} s on "
+                                  f"ranks {missing} (dead processes: {dead}); finished: "
+                                  + "; ".join(f"rank {r}: {'ok' if ok else v.splitlines()[0]}"
+                                              for r, (ok, v) in sorted(got.items()))) from None
+            if jid == job_id:
+                got[rank] = (ok, value)
+        failed = {r: v for r, (ok, v) in got.items() if not ok}
+        if failed:
+            raise RankFailure("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items())))
+        return [got[r][1] for r in range(self.world_size)]
+
+    def close(self, force: bool = False) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        if not force:
+            for q in self._jobs:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
