@@ -37,12 +37,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout: float) -> None:
+def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout: float, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # ranks share few cores; oversubscription makes gloo crawl
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=collective_timeout))
     group = dist.group.WORLD
     while True:
@@ -58,9 +60,11 @@ def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout:
 
 
 class RankPool:
-    """``world_size`` spawned processes in one gloo group, running jobs in lockstep."""
+    """``world_size`` spawned processes in one process group (gloo on CPU; "nccl" puts rank r
+    on GPU r), running jobs in lockstep."""
 
-    def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict[str, str] | None = None):
+    def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict[str, str] | None = None,
+                 backend: str = "gloo"):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
@@ -71,7 +75,8 @@ class RankPool:
         os.environ.update(env or {})
         try:
             self._procs = [ctx.Process(target=_worker, daemon=True,
-                                       args=(r, world_size, port, self._jobs[r], self._results, collective_timeout))
+                                       args=(r, world_size, port, self._jobs[r], self._results, collective_timeout,
+                                             backend))
                            for r in range(world_size)]
             for p in self._procs:
                 p.start()
