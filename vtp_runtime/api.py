@@ -199,7 +199,7 @@ def _run(p: _Prepared) -> Tensor:
     ignore_index = options.get("ignore_index", -100)
     index = mask = None
     if spec.index:
-        index = p.index.reshape(n, -1) if p.topk else p.index.reshape(n)
+        index = p.index.reshape(n, p.index.shape[-1]) if p.topk else p.index.reshape(n)
         index = index.long()
     else:
         if options["mask"] is not None:

@@ -38,6 +38,8 @@ PROJECT = "vtp_runtime"
 ENTRY_POINT_GROUP = "vtp_runtime.backends"
 BUILTIN_MODULES = (
     "vtp_runtime.backends.eager",
+    "vtp_runtime.backends.liger",
+    "vtp_runtime.backends.triton",
 )
 
 hookspec = pluggy.HookspecMarker(PROJECT)

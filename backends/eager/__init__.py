@@ -59,8 +59,8 @@ def _global_max(call: Call, inputs: tuple[Tensor, ...]) -> Tensor:
 
 
 def _xlogy_rel(p: Tensor, diff: Tensor) -> Tensor:
-    """``p * diff`` with ``0 * anything = 0`` (the ``0 log 0 = 0`` rule)."""
-    return torch.where(p > 0, p * diff, torch.zeros_like(p))
+    """``p * diff`` with ``0 * anything = 0`` (the ``0 log 0 = 0`` rule); NaN stays NaN."""
+    return torch.where(p == 0, torch.zeros_like(p), p * diff)
 
 
 def _index_in_shard(index: Tensor, call: Call, v: int) -> tuple[Tensor, Tensor]:

@@ -35,8 +35,10 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
         keep &= mask
     if labels is not None:
         keep &= labels != ignore_index
-    if op in ("cross_entropy",):
+    if op == "cross_entropy":
         keep &= index != ignore_index
+    if op == "logprobs":  # a token whose every index entry is ignored is masked
+        keep &= ((index if index.dim() == 2 else index[:, None]) != ignore_index).any(-1)
     # masked rows get zero logits so that nothing non-finite flows through autograd there
     xs = [torch.where(keep[:, None], z.double() / temperature, torch.zeros((), dtype=torch.float64))
           for z in logits]

@@ -1,0 +1,266 @@
+"""The conformance kit: what a backend must pass before anyone relies on it.
+
+Cases are derived from what the backend **declares** (its ``ops`` and their
+``OpCapability``), so a claim is a promise that is checked:
+
+- ``match`` cases: every claimed op, feature and dtype, on 1 and 2 gloo ranks (even,
+  uneven, empty and explicit shards as the capability allows), with masking, edge values
+  (``-inf``, large offsets, all ``-inf`` rows), a strided input, a reduction and a
+  vocabulary wider than a typical block. Each runs ``run_case`` on every rank: values and
+  the local gradient of every input that requires grad against the float64 reference, a
+  second backward through the retained graph, inputs left unmodified.
+- ``refused`` cases: every op, feature, dtype, TP size or shard layout the backend does
+  **not** claim must make a forced call raise ``BackendUnavailable`` — never run.
+
+In a plugin's tests (pytest)::
+
+    from vtp_runtime.testing import conformance
+
+    @conformance.parametrize("my_backend")
+    def test_conformance(conformance_case):
+        conformance.check(conformance_case)
+
+or in one go (a script, or one big test): ``conformance.check_backend("my_backend")``.
+The kit runs on CPU; cases a backend cannot run on this machine (its ``probe`` fails) skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Sequence
+
+from ..backend import Backend, OpCapability
+from ..errors import BackendUnavailable
+from ..ops import OPS
+from ..registry import REGISTRY, registered
+from .cases import DTYPES, Case, run_case
+
+# Features that apply to each op, and how a case turns each one on.
+OP_FEATURES = {
+    "cross_entropy": ("label_smoothing", "z_loss", "temperature"),
+    "logprobs": ("topk", "temperature"),
+    "entropy": ("mask", "temperature"),
+    "kl": ("mask", "temperature", "reverse", "teacher_grad"),
+    "jsd": ("mask", "temperature", "teacher_grad"),
+}
+_OPTION = {"label_smoothing": ("label_smoothing", 0.1), "z_loss": ("z_loss", 1e-3),
+           "temperature": ("temperature", 0.7), "reverse": ("reverse", True)}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+Runner = Callable[..., list]  # runner(world, fn, *args, timeout=...) -> per-rank results
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One check: run ``case`` on ``world`` ranks and expect a ``match`` or ``refused``."""
+
+    world: int
+    case: Case
+    expect: str  # "match" (against the float64 reference) or "refused" (by dispatch)
+    why: str  # what is being checked, in words
+    plugin: str | None = None  # module to register in the rank processes if not installed
+    skip: str = ""  # non-empty: the backend cannot run here (its probe failed)
+
+    def __str__(self) -> str:
+        return f"tp{self.world}-{self.expect}-{self.case.id}" + ("-wide" if self.case.vocab > 1000 else "")
+
+
+def _feature(case: Case, feature: str, on: bool = True) -> Case:
+    if feature in _OPTION:
+        key, value = _OPTION[feature]
+        return case.with_(options=case.options + ((key, value),))
+    if feature == "topk":
+        return case.with_(topk=3)
+    if feature == "mask":
+        return case.with_(masked="mask")
+    if feature == "teacher_grad":
+        return case.with_(grads=(True, True))
+    raise ValueError(f"unknown feature {feature!r}")
+
+
+def _base(name: str, op: str, cap: OpCapability) -> Case:
+    dtype = "float32" if "float32" in {DTYPE_NAMES.get(d) for d in cap.dtypes} else \
+        sorted(DTYPE_NAMES[d] for d in cap.dtypes if d in DTYPE_NAMES)[0]
+    two = len(OPS[op].inputs) == 2
+    grads = (True, "teacher_grad" in cap.features) if two else (True, True)
+    return Case(op, dtype=dtype, backend=name, grads=grads, shape=(3, 4))
+
+
+def _match_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, str]]:
+    op = base.op
+    claimed = [f for f in OP_FEATURES[op] if f in cap.features]
+    two = len(OPS[op].inputs) == 2
+    if world == 1:
+        layouts = ["even"]
+    elif cap.even_shards_only:
+        layouts = ["even"]
+    else:
+        layouts = ["uneven", "explicit"] + (["empty"] if cap.empty_shards else [])
+    main = base.with_(layout=layouts[0])
+    out = [(base.with_(layout=lay), f"{lay} shards") for lay in layouts]
+    out += [(_feature(main, f), f"claims {f}") for f in claimed]
+    if "mask" in claimed:
+        out.append((main.with_(masked="labels"), "claims mask (labels= with ignore_index)"))
+        out.append((main.with_(masked="mask", options=(("reduction", "mean"),)), "mean over unmasked tokens"))
+    if OPS[op].index:
+        out.append((main.with_(masked="labels"), "ignore_index entries"))
+        out.append((main.with_(edge="bad_index"), "out-of-range index gives NaN in its row only"))
+    if two and "teacher_grad" in claimed:
+        out.append((main.with_(grads=(True, False)), "detached teacher"))
+        out.append((main.with_(grads=(False, True)), "gradient to the teacher only"))
+    if op == "jsd":
+        out += [(main.with_(options=(("beta", b),)), f"beta={b}") for b in (0.0, 1.0, 0.3)]
+    for d in sorted(DTYPE_NAMES[d] for d in cap.dtypes if d in DTYPE_NAMES and DTYPE_NAMES[d] != base.dtype):
+        out.append((main.with_(dtype=d), f"claims {d}"))
+    edges = ["neg_inf", "offset", "all_neg_inf"] + (["disjoint"] if two else [])
+    if "mask" in claimed or OPS[op].index:
+        edges.append("all_neg_inf_masked")
+    out += [(main.with_(edge=e), f"edge values: {e}") for e in edges]
+    if cap.empty_tokens:
+        out.append((main.with_(shape=(0,)), "zero tokens"))
+    out.append((main.with_(strided=True, shape=(2, 4)), "strided rows (a causal-shift view)"))
+    out.append((main.with_(options=(("reduction", "sum"),)), "reduction=sum"))
+    out.append((main.with_(shape=(2, 3), vocab=9001), "a vocabulary wider than a block"))
+    if len(claimed) > 1:
+        combo = main
+        for f in claimed:
+            combo = _feature(combo, f)
+        out.append((combo, f"every claimed feature at once: {', '.join(claimed)}"))
+    return out
+
+
+def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2),
+                      plugin: str | None = None) -> list[ConformanceCase]:
+    """Every check for ``backend`` (a registered name, or a Backend instance), derived from
+    its declared capabilities. ``plugin``: a module with the backend's hook implementation,
+    registered in the rank processes when the backend is not installed as an entry point."""
+    b = REGISTRY.get(backend) if isinstance(backend, str) else backend
+    name = b.name
+    probe = "; ".join(b.probe_reasons("cpu"))
+    out: list[ConformanceCase] = []
+
+    def add(world: int, case: Case, expect: str, why: str) -> None:
+        case = case.with_(seed=len(out))
+        out.append(ConformanceCase(world, case, expect, why, plugin, probe if expect == "match" else ""))
+
+    for op in OPS:
+        cap = b.ops.get(op)
+        if cap is None:
+            add(1, Case(op, backend=name), "refused", f"does not implement {op}")
+            continue
+        base = _base(name, op, cap)
+        if cap.device_types is not None and "cpu" not in cap.device_types:
+            add(1, base, "refused", "does not claim the cpu device (the kit runs on CPU only)")
+            continue
+        for f in OP_FEATURES[op]:
+            if f not in cap.features:
+                add(1, _feature(base, f), "refused", f"does not claim {f}")
+        for d in DTYPES.values():
+            if d not in cap.dtypes:
+                add(1, base.with_(dtype=DTYPE_NAMES[d]), "refused", f"does not claim {DTYPE_NAMES[d]}")
+        if not cap.empty_tokens:
+            add(1, base.with_(shape=(0,)), "refused", "does not claim zero tokens")
+        for world in world_sizes:
+            if cap.tp_sizes is not None and world not in cap.tp_sizes:
+                add(world, base.with_(layout="even"), "refused", f"does not claim TP size {world}")
+                continue
+            if world > 1 and cap.even_shards_only:
+                add(world, base.with_(layout="uneven"), "refused", "claims even shards only")
+            if world > 1 and not cap.empty_shards:
+                add(world, base.with_(layout="empty"), "refused", "does not claim empty shards")
+            for case, why in _match_cases(base, cap, world):
+                add(world, case, "match", why)
+    return out
+
+
+# -- running -------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _available(name: str, plugin: str | None) -> Iterator[None]:
+    """Register ``plugin`` in this (rank) process for the block, unless ``name`` is installed."""
+    if plugin is None or name in REGISTRY.backends():
+        yield
+        return
+    with registered(importlib.import_module(plugin), name=plugin):
+        yield
+
+
+def _job(rank: int, world: int, group, cc: ConformanceCase) -> Any:
+    """Runs on every rank."""
+    with _available(cc.case.backend, cc.plugin):
+        if cc.expect == "match":
+            return run_case(rank, world, group, cc.case)
+        try:
+            run_case(rank, world, group, cc.case)
+        except BackendUnavailable as exc:
+            return str(exc)
+        raise AssertionError(
+            f"backend {cc.case.backend!r} {cc.why}, yet a forced call ran it instead of raising "
+            f"BackendUnavailable: declare the capability (and pass its checks) or make dispatch refuse it")
+
+
+_POOLS: dict[int, Any] = {}
+
+
+def default_runner(world: int, fn: Callable, *args: Any, timeout: float = 120.0) -> list:
+    """Run ``fn(rank, world, group, *args)`` on ``world`` gloo ranks, reusing one pool per size."""
+    from .distributed import RankPool
+
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive:
+        if not _POOLS:
+            atexit.register(close_pools)
+        pool = _POOLS[world] = RankPool(world)
+    return pool.run(fn, *args, timeout=timeout)
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def check(cc: ConformanceCase, runner: Runner | None = None, timeout: float = 120.0) -> list:
+    """Run one conformance case on its ranks; raises (AssertionError subclasses) on failure.
+    Under pytest, a case the backend cannot run on this machine is skipped."""
+    if cc.skip:
+        import pytest
+
+        pytest.skip(f"{cc.case.backend} cannot run on this machine: {cc.skip}")
+    return (runner or default_runner)(cc.world, _job, cc, timeout=timeout)
+
+
+def check_backend(backend: str | Backend, world_sizes: Sequence[int] = (1, 2), plugin: str | None = None,
+                  runner: Runner | None = None, timeout: float = 120.0) -> dict[str, str]:
+    """Run every conformance case; raise one AssertionError listing every failure.
+    Returns ``{case id: "ok" | "skipped: ..."}``."""
+    results, failures = {}, []
+    for cc in conformance_cases(backend, world_sizes, plugin):
+        if cc.skip:
+            results[str(cc)] = f"skipped: {cc.skip}"
+            continue
+        try:
+            check(cc, runner, timeout)
+            results[str(cc)] = "ok"
+        except AssertionError as exc:
+            failures.append(f"{cc} ({cc.why}):\n{exc}")
+    if failures:
+        raise AssertionError(f"{len(failures)} conformance case(s) failed:\n\n" + "\n\n".join(failures))
+    return results
+
+
+def parametrize(backend: str | Backend, world_sizes: Sequence[int] = (1, 2), plugin: str | None = None,
+                argname: str = "conformance_case"):
+    """``pytest.mark.parametrize`` over ``conformance_cases(...)``, with readable ids."""
+    import pytest
+
+    cases = conformance_cases(backend, world_sizes, plugin)
+    return pytest.mark.parametrize(argname, cases, ids=[str(c) for c in cases])
+
+
+def with_backend(cc: ConformanceCase, name: str) -> ConformanceCase:
+    """The same check against another backend name (tests of the kit itself)."""
+    return replace(cc, case=cc.case.with_(backend=name))
