@@ -33,9 +33,8 @@ META_SIZE = len(FIELDS) + MAX_BACKEND_SLOTS
 
 # Local validation errors travel as codes, so every rank can render the same message.
 ERRORS = {
-    1: "invalid option value",
-    2: "invalid input shape",
-    3: "invalid input dtype",
+    1: "invalid argument value or shape",
+    3: "invalid argument type",
     4: "inputs on different devices",
     5: "unknown backend name",
     6: "invalid vocab_start/vocab_end",
@@ -154,7 +153,8 @@ def validate(table: list[list[int]], local: LocalCall, group) -> Layout:
               show=hex)
     errors = [(r, row[F["error"]], row[F["error_detail"]]) for r, row in enumerate(table) if row[F["error"]]]
     if errors:
-        same_detail = len({(c, d) for _, c, d in errors}) == 1 and local.error
+        # every rank failed the same way: every rank knows the full text, so show it
+        same_detail = len(errors) == world and len({(c, d) for _, c, d in errors}) == 1
         if same_detail:  # every failing rank hit the same problem: show it in full
             msg = f"{local.error_detail} ({_ranks(r for r, _, _ in errors)})"
         else:
