@@ -1,0 +1,277 @@
+"""The ``liger`` backend under TRITON_INTERPRET=1 on CPU, at TP 1 and 2, against the float64
+reference; its refusals; its second-backward guard."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import vtp_runtime as vtp
+from vtp_runtime.errors import BackendUnavailable
+from vtp_runtime.registry import REGISTRY
+from vtp_runtime.testing.cases import Case, run_case
+from vtp_runtime.testing.reference import values_and_grads
+
+liger_kernel = pytest.importorskip("liger_kernel")
+
+from vtp_runtime.backends import liger as liger_backend  # noqa: E402
+from vtp_runtime.backends.liger import SecondBackwardError  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+CE = Case("cross_entropy", layout="even", backend="liger", vocab=24, shape=(2, 3))
+DIV = Case("jsd", layout="even", backend="liger", vocab=24, shape=(2, 3), grads=(True, False))
+
+
+def _case(rank, world, group, case):
+    """run_case, except that Liger's cross entropy refuses the second backward run_case
+    always attempts (after it has checked values and first-backward gradients)."""
+    try:
+        run_case(rank, world, group, case)
+    except SecondBackwardError:
+        return "second backward refused"
+    return "ok"
+
+
+def _expected(case: Case) -> str:
+    return "second backward refused" if case.op == "cross_entropy" and case.grads[0] else "ok"
+
+
+CE_CASES = [
+    CE, CE.with_(dtype="bfloat16"), CE.with_(dtype="float16", masked="labels"),
+    CE.with_(edge="neg_inf"), CE.with_(edge="offset"), CE.with_(edge="bad_index"),
+    CE.with_(edge="all_neg_inf_masked", masked="labels"), CE.with_(edge="all_neg_inf"),
+    CE.with_(strided=True), CE.with_(options=(("reduction", "mean"),), masked="labels"),
+    CE.with_(options=(("ignore_index", 5),), masked="labels"), CE.with_(grads=(False, False)),
+]
+DIV_CASES = [
+    *(DIV.with_(options=(("beta", b),)) for b in (0.0, 0.3, 0.5, 1.0)),
+    DIV.with_(op="kl"), DIV.with_(op="kl", options=(("reverse", True),)),
+    DIV.with_(dtype="bfloat16", masked="mask"), DIV.with_(dtype="float16", masked="labels", strided=True),
+    DIV.with_(options=(("temperature", 2.0), ("beta", 0.7))),
+    DIV.with_(op="kl", options=(("temperature", 0.5), ("reverse", True)), masked="mask"),
+    DIV.with_(options=(("reduction", "mean"),), masked="mask"), DIV.with_(grads=(False, False)),
+    *(DIV.with_(options=(("beta", b),), edge=e) for b in (0.0, 0.3, 1.0)
+      for e in ("neg_inf", "disjoint", "offset", "all_neg_inf", "all_neg_inf_masked")),
+]
+
+
+@pytest.mark.parametrize("case", CE_CASES + DIV_CASES, ids=lambda c: c.id)
+def test_tp1_matches_reference(case):
+    assert _case(0, 1, None, case) == _expected(case)
+
+
+TP2_CASES = [CE, CE.with_(dtype="bfloat16", masked="labels"), CE.with_(edge="neg_inf"),
+             CE.with_(edge="bad_index", masked="labels"), CE.with_(edge="offset"), CE.with_(strided=True),
+             CE.with_(edge="all_neg_inf")]
+
+
+@pytest.mark.parametrize("case", TP2_CASES, ids=lambda c: c.id)
+def test_tp2_cross_entropy_matches_reference(ranks, case):
+    assert ranks(2, _case, case, timeout=120) == [_expected(case)] * 2
+
+
+# -- refusals --------------------------------------------------------------------------------
+
+def _forced_error(rank, world, group, layout):
+    sizes = {"uneven": [7, 9], "permuted": [8, 8], "empty": [16, 0]}[layout]
+    start = {"uneven": [0, 7], "permuted": [8, 0], "empty": [0, 16]}[layout][rank]
+    z = torch.randn(4, sizes[rank])
+    labels = torch.randint(0, 16, (4,))
+    extra = {"vocab_start": start, "vocab_end": start + sizes[rank]} if layout == "permuted" else {}
+    try:
+        vtp.cross_entropy(z, labels, tp_group=group, backend="liger", **extra)
+    except BackendUnavailable as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("layout", ["uneven", "permuted", "empty"])
+def test_forced_on_uneven_shards_raises_same_error_on_every_rank(ranks, layout):
+    msgs = ranks(2, _forced_error, layout, timeout=60)
+    assert msgs[0] == msgs[1], msgs
+    assert "backend 'liger' was forced" in msgs[0]
+    if layout == "empty":
+        assert "empty vocabulary shard" in msgs[0]
+    else:
+        assert "needs even vocabulary shards in rank order" in msgs[0]
+
+
+def _auto_uneven(rank, world, group):
+    """Unforced, uneven shards: dispatch never picks liger, and the answer is right."""
+    sizes, starts = [7, 9], [0, 7]
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 16, (4,), generator=g)
+    z = full[:, starts[rank]:starts[rank] + sizes[rank]].float()
+    ex = vtp.explain("cross_entropy", z, labels, tp_group=group)
+    out = vtp.cross_entropy(z, labels, tp_group=group)
+    ref, _ = values_and_grads("cross_entropy", (full,), labels)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    return ex.backend, ex.reasons["liger"]
+
+
+def test_auto_selection_skips_liger_on_uneven_shards(ranks):
+    for backend, why in ranks(2, _auto_uneven, timeout=60):
+        assert backend != "liger"
+        assert any("even vocabulary shards" in r for r in why)
+
+
+def _tp2_jsd(rank, world, group):
+    z = torch.randn(3, 8, requires_grad=True)
+    try:
+        vtp.jsd(z, torch.randn(3, 8), tp_group=group, backend="liger")
+    except BackendUnavailable as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_jsd_refused_at_tp2(ranks):
+    msgs = ranks(2, _tp2_jsd, timeout=60)
+    assert msgs[0] == msgs[1] and "TP size 2 not supported (supports [1])" in msgs[0]
+
+
+@pytest.mark.parametrize("op,kwargs,reason", [
+    ("cross_entropy", {"z_loss": 1e-4}, "does not support z_loss"),
+    ("cross_entropy", {"label_smoothing": 0.1}, "does not support label_smoothing"),
+    ("cross_entropy", {"temperature": 2.0}, "does not support temperature"),
+    ("cross_entropy", {"dtype": torch.float64}, "dtype float64 not supported"),
+    ("cross_entropy", {"tokens": 0}, "cannot handle zero tokens"),
+    ("jsd", {"teacher_grad": True}, "does not support teacher_grad"),
+    ("kl", {"teacher_grad": True}, "does not support teacher_grad"),
+    ("logprobs", {}, "does not implement op 'logprobs'"),
+    ("entropy", {}, "does not implement op 'entropy'"),
+])
+def test_capability_refusals(op, kwargs, reason):
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", torch.float32)
+    n = kwargs.pop("tokens", 3)
+    teacher_grad = kwargs.pop("teacher_grad", False)
+    z = torch.randn(n, 8, dtype=dtype, requires_grad=True)
+    if op in ("cross_entropy", "logprobs"):
+        tensors = (z, torch.randint(0, 8, (n,)))
+    elif op == "entropy":
+        tensors = (z,)
+    else:
+        tensors = (z, torch.randn(n, 8, dtype=dtype, requires_grad=teacher_grad))
+    with pytest.raises(BackendUnavailable, match="backend 'liger' was forced") as info:
+        vtp.loss(op, *tensors, backend="liger", **kwargs)
+    assert reason in str(info.value)
+    # and without forcing, dispatch picks another backend that can
+    assert vtp.explain(op, *tensors, **kwargs).backend not in (None, "liger")
+
+
+def test_selected_when_it_can_run():
+    z = torch.randn(3, 8)
+    ex = vtp.explain("cross_entropy", z, torch.randint(0, 8, (3,)))
+    assert ex.reasons["liger"] == []
+    ex = vtp.explain("jsd", z, torch.randn(3, 8), beta=0.2)
+    assert ex.reasons["liger"] == []
+
+
+# -- the second-backward guard --------------------------------------------------------------
+
+def _ce_inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(5, 16, generator=g) * 3).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 16, (5,), generator=g)
+    labels[1] = -100
+    return z, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_second_backward_through_retained_graph_raises(dtype):
+    z, labels = _ce_inputs(dtype)
+    before = z.detach().clone()
+    loss = vtp.cross_entropy(z, labels, backend="liger", reduction="mean")
+    (first,) = torch.autograd.grad(loss, z, retain_graph=True)
+    _, (ref,) = values_and_grads("cross_entropy", (z.detach(),), labels,
+                                 torch.full((5,), 1 / 4, dtype=torch.float64))
+    torch.testing.assert_close(first.double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 2e-4, atol=1e-3)
+    kept = first.clone()
+    with pytest.raises(SecondBackwardError, match="backward already ran once"):
+        torch.autograd.grad(loss, z)
+    assert torch.equal(first, kept), "the failed second backward changed the first gradient"
+    assert torch.equal(z.detach(), before), "the input was modified"
+
+
+def test_create_graph_gives_first_gradient_then_a_clear_error():
+    z, labels = _ce_inputs()
+    loss = vtp.cross_entropy(z, labels, backend="liger").sum()
+    (first,) = torch.autograd.grad(loss, z, create_graph=True)
+    _, (ref,) = values_and_grads("cross_entropy", (z.detach(),), labels)
+    torch.testing.assert_close(first.double(), ref, rtol=2e-4, atol=1e-5)
+    # the core marks backends once-differentiable: a double backward is an error, never a
+    # silently missing second-order term
+    with pytest.raises(RuntimeError, match="does not require grad|differentiate twice"):
+        torch.autograd.grad(first.square().sum(), z)
+    with pytest.raises(SecondBackwardError):
+        torch.autograd.grad(loss, z)  # create_graph retained the graph: a second pass
+
+
+def test_divergence_second_backward_is_exact():
+    g = torch.Generator().manual_seed(1)
+    s = torch.randn(4, 16, generator=g, requires_grad=True)
+    t = torch.randn(4, 16, generator=g)
+    loss = vtp.jsd(s, t, beta=0.4, backend="liger").sum()
+    (a,) = torch.autograd.grad(loss, s, retain_graph=True)
+    (b,) = torch.autograd.grad(loss, s)
+    assert torch.equal(a, b)
+
+
+def test_out_of_range_labels_give_nan_rows_only():
+    z, labels = _ce_inputs()
+    labels[2], labels[3] = 16, -5
+    out = vtp.cross_entropy(z, labels, backend="liger")
+    out.sum().backward()
+    bad = torch.tensor([False, False, True, True, False])
+    assert torch.isnan(out[bad]).all() and torch.isfinite(out[~bad]).all()
+    assert out[1] == 0  # ignore_index: exactly 0
+    assert torch.isnan(z.grad[bad]).all() and torch.isfinite(z.grad[~bad]).all()
+    assert torch.equal(z.grad[1], torch.zeros(16))
+
+
+def test_why_label_smoothing_is_refused():
+    """Liger's global label smoothing takes log(exp(x - max)) in fp32: a logit 1e4 below the
+    max (a padded vocabulary) makes the loss inf where the true value is finite."""
+    mod = liger_backend._ce_module()
+    z = torch.randn(2, 8)
+    z[:, 0] = -1e4
+    labels = torch.tensor([1, 2])
+    got = mod.LigerVocabParallelCEFunction.apply(z.unsqueeze(1), labels, None, -100, 0.1, "pytorch", "global")
+    want, _ = values_and_grads("cross_entropy", (z,), labels, label_smoothing=0.1)
+    assert torch.isfinite(want).all() and not torch.isfinite(got).all()
+
+
+# -- probe ---------------------------------------------------------------------------------
+
+def test_probe_reasons(monkeypatch):
+    backend = liger_backend.LigerBackend()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backend.probe("cpu") == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert backend.probe("cpu") == ["cpu tensors need TRITON_INTERPRET=1 (Triton's interpreter; for tests)"]
+    assert any("runs on cuda" in r for r in backend.probe("xpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert backend.probe("cuda") == ["no CUDA device (torch.cuda.is_available() is False)"]
+    monkeypatch.setattr(liger_backend, "liger_version", lambda: None)
+    assert "not installed" in backend.probe("cuda")[0]
+    monkeypatch.setattr(liger_backend, "liger_version", lambda: "0.7.2")
+    assert "0.7.2 is too old (needs >= 0.8.1" in backend.probe("cuda")[0]
+
+
+def test_registered_as_builtin():
+    assert REGISTRY.get("liger").priority == 10
+    owner = REGISTRY.owner("liger")
+    assert owner.name == "vtp_runtime.backends.liger" and owner.status == "loaded"
+
+
+def test_importing_the_backend_does_not_import_liger():
+    import subprocess
+    import sys
+    code = ("import sys, vtp_runtime.backends.liger as m; "
+            "assert not any(k.startswith('liger_kernel') for k in sys.modules), 'imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert math.isfinite(1.0)
