@@ -1,0 +1,93 @@
+"""Compile every kernel variant for an sm_90 (H100/H200) target without a GPU.
+
+Catches Triton compile errors (types, loop-carried values, constexpr branches) before any
+device time is spent, and prints registers/spills per kernel. Run without TRITON_INTERPRET:
+    python benchmarks/compile_check.py
+"""
+
+import inspect
+import itertools
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from vtp_runtime.backends.triton import kernels as K  # noqa: E402
+from vtp_runtime.backends.triton.backend import CUDA_CONFIG as C  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+INT_ARGS = {"rows_b", "stride_a", "stride_b", "n_idx", "n_rows", "v_local", "vocab_start", "splits", "chunk",
+            "ignore_index", "n_parts", "vocab_size", "sa_a", "sa_b", "sb_a", "sb_b", "ss_a", "ss_b", "st_a", "st_b",
+            "n_stats_parts"}
+FLOAT_ARGS = {"k2", "inv_t", "smoothing", "z_loss", "beta", "w_a", "w_b"}
+
+
+def signature(fn, dtype: str, const: dict) -> dict:
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in INT_ARGS:
+            sig[name] = "i64" if name.startswith(("s", "stride")) and name not in ("splits",) else "i32"
+        elif name in FLOAT_ARGS:
+            sig[name] = "fp32"
+        elif name in ("z_ptr", "a_ptr", "b_ptr", "s_ptr", "t_ptr", "dz_ptr", "da_ptr", "db_ptr"):
+            sig[name] = f"*{dtype}"
+        elif name in ("idx_ptr",):
+            sig[name] = "*i64"
+        elif name == "keep_ptr":
+            sig[name] = "*u8"
+        else:
+            sig[name] = "*fp32"
+    return sig
+
+
+def compile_one(fn, dtype, const, num_warps):
+    src = ASTSource(fn=fn, signature=signature(fn, dtype, const), constexprs=const)
+    k = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return k
+
+
+def main() -> int:
+    jobs = []
+    for dt in ("bf16", "fp16", "fp32"):
+        for kind, smooth, keep in itertools.product((0, 1, 2), (False, True), (False, True)):
+            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, HAS_KEEP=keep, BLOCK=C.block_stats),
+                         C.warps_stats))
+            jobs.append((K.backward1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep,
+                                                      BLOCK=C.block_bwd), C.warps_bwd))
+        for with_kl, keep in itertools.product((False, True), (False, True)):
+            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, BLOCK=C.block_stats), C.warps_stats))
+        jobs.append((K.jsd_div_kernel, dt, dict(HAS_KEEP=False, BLOCK=C.block_div), C.warps_div))
+        for kind, na, nb in itertools.product((0, 1), (True, False), (True, False)):
+            if na or nb:
+                jobs.append((K.backward2_kernel, dt, dict(KIND=kind, NEED_A=na, NEED_B=nb, HAS_KEEP=True,
+                                                          BLOCK=C.block_bwd), C.warps_bwd))
+    for kind, smooth in itertools.product((0, 1, 2), (False, True)):
+        jobs.append((K.finish1_kernel, "fp32", dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=True,
+                                                    BLOCK_N=C.block_rows), C.warps_finish))
+    for kind in (0, 1):
+        jobs.append((K.finish2_kernel, "fp32", dict(KIND=kind, HAS_KEEP=True, BLOCK_N=C.block_rows), C.warps_finish))
+    failed = 0
+    for fn, dt, const, warps in jobs:
+        try:
+            k = compile_one(fn, dt, const, warps)
+            n_regs = getattr(k, "n_regs", None)
+            n_spills = getattr(k, "n_spills", None)
+            meta = k.metadata
+            print(f"ok   {fn.__name__:18s} {dt:5s} {const} regs={n_regs} spills={n_spills} "
+                  f"shared={getattr(meta, 'shared', '?')}")
+        except Exception as exc:  # report every failure, not just the first
+            failed += 1
+            print(f"FAIL {fn.__name__} {dt} {const}: {type(exc).__name__}: {str(exc)[:2000]}")
+    print(f"{len(jobs) - failed}/{len(jobs)} compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The triton backend against the float64 dense reference, on CPU tensors through Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1): the eager test matrix at reduced
+sizes, at TP 1 (in process) and TP 2 (gloo ranks). Every call forces ``backend="triton"``,
+so nothing falls back silently. The interpreter is slow: shapes are tiny, and the launch
+configuration for CPU (INTERPRETER_CONFIG) uses 16/32-column tiles so that these shapes
+still cover several tiles per chunk and several chunks (splits) per row.
+"""
+
+import pytest
+import torch
+
+import vtp_runtime as vtp
+from vtp_runtime.backends.triton import INTERPRETER_CONFIG, LaunchConfig, TritonBackend
+from vtp_runtime.registry import REGISTRY
+from vtp_runtime.testing.cases import Case, run_case
+
+T = "triton"
+
+OPTION_SETS = {
+    "cross_entropy": [
+        {}, {"options": (("label_smoothing", 0.1),)}, {"options": (("z_loss", 1e-3),)},
+        {"options": (("label_smoothing", 0.2), ("z_loss", 1e-2), ("temperature", 0.7)), "masked": "labels"},
+        {"options": (("ignore_index", 3),), "masked": "labels"},
+        {"options": (("reduction", "mean"),), "masked": "labels"},
+    ],
+    "logprobs": [
+        {}, {"topk": 3}, {"options": (("temperature", 1.5),)}, {"masked": "labels", "topk": 2},
+    ],
+    "entropy": [
+        {}, {"options": (("temperature", 0.5),)}, {"masked": "mask"}, {"masked": "labels"},
+    ],
+    "kl": [
+        {}, {"options": (("reverse", True),)}, {"options": (("temperature", 2.0),)}, {"masked": "mask"},
+        {"grads": (True, False)}, {"grads": (False, True), "options": (("reverse", True),)},
+    ],
+    "jsd": [
+        {"options": (("beta", 0.5),)}, {"options": (("beta", 0.0),)}, {"options": (("beta", 1.0),)},
+        {"options": (("beta", 0.3), ("temperature", 2.0)), "grads": (True, False)},
+        {"options": (("beta", 0.7),), "masked": "mask", "grads": (False, True)},
+        {"options": (("beta", 0.1), ("reduction", "mean")), "masked": "labels"},
+    ],
+}
+
+
+def _cases(dtypes, layouts):
+    out = []
+    for op, sets in OPTION_SETS.items():
+        for i, fields in enumerate(sets):
+            # one dtype per option set (rotating), so every dtype meets every op
+            dtype = dtypes[i % len(dtypes)]
+            layout = layouts[i % len(layouts)]
+            out.append(Case(op, dtype=dtype, layout=layout, seed=i, backend=T, **fields))
+    return out
+
+
+TP1 = _cases(("float32", "bfloat16", "float16"), ("even",))
+TP2 = _cases(("float32", "bfloat16"), ("uneven", "empty", "explicit", "even"))
+EDGES = [Case(op, edge=edge, backend=T, **fields)
+         for op, fields in [("cross_entropy", {"options": (("label_smoothing", 0.1),)}), ("logprobs", {"topk": 2}),
+                            ("entropy", {}), ("kl", {}), ("jsd", {"options": (("beta", 0.3),)})]
+         for edge in ("neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked")
+         if not (edge == "disjoint" and op not in ("kl", "jsd"))]
+EDGES += [Case(op, edge="bad_index", backend=T, **f) for op, f in [("cross_entropy", {}), ("logprobs", {"topk": 3})]]
+EDGES += [Case(op, shape=(0,), backend=T) for op in ("cross_entropy", "logprobs", "entropy", "kl", "jsd")]
+EDGES += [Case(op, shape=(2, 5), strided=True, masked=m, backend=T)
+          for op, m in [("cross_entropy", "labels"), ("logprobs", ""), ("entropy", "mask"), ("kl", ""),
+                        ("jsd", "mask")]]
+# TP 2: the edges where shards matter (a -inf slice, offsets, disjoint support, strided views)
+EDGES_TP2 = [c.with_(layout="empty" if c.edge == "neg_inf" else "uneven") for c in EDGES
+             if c.edge in ("neg_inf", "offset", "disjoint", "all_neg_inf") or c.strided or c.shape == (0,)]
+
+
+@pytest.mark.parametrize("case", TP1, ids=lambda c: c.id)
+def test_tp1(case):
+    run_case(0, 1, None, case)
+
+
+@pytest.mark.parametrize("case", EDGES, ids=lambda c: c.id)
+def test_edges_tp1(case):
+    run_case(0, 1, None, case)
+
+
+@pytest.mark.parametrize("case", TP2, ids=lambda c: c.id)
+def test_tp2(ranks, case):
+    ranks(2, run_case, case, timeout=120)
+
+
+@pytest.mark.parametrize("case", EDGES_TP2, ids=lambda c: c.id)
+def test_edges_tp2(ranks, case):
+    ranks(2, run_case, case, timeout=120)
+
+
+def test_registered_with_every_op_and_feature():
+    backend = REGISTRY.get(T)
+    assert isinstance(backend, TritonBackend) and backend.priority == 20 and backend.takes_strided_rows
+    assert set(backend.ops) == {"cross_entropy", "logprobs", "entropy", "kl", "jsd"}
+    features = set().union(*(cap.features for cap in backend.ops.values()))
+    assert features == {"label_smoothing", "z_loss", "temperature", "topk", "mask", "reverse", "teacher_grad"}
+    assert backend.probe_reasons("cpu") == []  # TRITON_INTERPRET=1 in this process
+
+
+def test_probe_reasons_never_raise(monkeypatch):
+    b = TritonBackend()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert any("TRITON_INTERPRET=1" in r for r in b.probe("cpu"))
+    assert b.probe("xpu")  # not this backend's device type: a reason, not an exception
+    if not torch.cuda.is_available():
+        assert any("cuda" in r.lower() for r in b.probe("cuda"))
+
+
+def test_strided_rows_reach_the_kernels_without_a_copy(monkeypatch):
+    """A causal-shift view ``logits[:, :-1]`` arrives as the 3-D view itself, not a copy."""
+    seen = []
+    original = TritonBackend.forward
+
+    def spy(self, call, inputs, index, mask):
+        seen.extend((t.dim(), t.data_ptr(), t.stride()) for t in inputs)
+        return original(self, call, inputs, index, mask)
+
+    monkeypatch.setattr(TritonBackend, "forward", spy)
+    full = torch.randn(2, 6, 20)
+    view = full[:, :-1]
+    labels = torch.randint(0, 20, (2, 5))
+    out = vtp.cross_entropy(view, labels, backend=T)
+    assert seen == [(3, full.data_ptr(), full.stride())]
+    ref = torch.nn.functional.cross_entropy(view.reshape(-1, 20), labels.reshape(-1), reduction="none")
+    torch.testing.assert_close(out.reshape(-1), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_second_backward_and_inputs_untouched():
+    z = torch.randn(4, 30, requires_grad=True)
+    t = torch.randn(4, 30, requires_grad=True)
+    before = (z.detach().clone(), t.detach().clone())
+    out = vtp.jsd(z, t, beta=0.4, backend=T).sum()
+    g1 = torch.autograd.grad(out, (z, t), retain_graph=True)
+    g2 = torch.autograd.grad(out, (z, t))
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert torch.equal(z.detach(), before[0]) and torch.equal(t.detach(), before[1])
+
+
+def test_launch_config_is_a_parameter():
+    """A subclass with its own name and LaunchConfig launches the same kernels (the XPU
+    backend does exactly this); a different tiling gives the same numbers."""
+
+    class Other(TritonBackend):
+        name = "triton_config_test"
+        priority = -5
+
+    cfg = LaunchConfig(block_stats=64, block_div=32, block_bwd=64, target_programs=4, max_splits=2,
+                       bwd_target_programs=4, block_rows=8, warps_stats=1, warps_div=1, warps_bwd=1,
+                       warps_finish=1)
+    assert cfg != INTERPRETER_CONFIG
+
+    def plugin_hook(register):
+        register(Other(cfg))
+
+    plugin = type("P", (), {"vtp_runtime_register_backends": staticmethod(plugin_hook)})
+    from vtp_runtime.registry import hookimpl, register
+    hookimpl(plugin.vtp_runtime_register_backends)
+    register(plugin(), name="triton_config_test")
+    try:
+        z = torch.randn(5, 150, requires_grad=True)
+        t = torch.randn(5, 150)
+        a = vtp.jsd(z, t, beta=0.3, backend="triton_config_test")
+        b = vtp.jsd(z, t, beta=0.3, backend=T)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        ga, = torch.autograd.grad(a.sum(), z)
+        gb, = torch.autograd.grad(b.sum(), z)
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
+    finally:
+        REGISTRY.unregister("triton_config_test")
