@@ -9,12 +9,16 @@ still cover several tiles per chunk and several chunks (splits) per row.
 import pytest
 import torch
 
+# numpy warns about the NaN/inf arithmetic the edge cases exercise on purpose
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
 import vtp_runtime as vtp
 from vtp_runtime.backends.triton import INTERPRETER_CONFIG, LaunchConfig, TritonBackend
 from vtp_runtime.registry import REGISTRY
 from vtp_runtime.testing.cases import Case, run_case
 
 T = "triton"
+SHAPE = (2, 3)  # 6 tokens: the interpreter's cost grows with rows x splits x tiles
 
 OPTION_SETS = {
     "cross_entropy": [
@@ -49,25 +53,27 @@ def _cases(dtypes, layouts):
             # one dtype per option set (rotating), so every dtype meets every op
             dtype = dtypes[i % len(dtypes)]
             layout = layouts[i % len(layouts)]
-            out.append(Case(op, dtype=dtype, layout=layout, seed=i, backend=T, **fields))
+            out.append(Case(op, dtype=dtype, layout=layout, seed=i, backend=T, shape=SHAPE, **fields))
     return out
 
 
 TP1 = _cases(("float32", "bfloat16", "float16"), ("even",))
 TP2 = _cases(("float32", "bfloat16"), ("uneven", "empty", "explicit", "even"))
-EDGES = [Case(op, edge=edge, backend=T, **fields)
+EDGES = [Case(op, edge=edge, backend=T, shape=SHAPE, **fields)
          for op, fields in [("cross_entropy", {"options": (("label_smoothing", 0.1),)}), ("logprobs", {"topk": 2}),
                             ("entropy", {}), ("kl", {}), ("jsd", {"options": (("beta", 0.3),)})]
          for edge in ("neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked")
          if not (edge == "disjoint" and op not in ("kl", "jsd"))]
-EDGES += [Case(op, edge="bad_index", backend=T, **f) for op, f in [("cross_entropy", {}), ("logprobs", {"topk": 3})]]
+EDGES += [Case(op, edge="bad_index", backend=T, shape=SHAPE, **f) for op, f in [("cross_entropy", {}), ("logprobs", {"topk": 3})]]
 EDGES += [Case(op, shape=(0,), backend=T) for op in ("cross_entropy", "logprobs", "entropy", "kl", "jsd")]
-EDGES += [Case(op, shape=(2, 5), strided=True, masked=m, backend=T)
+EDGES += [Case(op, shape=(2, 4), strided=True, masked=m, backend=T)
           for op, m in [("cross_entropy", "labels"), ("logprobs", ""), ("entropy", "mask"), ("kl", ""),
                         ("jsd", "mask")]]
 # TP 2: the edges where shards matter (a -inf slice, offsets, disjoint support, strided views)
 EDGES_TP2 = [c.with_(layout="empty" if c.edge == "neg_inf" else "uneven") for c in EDGES
-             if c.edge in ("neg_inf", "offset", "disjoint", "all_neg_inf") or c.strided or c.shape == (0,)]
+             if (c.edge in ("neg_inf", "offset") and c.op in ("cross_entropy", "jsd"))
+             or (c.edge in ("disjoint", "all_neg_inf") and c.op in ("kl", "jsd"))
+             or (c.strided and c.op in ("cross_entropy", "jsd")) or (c.shape == (0,) and c.op == "jsd")]
 
 
 @pytest.mark.parametrize("case", TP1, ids=lambda c: c.id)
