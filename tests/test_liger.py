@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
+from vtp_runtime.backend import Request
 from vtp_runtime.errors import BackendUnavailable
 from vtp_runtime.registry import REGISTRY
 from vtp_runtime.testing.cases import Case, run_case
@@ -253,7 +254,9 @@ def test_probe_reasons(monkeypatch):
     assert backend.probe("cpu") == []
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert backend.probe("cpu") == ["cpu tensors need TRITON_INTERPRET=1 (Triton's interpreter; for tests)"]
-    assert any("runs on cuda" in r for r in backend.probe("xpu"))
+    assert backend.probe("xpu") == []  # the capabilities refuse xpu, with their own reason
+    assert "device type 'xpu' not supported (supports cpu, cuda)" in backend.capability_reasons(
+        Request("jsd", "xpu", torch.float32, 1, 8, 3, True, False))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert backend.probe("cuda") == ["no CUDA device (torch.cuda.is_available() is False)"]
     monkeypatch.setattr(liger_backend, "liger_version", lambda: None)

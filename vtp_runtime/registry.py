@@ -40,6 +40,7 @@ BUILTIN_MODULES = (
     "vtp_runtime.backends.eager",
     "vtp_runtime.backends.liger",
     "vtp_runtime.backends.triton",
+    "vtp_runtime.backends.triton_xpu",
 )
 
 hookspec = pluggy.HookspecMarker(PROJECT)

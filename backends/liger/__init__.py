@@ -133,8 +133,8 @@ class LigerBackend(Backend):
         elif device_type == "cpu":
             if not _interpreting():
                 reasons.append("cpu tensors need TRITON_INTERPRET=1 (Triton's interpreter; for tests)")
-        else:
-            reasons.append(f"runs on cuda (or cpu under TRITON_INTERPRET=1), not {device_type!r}")
+        else:  # refused by the declared device types, with their own line
+            return []
         if reasons:
             return reasons
         try:
