@@ -143,7 +143,7 @@ def _disagree(table, field: str, what: str, show=None) -> None:
             groups.setdefault(v, []).append(r)
         parts = "; ".join(f"{_ranks(rs)}: {show(v) if show else v}" for v, rs in groups.items())
         raise ShardError(f"the ranks of the TP group disagree on {what} ({parts}); every rank "
-                         f"must make the same call with the same {what}")
+                         f"of tp_group must make the same call")
 
 
 def validate(table: list[list[int]], local: LocalCall, group) -> Layout:
