@@ -65,7 +65,9 @@ class ConformanceCase:
     skip: str = ""  # non-empty: the backend cannot run here (its probe failed)
 
     def __str__(self) -> str:
-        return f"tp{self.world}-{self.expect}-{self.case.id}" + ("-wide" if self.case.vocab > 1000 else "")
+        c = self.case
+        extra = "" if c.shape == (3, 4) else "-shape" + "x".join(map(str, c.shape))
+        return f"tp{self.world}-{self.expect}-{c.id}{extra}" + ("" if c.vocab == 37 else f"-V{c.vocab}")
 
 
 def _feature(case: Case, feature: str, on: bool = True) -> Case:
@@ -101,7 +103,7 @@ def _match_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, 
         layouts = ["uneven", "explicit"] + (["empty"] if cap.empty_shards else [])
     main = base.with_(layout=layouts[0])
     out = [(base.with_(layout=lay), f"{lay} shards") for lay in layouts]
-    out += [(_feature(main, f), f"claims {f}") for f in claimed]
+    out += [(_feature(main, f), f"claims {f}") for f in claimed if f != "teacher_grad"]  # base has it
     if "mask" in claimed:
         out.append((main.with_(masked="labels"), "claims mask (labels= with ignore_index)"))
         out.append((main.with_(masked="mask", options=(("reduction", "mean"),)), "mean over unmasked tokens"))
