@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping
 
 from .backend import Backend, Request
@@ -143,13 +143,30 @@ def select(request: Request, layout: Layout | None, forced: str | None, forced_b
         for name, local in ex.local_notes.items():
             err.add_note(f"on this rank, `{name}`: " + "; ".join(local))
         raise err
-    if os.environ.get("VTP_DEBUG", "").strip() not in ("", "0"):
-        log.warning("%s", ex)  # once per distinct call signature: the cache below stops repeats
+    _debug_log(ex, layout)
     backend = REGISTRY.get(ex.backend)
     if len(_CACHE) > 4096:
         _CACHE.clear()
     _CACHE[key] = backend
     return backend
+
+
+_LOGGED: set = set()
+
+
+def _debug_log(ex: Explanation, layout: Layout | None) -> None:
+    """With VTP_DEBUG=1, log a selection (chosen backend, every candidate and its reasons)
+    once per call signature: the request up to its token count (only zero/non-zero matters),
+    the forced backend and the choice. At WARNING level, so it shows without logging setup."""
+    if os.environ.get("VTP_DEBUG", "").strip() in ("", "0"):
+        return
+    r = ex.request
+    signature = (replace(r, num_tokens=min(r.num_tokens, 1)), ex.forced, ex.backend, REGISTRY.version)
+    if signature in _LOGGED:
+        return
+    _LOGGED.add(signature)
+    where = f" (rank {layout.rank} of {layout.tp_size})" if layout is not None and layout.tp_size > 1 else ""
+    log.warning("vtp_runtime selected %s for %s%s [VTP_DEBUG]\n%s", ex.backend, r.op, where, ex)
 
 
 def _unavailable_message(ex: Explanation) -> str:

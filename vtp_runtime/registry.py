@@ -165,7 +165,9 @@ class Registry:
         self.version += 1
 
     # -- loading -----------------------------------------------------------------------
-    def ensure_loaded(self) -> None:
+    def ensure_loaded(self, strict: bool = True) -> None:
+        """Load built-ins and entry points once. Under VTP_STRICT_PLUGINS=1 a failed plugin
+        raises here, on every call (``strict=False``: don't raise, e.g. to report it)."""
         if not self._loaded:
             with self._lock:  # other threads wait here until loading is done
                 if not self._loaded and not self._loading:  # a plugin looking up backends does not recurse
@@ -174,7 +176,7 @@ class Registry:
                         self._load_all()
                     finally:
                         self._loaded = True
-        if self._strict_error is not None:
+        if strict and self._strict_error is not None:
             raise self._strict_error
 
     def _load_all(self) -> None:
@@ -219,10 +221,10 @@ class Registry:
             return [record]
 
     # -- lookup ------------------------------------------------------------------------
-    def backends(self) -> dict[str, Backend]:
+    def backends(self, strict: bool = True) -> dict[str, Backend]:
         """Registered backends by name, in canonical order (priority desc, then name).
         Read-only: a snapshot replaced (never mutated) on change."""
-        self.ensure_loaded()
+        self.ensure_loaded(strict)
         return self._ordered
 
     def get(self, name: str) -> Backend:
