@@ -132,26 +132,29 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
         error, detail = 5, (f"unknown backend {forced!r} (from {forced_by}); registered backends: "
                             f"{', '.join(sorted(registered))}")
     device = logits.device if ok else torch.device("cpu")
-    local = shards.LocalCall(
-        op=spec.name,
-        v_local=logits.shape[-1] if ok else 0,
-        vocab_start=options["vocab_start"] if ok else None,
-        vocab_end=options["vocab_end"] if ok else None,
-        global_vocab_size=options["global_vocab_size"] if ok else None,
-        num_tokens=math.prod(p.lead) if ok else 0,
-        dtype=logits.dtype if ok else torch.float32,
-        device_type=device.type,
-        options_fingerprint=_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead)) if ok else "",
-        forced=forced,
-        available=dispatch.local_availability(device.type),
-        registry_fingerprint=",".join(f"{b.name}:{b.priority}" for b in registered.values()),
-        error=error,
-        error_detail=detail,
-    )
-    if error and shards.group_size(group) == 1:
-        raise {3: TypeError, 5: UnknownBackend}.get(error, ValueError)(detail)
-    table = shards.gather(local, group, device)
-    layout = shards.validate(table, local, group)
+    if shards.group_size(group) == 1:  # the hot path of single-device training: no gather
+        if error:
+            raise {3: TypeError, 5: UnknownBackend}.get(error, ValueError)(detail)
+        layout = shards.single_rank_layout(logits.shape[-1], options["vocab_start"],
+                                           options["global_vocab_size"], math.prod(p.lead))
+    else:
+        local = shards.LocalCall(
+            op=spec.name,
+            v_local=logits.shape[-1] if ok else 0,
+            vocab_start=options["vocab_start"] if ok else None,
+            vocab_end=options["vocab_end"] if ok else None,
+            global_vocab_size=options["global_vocab_size"] if ok else None,
+            num_tokens=math.prod(p.lead) if ok else 0,
+            dtype=logits.dtype if ok else torch.float32,
+            device_type=device.type,
+            options_fingerprint=_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead)) if ok else "",
+            forced=forced,
+            available=dispatch.local_availability(device.type),
+            registry_fingerprint=",".join(f"{b.name}:{b.priority}" for b in registered.values()),
+            error=error,
+            error_detail=detail,
+        )
+        layout = shards.validate(shards.gather(local, group, device), local, group)
     p.layout = layout
     p.inputs, p.index = inputs, index
     p.request = Request(

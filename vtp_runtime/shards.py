@@ -89,6 +89,22 @@ class Layout:
     available_per_rank: tuple[frozenset[int], ...]
 
 
+def single_rank_layout(v_local: int, vocab_start: int | None, global_vocab_size: int | None,
+                       num_tokens: int) -> Layout:
+    """The layout of a call without a TP group (or a group of one): no gather needed."""
+    if vocab_start not in (None, 0):
+        raise ShardError(f"vocab_start={vocab_start}, but a single rank must hold the whole vocabulary "
+                         f"from id 0; pass tp_group for a sharded vocabulary")
+    if global_vocab_size is not None and global_vocab_size != v_local:
+        raise ShardError(f"global_vocab_size={global_vocab_size} but the shards add up to V={v_local} "
+                         f"(a single rank); pass tp_group for a sharded vocabulary")
+    if v_local == 0:
+        raise ShardError("the global vocabulary is empty (V_local = 0 on every rank)")
+    return Layout(rank=0, tp_size=1, vocab_start=0, vocab_end=v_local, vocab_size=v_local, starts=(0,),
+                  sizes=(v_local,), num_tokens=num_tokens, even_shards=True, available=frozenset(),
+                  available_per_rank=())
+
+
 def encode(local: LocalCall) -> list[int]:
     row = [0] * META_SIZE
     row[F["magic"]] = MAGIC
