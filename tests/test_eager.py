@@ -134,6 +134,17 @@ def test_gradcheck_float64():
         assert torch.autograd.gradcheck(fn, (z, t), eps=1e-6, atol=1e-6)
 
 
+def test_tensor_normalizer_like_num_items_in_batch():
+    z = torch.randn(3, 4, 11, requires_grad=True)
+    y = torch.randint(0, 11, (3, 4))
+    num_items = torch.tensor(7)
+    out = vtp.cross_entropy(z, y, reduction="sum", normalizer=num_items, backend="eager")
+    want = torch.nn.functional.cross_entropy(z.view(-1, 11), y.view(-1), reduction="sum") / 7
+    assert torch.allclose(out, want)
+    with pytest.raises(ValueError, match="one-element tensor"):
+        vtp.cross_entropy(z, y, normalizer=torch.ones(2), backend="eager")
+
+
 def test_outputs_are_fp32_for_low_precision_inputs():
     z = torch.randn(4, 9, dtype=torch.bfloat16, requires_grad=True)
     out = vtp.entropy(z, backend="eager")

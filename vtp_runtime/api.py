@@ -93,7 +93,9 @@ def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim
     for name in sorted(options):
         if name in ("tp_group", "mask", "labels", "backend", "vocab_start", "vocab_end", "global_vocab_size"):
             continue  # compared elsewhere, or per rank by nature
-        parts.append(f"{name}={options[name]!r}")
+        value = options[name]
+        # a tensor normalizer is compared by kind only: reading its value would sync the device
+        parts.append(f"{name}={'<tensor>' if isinstance(value, torch.Tensor) else repr(value)}")
     return "|".join(parts)
 
 
@@ -222,12 +224,12 @@ def _run(p: _Prepared) -> Tensor:
 
 def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
     reduction, normalizer = options["reduction"], options["normalizer"]
-    if reduction == "none":
-        return values if normalizer is None else values / normalizer
-    total = values.sum()
+    total = values if reduction == "none" else values.sum()
     if normalizer is not None:
+        if isinstance(normalizer, torch.Tensor):
+            normalizer = normalizer.to(device=total.device, dtype=total.dtype).reshape(())
         return total / normalizer
-    if reduction == "sum":
+    if reduction != "mean":
         return total
     # mean over unmasked tokens (index entries for top-k log-probs); 0 when all are masked
     if index is not None:

@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch
+
 # Features a call may use beyond the plain op; a backend lists those it supports.
 FEATURES = (
     "label_smoothing",  # cross_entropy with label_smoothing != 0
@@ -100,7 +102,10 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
     if options["reduction"] not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {options['reduction']!r}")
     n = options["normalizer"]
-    if n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0):
+    if isinstance(n, torch.Tensor):  # e.g. HF Trainer's num_items_in_batch; not read (no host sync)
+        if n.numel() != 1 or n.is_complex():
+            raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(n.shape)}")
+    elif n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0):
         raise ValueError(f"normalizer must be a number > 0 (e.g. num_items_in_batch), got {n!r}")
     if not isinstance(options.get("ignore_index", -100), int):
         raise ValueError(f"ignore_index must be an int, got {options['ignore_index']!r}")
