@@ -29,7 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from ..backend import Backend, OpCapability
@@ -61,7 +61,7 @@ class ConformanceCase:
     case: Case
     expect: str  # "match" (against the float64 reference) or "refused" (by dispatch)
     why: str  # what is being checked, in words
-    plugin: str | None = None  # module to register in the rank processes if not installed
+    plugin: str | None = None  # "module" or "module:object" to register in rank processes if not installed
     skip: str = ""  # non-empty: the backend cannot run here (its probe failed)
 
     def __str__(self) -> str:
@@ -137,8 +137,9 @@ def _match_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, 
 def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2),
                       plugin: str | None = None) -> list[ConformanceCase]:
     """Every check for ``backend`` (a registered name, or a Backend instance), derived from
-    its declared capabilities. ``plugin``: a module with the backend's hook implementation,
-    registered in the rank processes when the backend is not installed as an entry point."""
+    its declared capabilities. ``plugin``: ``"module"`` or ``"module:object"`` holding the
+    backend's hook implementation, registered in the rank processes when the backend is not
+    installed as an entry point (it must be importable there)."""
     b = REGISTRY.get(backend) if isinstance(backend, str) else backend
     name = b.name
     probe = "; ".join(b.probe_reasons("cpu"))
@@ -186,7 +187,9 @@ def _available(name: str, plugin: str | None) -> Iterator[None]:
     if plugin is None or name in REGISTRY.backends():
         yield
         return
-    with registered(importlib.import_module(plugin), name=plugin):
+    module, _, attr = plugin.partition(":")
+    obj = importlib.import_module(module)
+    with registered(getattr(obj, attr) if attr else obj, name=plugin):
         yield
 
 
@@ -261,8 +264,3 @@ def parametrize(backend: str | Backend, world_sizes: Sequence[int] = (1, 2), plu
 
     cases = conformance_cases(backend, world_sizes, plugin)
     return pytest.mark.parametrize(argname, cases, ids=[str(c) for c in cases])
-
-
-def with_backend(cc: ConformanceCase, name: str) -> ConformanceCase:
-    """The same check against another backend name (tests of the kit itself)."""
-    return replace(cc, case=cc.case.with_(backend=name))

@@ -1,0 +1,189 @@
+"""The conformance kit: it passes correct backends (eager, the example plugin) and catches
+each kind of broken one (wrong math, wrong gradient, a missing cross-rank term, a second
+backward that differs, a dishonest capability declaration)."""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.eager import EagerBackend
+from vtp_runtime.backend import ALL_DTYPES, OpCapability
+from vtp_runtime.registry import hookimpl
+from vtp_runtime.testing import conformance as kit
+from vtp_runtime.testing.cases import Case
+
+EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins" / "vtp-example-backend" / "src"
+if str(EXAMPLE_SRC) not in sys.path:  # importable here and in the rank processes spawned later
+    sys.path.append(str(EXAMPLE_SRC))
+
+from vtp_example_backend import BlockwiseBackend  # noqa: E402
+
+EAGER_CASES = kit.conformance_cases("eager")
+EXAMPLE_CASES = kit.conformance_cases(BlockwiseBackend(), plugin="vtp_example_backend")
+
+
+@pytest.mark.parametrize("cc", EAGER_CASES, ids=str)
+def test_eager_conforms(ranks, cc):
+    kit.check(cc, runner=ranks, timeout=60)
+
+
+@pytest.mark.parametrize("cc", EXAMPLE_CASES, ids=str)
+def test_example_plugin_conforms(ranks, cc):
+    kit.check(cc, runner=ranks, timeout=60)
+
+
+# -- cases follow the declaration ----------------------------------------------------------
+
+def test_cases_follow_the_declaration():
+    ids = {str(c): c for c in EXAMPLE_CASES}
+    assert len(ids) == len(EXAMPLE_CASES), "case ids must be unique"
+    refused = {c.why for c in EXAMPLE_CASES if c.expect == "refused"}
+    assert {"does not implement cross_entropy", "does not implement logprobs", "does not implement jsd",
+            "does not claim float16"} <= refused
+    matched = [c for c in EXAMPLE_CASES if c.expect == "match"]
+    assert {c.world for c in matched} == {1, 2}
+    assert {c.case.layout for c in matched if c.world == 2} >= {"uneven", "explicit", "empty"}
+    kl = [c.case for c in matched if c.case.op == "kl"]
+    assert any(c.grads == (True, True) for c in kl) and any(c.grads == (False, True) for c in kl)
+    assert any(("reverse", True) in c.options for c in kl) and any(c.masked == "labels" for c in kl)
+    assert {c.case.dtype for c in matched} == {"float32", "bfloat16", "float64"}
+
+    class Narrow(EagerBackend):
+        name = "narrow"
+        ops = {"cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, tp_sizes=frozenset({1}),
+                                             even_shards_only=True, empty_shards=False, empty_tokens=False)}
+
+    whys = {(c.world, c.why) for c in kit.conformance_cases(Narrow()) if c.expect == "refused"}
+    assert {(1, "does not claim label_smoothing"), (1, "does not claim zero tokens"),
+            (2, "does not claim TP size 2")} <= whys
+    assert not any(c.world == 2 and c.expect == "match" for c in kit.conformance_cases(Narrow()))
+
+
+# -- broken backends the kit must catch ----------------------------------------------------
+# Each registers in the rank processes through plugin="tests.test_conformance:<OBJECT>".
+
+class _Plugin:
+    def __init__(self, cls):
+        self.cls = cls
+
+    @hookimpl
+    def vtp_runtime_register_backends(self, register):
+        register(self.cls())
+
+
+def _entropy_only(name, features=("mask", "temperature")):
+    return {"name": name, "priority": -50,
+            "ops": {"entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(features))}}
+
+
+class WrongValue(EagerBackend):
+    locals().update(_entropy_only("kit_wrong_value"))
+
+    def forward(self, call, inputs, index, mask):
+        values, saved = super().forward(call, inputs, index, mask)
+        return values * 1.001, saved
+
+
+class WrongTemperatureGrad(EagerBackend):
+    """Right at T = 1; forgets the 1/T factor of the gradient."""
+    locals().update(_entropy_only("kit_wrong_temperature_grad"))
+
+    def backward(self, call, saved, grad):
+        (out,) = super().backward(call, saved, grad)
+        return (out * call.options["temperature"],)
+
+
+class NoAllReduce(EagerBackend):
+    """Right on one rank; forgets to combine statistics across ranks."""
+    locals().update(_entropy_only("kit_no_all_reduce"))
+
+    def forward(self, call, inputs, index, mask):
+        return super().forward(dataclasses.replace(call, group=None), inputs, index, mask)
+
+
+class OverwritesSaved(EagerBackend):
+    """Right the first time; its backward overwrites what it saved (as Liger's kernels do)."""
+    locals().update(_entropy_only("kit_overwrites_saved"))
+
+    def backward(self, call, saved, grad):
+        out = super().backward(call, saved, grad)
+        saved[1].data.add_(1.0)  # like a kernel writing through a raw pointer: autograd cannot tell
+        return out
+
+
+class ClaimsLess(EagerBackend):
+    """Declares no mask support, but its reasons() accept anything."""
+    locals().update(_entropy_only("kit_claims_less", features=("temperature",)))
+
+    def capability_reasons(self, request):
+        return []
+
+
+WRONG_VALUE, WRONG_TEMPERATURE_GRAD, NO_ALL_REDUCE, OVERWRITES_SAVED, CLAIMS_LESS = map(
+    _Plugin, (WrongValue, WrongTemperatureGrad, NoAllReduce, OverwritesSaved, ClaimsLess))
+
+
+def _pick(plugin: str, cls, world: int, pred):
+    cases = [c for c in kit.conformance_cases(cls(), world_sizes=(world,), plugin=f"tests.test_conformance:{plugin}")
+             if pred(c)]
+    assert cases, "no such case"
+    return cases[0]
+
+
+@pytest.mark.parametrize("plugin,cls,world,pred,message", [
+    ("WRONG_VALUE", WrongValue, 1, lambda c: c.why == "even shards", "value: .* elements off"),
+    ("WRONG_TEMPERATURE_GRAD", WrongTemperatureGrad, 1, lambda c: c.why == "claims temperature",
+     r"grad\[0\]: .* elements off"),
+    ("NO_ALL_REDUCE", NoAllReduce, 2, lambda c: c.why == "uneven shards", "value: .* elements off"),
+    ("OVERWRITES_SAVED", OverwritesSaved, 1, lambda c: c.why == "even shards", "second backward differs"),
+    ("CLAIMS_LESS", ClaimsLess, 1, lambda c: c.why == "does not claim mask",
+     "does not claim mask, yet a forced call ran it"),
+], ids=["value", "temperature-grad", "no-all-reduce", "overwrites-saved", "claims-less"])
+def test_kit_catches(ranks, plugin, cls, world, pred, message):
+    cc = _pick(plugin, cls, world, pred)
+    with pytest.raises(AssertionError, match=message):
+        kit.check(cc, runner=ranks, timeout=60)
+
+
+def test_kit_passes_where_the_bug_does_not_show(ranks):
+    """Each broken backend is right outside its bug, so the failures above are the bug's."""
+    kit.check(_pick("WRONG_TEMPERATURE_GRAD", WrongTemperatureGrad, 1, lambda c: c.why == "even shards"),
+              runner=ranks, timeout=60)
+    kit.check(_pick("NO_ALL_REDUCE", NoAllReduce, 1, lambda c: c.why == "even shards"), runner=ranks, timeout=60)
+    kit.check(_pick("CLAIMS_LESS", ClaimsLess, 1, lambda c: c.why == "claims temperature"), runner=ranks, timeout=60)
+
+
+def test_check_backend_reports_every_failure(ranks):
+    with pytest.raises(AssertionError, match=r"conformance case\(s\) failed") as info:
+        kit.check_backend(NoAllReduce(), world_sizes=(1, 2), plugin="tests.test_conformance:NO_ALL_REDUCE",
+                          runner=ranks, timeout=60)
+    text = str(info.value)
+    assert "tp2-match-entropy" in text and "tp1-match" not in text
+
+
+def test_probe_failure_skips(monkeypatch):
+    class Absent(EagerBackend):
+        locals().update(_entropy_only("kit_absent"))
+
+        def probe(self, device_type):
+            return ["needs libfoo"]
+
+    cases = kit.conformance_cases(Absent())
+    match = next(c for c in cases if c.expect == "match")
+    assert match.skip == "needs libfoo"
+    with pytest.raises(pytest.skip.Exception, match="needs libfoo"):
+        kit.check(match)
+    ran = []
+    results = kit.check_backend(Absent(), runner=lambda world, fn, cc, timeout: ran.append(cc) or [],
+                                world_sizes=(1,))
+    assert results[str(match)] == "skipped: needs libfoo"
+    assert ran and all(c.expect == "refused" for c in ran)  # refusals are still checked
+
+
+def test_wide_case_crosses_example_blocks():
+    wide = [c for c in EXAMPLE_CASES if c.case.vocab > 4096 * 2]
+    assert wide and torch.Size(wide[0].case.shape).numel() > 0
+    assert isinstance(wide[0].case, Case)
