@@ -51,7 +51,7 @@ def _cases(dtypes, layouts):
 
 
 TP1 = _cases(("float32", "bfloat16", "float16", "float64"), ("even",))
-TPN = _cases(("float32", "bfloat16"), ("even", "uneven", "empty", "explicit"))
+TPN = _cases(("float32", "bfloat16", "float16"), ("even", "uneven", "empty", "explicit"))
 EDGES = [Case(op, edge=edge, **fields)
          for op, fields in [("cross_entropy", {"options": (("label_smoothing", 0.1),)}), ("logprobs", {"topk": 2}),
                             ("entropy", {}), ("kl", {}), ("kl", {"options": (("reverse", True),)}),
