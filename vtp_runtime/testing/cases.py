@@ -42,6 +42,7 @@ class Case:
     edge: str = ""
     strided: bool = False  # pass a causal-shift view logits[:, :-1]
     backend: str | None = "eager"
+    device: str = "cpu"  # "cuda": each rank's current CUDA device
     seed: int = 0
     scale: float = 3.0
     extra: dict = field(default_factory=dict, hash=False, compare=False)
@@ -151,17 +152,20 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
         extra = {k: v[:, :-1] for k, v in extra.items()}
     lead = logits[0].shape[:-1]
     n = math.prod(lead)
+    dev = torch.device("cuda", torch.cuda.current_device()) if case.device == "cuda" else torch.device(case.device)
+    index = None if index is None else index.to(dev)
+    extra_dev = {k: v.to(dev) for k, v in extra.items()}
     # local shards: slice a padded copy so that strided views stay strided views
     local = []
     for z, need in zip(logits, case.grads):
         if case.strided:  # the shard of the full [B, S, V] logits, then the view
-            base = torch.cat([z, z[:, :1]], dim=1)[..., start:end].contiguous()
+            base = torch.cat([z, z[:, :1]], dim=1)[..., start:end].contiguous().to(dev)
             shard = base.requires_grad_(need)[:, :-1] if need else base[:, :-1]
         else:
-            shard = z[..., start:end].contiguous().requires_grad_(need)
+            shard = z[..., start:end].contiguous().to(dev).requires_grad_(need)
         local.append(shard)
     before = [t.detach().clone() for t in local]
-    kwargs = {**opts, **extra, "tp_group": group if world > 1 else None}
+    kwargs = {**opts, **extra_dev, "tp_group": group if world > 1 else None}
     if case.layout == "explicit":
         kwargs.update(vocab_start=start, vocab_end=end)
     if case.backend:
@@ -172,6 +176,7 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     reduction = opts.get("reduction", "none")
     ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer")}
     flat_logits = tuple(z.reshape(n, full_vocab) for z in logits)
+    index = None if index is None else index.cpu()
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
     flat_extra = {k: v.reshape(n) for k, v in extra.items()}
     g = torch.Generator().manual_seed(case.seed + 7)
@@ -203,10 +208,10 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
                                            needs_grad=case.grads[: len(flat_logits)], **ref_opts, **flat_extra)
     errors = {}
     # values: fp32 accumulation against float64
-    _close("value", out.detach().double(), ref_out.double().reshape(out.shape), VALUE_RTOL[case.dtype], errors)
+    _close("value", out.detach().cpu().double(), ref_out.double().reshape(out.shape), VALUE_RTOL[case.dtype], errors)
     if any(t.requires_grad for t in local):
         wanted = [t for t in local if t.requires_grad]
-        grads = torch.autograd.grad((out.double() * upstream).sum(), wanted, retain_graph=True)
+        grads = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted, retain_graph=True)
         it = iter(grads)
         for i, (t, rg) in enumerate(zip(local, ref_grads)):
             if not t.requires_grad:
@@ -216,12 +221,13 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
             want = rg.reshape(n, full_vocab)[:, start:end].reshape(t.shape)
             # the gradient of a token whose value is inf or NaN is undefined: skip those rows,
             # but every other row must still match (no NaN leaking across tokens)
+            got = got.cpu()
             undefined = ~torch.isfinite(ref_rows).reshape(*t.shape[:-1], 1).expand(t.shape)
             got = torch.where(undefined, torch.zeros((), dtype=got.dtype), got)
             want = torch.where(undefined, torch.zeros((), dtype=want.dtype), want)
-            _close(f"grad[{i}]", got.double(), want, GRAD_RTOL[case.dtype], errors)
+            _close(f"grad[{i}]", got.cpu().double(), want, GRAD_RTOL[case.dtype], errors)
         # a second backward through the retained graph gives the same gradient
-        again = torch.autograd.grad((out.double() * upstream).sum(), wanted)
+        again = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted)
         for a, b in zip(grads, again):
             assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), "second backward differs from the first"
     for t, b in zip(local, before):
