@@ -187,3 +187,24 @@ def test_wide_case_crosses_example_blocks():
     wide = [c for c in EXAMPLE_CASES if c.case.vocab > 4096 * 2]
     assert wide and torch.Size(wide[0].case.shape).numel() > 0
     assert isinstance(wide[0].case, Case)
+
+
+def test_backend_authors_guide_runs():
+    """Every Python example in docs/backend-authors.md runs, in order, in one namespace."""
+    import re
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "backend-authors.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
+    assert len(blocks) >= 4
+    namespace = {"__name__": "__doc_example__"}
+    import contextlib
+
+    import vtp_example_backend
+    from vtp_runtime.registry import registered
+
+    # the guide assumes the example plugin is installed; here its source is on sys.path
+    installed = "example_blockwise" in kit.REGISTRY.backends()
+    with contextlib.nullcontext() if installed else registered(vtp_example_backend):
+        for code in blocks:
+            exec(compile(code, "<docs/backend-authors.md example>", "exec"), namespace)
+    assert "tiny_entropy" not in kit.REGISTRY.backends()  # the guide cleans up after itself
