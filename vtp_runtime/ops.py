@@ -123,6 +123,16 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
         raise ValueError(f"reverse must be a bool, got {options['reverse']!r}")
 
 
+def kl_direction(op: str, options: Mapping[str, Any]) -> bool | None:
+    """For a call that is a plain KL -- ``kl``, or ``jsd`` at ``beta`` 0 or 1 -- whether it
+    is reverse KL(p_s || p_t); None for an interior JSD (and for the other ops)."""
+    if op == "kl":
+        return bool(options["reverse"])
+    if op == "jsd" and options["beta"] in (0.0, 1.0):
+        return options["beta"] == 1.0
+    return None
+
+
 def features_of(op: str, options: Mapping[str, Any], *, topk: bool,
                 teacher_grad: bool) -> frozenset[str]:
     """The features (see FEATURES) a call uses; dispatch matches them against capabilities."""

@@ -21,6 +21,7 @@ import torch
 
 from vtp_runtime.backend import ALL_DTYPES, Backend, Call, OpCapability
 from vtp_runtime.comm import all_reduce_
+from vtp_runtime.ops import kl_direction
 from vtp_runtime.registry import hookimpl
 
 CHUNK_ELEMENTS = 1 << 24
@@ -88,26 +89,22 @@ class EagerBackend(Backend):
     }
 
     def forward(self, call, inputs, index, mask):
-        op = call.op
-        if op in ("kl", "jsd"):
-            beta = call.options.get("beta", 0.5)
-            if op == "kl" or beta in (0.0, 1.0):
-                reverse = call.options["reverse"] if op == "kl" else beta == 1.0
-                return _kl_forward(call, inputs, mask, reverse)
-            return _jsd_forward(call, inputs, mask, beta)
+        reverse = kl_direction(call.op, call.options)
+        if reverse is not None:
+            return _kl_forward(call, inputs, mask, reverse)
+        if call.op == "jsd":
+            return _jsd_forward(call, inputs, mask, call.options["beta"])
         return {"cross_entropy": _ce_forward, "logprobs": _logprobs_forward,
-                "entropy": _entropy_forward}[op](call, inputs, index, mask)
+                "entropy": _entropy_forward}[call.op](call, inputs, index, mask)
 
     def backward(self, call, saved, grad):
-        op = call.op
-        if op in ("kl", "jsd"):
-            beta = call.options.get("beta", 0.5)
-            if op == "kl" or beta in (0.0, 1.0):
-                reverse = call.options["reverse"] if op == "kl" else beta == 1.0
-                return _kl_backward(call, saved, grad, reverse)
-            return _jsd_backward(call, saved, grad, beta)
+        reverse = kl_direction(call.op, call.options)
+        if reverse is not None:
+            return _kl_backward(call, saved, grad, reverse)
+        if call.op == "jsd":
+            return _jsd_backward(call, saved, grad, call.options["beta"])
         return {"cross_entropy": _ce_backward, "logprobs": _logprobs_backward,
-                "entropy": _entropy_backward}[op](call, saved, grad)
+                "entropy": _entropy_backward}[call.op](call, saved, grad)
 
 
 # -- cross entropy -------------------------------------------------------------------------
