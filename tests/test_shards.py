@@ -127,3 +127,25 @@ def explicit_layout_call(rank, world, group):
 
 def test_explicit_bounds_in_any_order(ranks):
     assert max(ranks(2, explicit_layout_call, timeout=60)) < 1e-12
+
+
+def gather_without_all_gather_single(rank, world, group):
+    """torch 2.11 (the GPU machine's) has only all_gather_into_tensor: the gather must use it."""
+    import torch.distributed as dist
+
+    saved = dist.all_gather_single
+    used = []
+    original = dist.all_gather_into_tensor
+    del dist.all_gather_single
+    dist.all_gather_into_tensor = lambda *a, **k: used.append(1) or original(*a, **k)
+    try:
+        out = vtp.cross_entropy(torch.randn(3, 4), torch.tensor([0, 5, 7]), tp_group=group)
+    finally:
+        dist.all_gather_single = saved
+        dist.all_gather_into_tensor = original
+    return len(used), out.shape
+
+
+def test_metadata_gather_falls_back_to_all_gather_into_tensor(ranks):
+    for used, shape in ranks(2, gather_without_all_gather_single, timeout=60):
+        assert used == 1 and shape == (3,)
