@@ -57,17 +57,19 @@ def main() -> int:
     jobs = []
     for dt in ("bf16", "fp16", "fp32"):
         for kind, smooth, keep in itertools.product((0, 1, 2), (False, True), (False, True)):
-            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, HAS_KEEP=keep, BLOCK=C.block_stats),
+            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, HAS_KEEP=keep, PREFETCH=keep,
+                                                   BLOCK=C.block_stats),
                          C.warps_stats))
             jobs.append((K.backward1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep,
                                                       BLOCK=C.block_bwd), C.warps_bwd))
         for with_kl, keep in itertools.product((False, True), (False, True)):
-            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, BLOCK=C.block_stats), C.warps_stats))
-        jobs.append((K.jsd_div_kernel, dt, dict(HAS_KEEP=False, BLOCK=C.block_div), C.warps_div))
+            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, PREFETCH=keep, BLOCK=C.block_stats),
+                         C.warps_stats))
+        jobs.append((K.jsd_div_kernel, dt, dict(HAS_KEEP=False, FAST_LOG2=True, BLOCK=C.block_div), C.warps_div))
         for kind, na, nb in itertools.product((0, 1), (True, False), (True, False)):
             if na or nb:
                 jobs.append((K.backward2_kernel, dt, dict(KIND=kind, NEED_A=na, NEED_B=nb, HAS_KEEP=True,
-                                                          BLOCK=C.block_bwd), C.warps_bwd))
+                                                          FAST_LOG2=kind == 1, BLOCK=C.block_bwd), C.warps_bwd))
     for kind, smooth in itertools.product((0, 1, 2), (False, True)):
         jobs.append((K.finish1_kernel, "fp32", dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=True,
                                                     BLOCK_N=C.block_rows), C.warps_finish))
@@ -91,3 +93,19 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def registers(fn, dtype, const, num_warps):
+    """(registers per thread, spill bytes) from ptxas -v on the compiled PTX (no GPU needed)."""
+    import re
+    import subprocess
+    import tempfile
+    k = compile_one(fn, dtype, const, num_warps)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(k.asm["ptx"])
+    res = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    text = res.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return int(regs.group(1)) if regs else None, int(spill.group(1)) if spill else None

@@ -61,6 +61,10 @@ class LaunchConfig:
     bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
     block_rows: int = 128  # finishing kernels: rows per program
     warps_finish: int = 4
+    fast_log2: bool = True  # JSD: hardware lg2.approx through inline PTX (NVIDIA only)
+    # statistics passes: issue tile i+1's load before reducing tile i. Measured 3-8% slower on
+    # the H200 (benchmarks/NOTES.md): occupancy already hides the latency. Off by default.
+    prefetch: bool = False
 
 
 CUDA_CONFIG = LaunchConfig()
@@ -68,7 +72,7 @@ CUDA_CONFIG = LaunchConfig()
 # and make the small test shapes cover several tiles and several splits per row.
 INTERPRETER_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32,
                                   warps_bwd=1, target_programs=16, max_splits=4, bwd_target_programs=16,
-                                  block_rows=16, warps_finish=1)
+                                  block_rows=16, warps_finish=1, fast_log2=False)
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
@@ -214,7 +218,7 @@ class TritonBackend(Backend):
         k.stats1_kernel[(n * splits,)](
             z, rows_b, s_a, s_b, idx if idx is not None else dummy, n_idx, keep if keep is not None else dummy,
             part, n, v_local, call.vocab_start, splits, chunk, k2, ignore,
-            KIND=kind, SMOOTH=smooth, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats,
+            KIND=kind, SMOOTH=smooth, HAS_KEEP=keep is not None, PREFETCH=cfg.prefetch, BLOCK=cfg.block_stats,
             num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
         k.finish1_kernel[(_cdiv(n, cfg.block_rows),)](
@@ -247,7 +251,8 @@ class TritonBackend(Backend):
         k.stats2_kernel[(n * splits,)](
             a, b, rows_b, a_a, a_b, b_a, b_b, keep if keep is not None else values, part,
             n, v_local, splits, chunk, LOG2E / call.options["temperature"],
-            WITH_KL=True, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
+            WITH_KL=True, HAS_KEEP=keep is not None, PREFETCH=cfg.prefetch, BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
         k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
             part, n_parts, n, keep if keep is not None else values, values, stats,
@@ -277,7 +282,8 @@ class TritonBackend(Backend):
         k.stats2_kernel[(n * splits,)](
             student, teacher, rows_b, s_a, s_b, t_a, t_b, keep_arg, part,
             n, v_local, splits, _chunk(v_local, splits, cfg.block_stats), k2,
-            WITH_KL=False, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
+            WITH_KL=False, HAS_KEEP=keep is not None, PREFETCH=cfg.prefetch, BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
         div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
         part2 = torch.empty((div_splits, n, 2), dtype=torch.float32, device=dev)
@@ -285,7 +291,7 @@ class TritonBackend(Backend):
             student, teacher, rows_b, s_a, s_b, t_a, t_b, keep_arg, part, n_parts, part2, stats,
             n, v_local, div_splits, _chunk(v_local, div_splits, cfg.block_div), k2,
             beta,
-            HAS_KEEP=keep is not None, BLOCK=cfg.block_div, num_warps=cfg.warps_div)
+            HAS_KEEP=keep is not None, FAST_LOG2=cfg.fast_log2, BLOCK=cfg.block_div, num_warps=cfg.warps_div)
         part2, n_parts2 = _gather(part2, call.group)
         k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
             part2, n_parts2, n, keep_arg, values, stats, k2, beta,
@@ -352,7 +358,8 @@ class TritonBackend(Backend):
                 grad.contiguous(), keep if keep is not None else stats, stats, v_local, splits, chunk,
                 LOG2E / call.options["temperature"], 1.0 / call.options["temperature"], beta,
                 1.0 - beta, beta,
-                KIND=kind, NEED_A=need_a, NEED_B=need_b, HAS_KEEP=keep is not None, BLOCK=cfg.block_bwd,
+                KIND=kind, NEED_A=need_a, NEED_B=need_b, HAS_KEEP=keep is not None,
+                FAST_LOG2=cfg.fast_log2 and kind == _JSD, BLOCK=cfg.block_bwd,
                 num_warps=cfg.warps_bwd)
         if kind == _KL and not reverse:
             return db, da

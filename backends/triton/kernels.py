@@ -44,6 +44,19 @@ def _anchor(m):
 
 
 @triton.jit
+def _log2(x, FAST: tl.constexpr):
+    # tl.log2 lowers to an accurate libdevice polynomial (~20 FMAs per element on sm_90),
+    # which made the JSD divergence and backward passes ALU-bound. On NVIDIA, FAST uses the
+    # hardware lg2.approx (one MUFU op, rel. error ~2^-22); other targets keep tl.log2.
+    if FAST:
+        # .ftz: callers clamp x to the smallest normal float, so no denormal ever reaches it
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
 def _row_start(base, row, rows_b, stride_a, stride_b):
     r = row.to(tl.int64)
     return base + (r // rows_b) * stride_a + (r % rows_b) * stride_b
@@ -63,7 +76,7 @@ def _chunk(pid, splits, chunk, v_local):
 def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, part_ptr,
                   n_rows, v_local, vocab_start, splits, chunk, k2, ignore_index,
                   KIND: tl.constexpr, SMOOTH: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
     """Partial statistics of one row over one vocabulary chunk, one read of the logits.
 
     Fields (F): CE ``[m, s, sum (z - a) k2, count, z_label]`` (sum/count only with SMOOTH);
@@ -93,10 +106,16 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     t = tl.zeros([], tl.float32)  # CE: sum (z - a) k2; entropy: sum e (z - a) k2
+    if PREFETCH:  # the next tile's load is issued before this tile's reductions wait on it
+        z_next = tl.load(src + lo + tl.arange(0, BLOCK), mask=lo + tl.arange(0, BLOCK) < hi, other=float("-inf"))
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inb = cols < hi
-        z = tl.load(src + cols, mask=inb, other=float("-inf")).to(tl.float32)
+        if PREFETCH:
+            z = z_next.to(tl.float32)
+            z_next = tl.load(src + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
+        else:
+            z = tl.load(src + cols, mask=inb, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, 0))
         a_new = _anchor(m_new)
         shift = (_anchor(m) - a_new) * k2  # old anchor -> new anchor, in bits (<= 0)
@@ -289,7 +308,7 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
 @triton.jit
 def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_ptr,
                   n_rows, v_local, splits, chunk, k2,
-                  WITH_KL: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+                  WITH_KL: tl.constexpr, HAS_KEEP: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
     """Partial statistics of two inputs over one chunk, one read of each.
 
     Fields ``[m_a, s_a, m_b, s_b]`` and with WITH_KL ``sum e_a ((z_a - a_a) - (z_b - a_b)) k2``,
@@ -305,11 +324,21 @@ def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_p
     sa = tl.zeros([], tl.float32)
     sb = tl.zeros([], tl.float32)
     kl = tl.zeros([], tl.float32)
+    if PREFETCH:  # the next tile's loads are issued before this tile's reductions wait on them
+        first = lo + tl.arange(0, BLOCK)
+        za_next = tl.load(src_a + first, mask=first < hi, other=float("-inf"))
+        zb_next = tl.load(src_b + first, mask=first < hi, other=float("-inf"))
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inb = cols < hi
-        za = tl.load(src_a + cols, mask=inb, other=float("-inf")).to(tl.float32)
-        zb = tl.load(src_b + cols, mask=inb, other=float("-inf")).to(tl.float32)
+        if PREFETCH:
+            za = za_next.to(tl.float32)
+            zb = zb_next.to(tl.float32)
+            za_next = tl.load(src_a + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
+            zb_next = tl.load(src_b + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
+        else:
+            za = tl.load(src_a + cols, mask=inb, other=float("-inf")).to(tl.float32)
+            zb = tl.load(src_b + cols, mask=inb, other=float("-inf")).to(tl.float32)
         ma_new = tl.maximum(ma, tl.max(za, 0))
         mb_new = tl.maximum(mb, tl.max(zb, 0))
         aa_new = _anchor(ma_new)
@@ -360,7 +389,7 @@ def _merge_row_stats(part_ptr, n_parts, n_rows, row, k2, N_FIELDS: tl.constexpr)
 @triton.jit
 def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats_part_ptr, n_stats_parts,
                    part_ptr, stat_ptr, n_rows, v_local, splits, chunk, k2, beta,
-                   HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
     """JSD divergence pass: merges the row's gathered statistics itself (a few scalars, no
     separate launch), then one more read of both inputs accumulating ``sum p_s (lp_s - lm)``
     and ``sum p_t (lp_t - lm)`` (bits), with ``M = beta p_t + (1-beta) p_s``. Three
@@ -387,10 +416,12 @@ def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats
         ps = tl.exp2(lps)
         pt = tl.exp2(lpt)
         # clamped: under flush-to-zero a mixture of two tiny p can round to 0 (p itself ~1e-38)
-        lm = tl.log2(tl.maximum(beta * pt + (1.0 - beta) * ps, 1.1754944e-38))
-        # M >= (1-beta) p_s, so only p = 0 needs the 0 log 0 = 0 rule (NaN stays NaN)
-        acc_s += tl.where(ps == 0, 0.0, ps * (lps - lm))
-        acc_t += tl.where(pt == 0, 0.0, pt * (lpt - lm))
+        lm = _log2(tl.maximum(beta * pt + (1.0 - beta) * ps, 1.1754944e-38), FAST_LOG2)
+        # lm is finite (clamped), so clamping lp to a finite floor gives 0 * finite = 0 where
+        # p = 0 (the 0 log 0 = 0 rule) in one op instead of a compare and a select; a NaN p
+        # (NaN logits) still propagates through the product
+        acc_s += ps * (tl.maximum(lps, -1e30) - lm)
+        acc_t += pt * (tl.maximum(lpt, -1e30) - lm)
     out = part_ptr + ((pid % splits) * n_rows + row) * 2
     tl.store(out, tl.sum(acc_s, 0))
     tl.store(out + 1, tl.sum(acc_t, 0))
@@ -460,7 +491,7 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
 def backward2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, da_ptr, db_ptr, grad_ptr, keep_ptr,
                      stat_ptr, v_local, splits, chunk, k2, inv_t, beta, w_a, w_b,
                      KIND: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
-                     HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
     """Gradients of KL(A||B) (``dA = p_a (lp_a - lp_b - KL)``, ``dB = p_b - p_a``) or of the
     JSD (a = student, b = teacher: ``d_s = (1-beta) p_s (lp_s - lm - KL_s)``, and the same for
     the teacher with beta), from saved statistics; only requested gradients are computed and
@@ -501,10 +532,10 @@ def backward2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, da_ptr, db_pt
                 tl.store(db_ptr + out_off + cols, tl.where(keep, db, 0.0).to(db_ptr.dtype.element_ty), mask=inb)
         else:
             pb = tl.exp2(lpb)
-            lm = tl.log2(tl.maximum(beta * pb + (1.0 - beta) * pa, 1.1754944e-38))
-            if NEED_A:
-                da = tl.where(pa == 0, 0.0, pa * ((lpa - lm) * LN2 - kl_a)) * (w_a * coef)
+            lm = _log2(tl.maximum(beta * pb + (1.0 - beta) * pa, 1.1754944e-38), FAST_LOG2)
+            if NEED_A:  # finite floor on lp: 0 * finite = 0 where p = 0 (see jsd_div_kernel)
+                da = pa * ((tl.maximum(lpa, -1e30) - lm) * LN2 - kl_a) * (w_a * coef)
                 tl.store(da_ptr + out_off + cols, tl.where(keep, da, 0.0).to(da_ptr.dtype.element_ty), mask=inb)
             if NEED_B:
-                db = tl.where(pb == 0, 0.0, pb * ((lpb - lm) * LN2 - kl_b)) * (w_b * coef)
+                db = pb * ((tl.maximum(lpb, -1e30) - lm) * LN2 - kl_b) * (w_b * coef)
                 tl.store(db_ptr + out_off + cols, tl.where(keep, db, 0.0).to(db_ptr.dtype.element_ty), mask=inb)

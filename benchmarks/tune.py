@@ -1,0 +1,71 @@
+"""Launch-configuration sweep of the triton backend on the GPU (loop time, CUDA events).
+
+Replaces ``CUDA_CONFIG`` between runs and times JSD and cross entropy fwd+bwd at the issue's
+target shapes; prints one line per (config, shape). Used to pick the defaults in
+``backends/triton/backend.py``; see benchmarks/NOTES.md.
+    python benchmarks/tune.py
+"""
+
+import dataclasses
+import statistics
+import sys
+
+import torch
+
+import vtp_runtime as vtp
+import vtp_runtime.backends.triton.backend as tb
+
+V = 151936
+SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
+VARIANTS = {
+    "default": tb.CUDA_CONFIG,
+    "stats8k_w16": dataclasses.replace(tb.CUDA_CONFIG, block_stats=8192, warps_stats=16),
+    "tiles4k_w8": dataclasses.replace(tb.CUDA_CONFIG, block_div=4096, block_bwd=4096),
+    "tiles1k_w4": dataclasses.replace(tb.CUDA_CONFIG, block_stats=2048, warps_stats=4, block_div=1024, warps_div=4,
+                                      block_bwd=1024, warps_bwd=4),
+    "more_programs": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096, bwd_target_programs=16384),
+}
+
+
+def time_ms(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def main():
+    copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy = 2 * 2**30 / (time_ms(lambda: copy_dst.copy_(copy_src)) * 1e-3) / 1e9
+    del copy_src, copy_dst
+    print(f"copy {copy:.0f} GB/s")
+    for name, cfg in VARIANTS.items():
+        tb.CUDA_CONFIG = cfg
+        for op, n, tp in SHAPES:
+            v = V // tp
+            z = torch.randn(n, v, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+            other = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) if op == "jsd" else \
+                torch.randint(0, v, (n,), device="cuda")
+
+            def step():
+                out = vtp.loss(op, z, other, backend="triton")
+                return torch.autograd.grad(out, (z,), torch.ones_like(out))
+
+            ms = time_ms(step)
+            nbytes = (7 if op == "jsd" else 3) * n * v * 2
+            print(f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
+                  f"{100 * nbytes / ms / 1e6 / copy:4.0f}%", flush=True)
+            del z, other
+
+
+if __name__ == "__main__":
+    sys.exit(main())

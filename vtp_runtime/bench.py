@@ -1,0 +1,417 @@
+"""``vtp-runtime bench``: ops x backends x TP shard sizes x token counts, against peers.
+
+Single device: "TP = t" means the per-rank work of a TP group of size t, i.e. local logits
+``[N, V / t]`` on one GPU (the cross-rank all-gather of O(N) partials is not timed). Each arm
+is forward + backward with an upstream gradient of ones; for divergences the teacher is
+frozen (no teacher gradient), as in distillation.
+
+Timing: CUDA events around each call, median of ``--reps`` calls after ``--warmup``; and,
+where the arm can be captured, the median replay time of a CUDA graph of the same call (GPU
+time without the CPU launch cost). Bandwidth counts the bytes of the passes the issue's
+performance model allows (see ``model_bytes``) and is compared against a device-to-device
+copy measured in the same run. Peak memory is ``torch.cuda.max_memory_allocated`` during one
+call, inputs included.
+
+Peers: dense PyTorch (``torch``: TRL-style materialized log-softmax JSD/KL, ``F.cross_entropy``,
+log_softmax entropy / log-probs) and liger-kernel (``liger``: LigerJSD incl. the log_softmax
+it needs, LigerCrossEntropyLoss, LigerVocabParallelCEFunction at world 1) when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
+    parser.add_argument("--backends", default="triton",
+                        help="comma-separated vtp_runtime backends to time (default: triton; eager is slow)")
+    parser.add_argument("--peers", default="torch,liger",
+                        help="comma-separated peers: torch (dense PyTorch), liger; '' for none")
+    parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size V")
+    parser.add_argument("--tp", default="1,2,4,8", help="TP sizes: per-rank shard V/TP on one GPU")
+    parser.add_argument("--tokens", default="1024,8192", help="token counts N")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--beta", type=float, default=0.5, help="JSD beta")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
+    parser.add_argument("--overhead", action="store_true", help="also measure CPU dispatch overhead per call")
+    parser.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of time against shard size (matplotlib)")
+
+
+@dataclass
+class Row:
+    op: str
+    arm: str  # backend or peer name
+    tp: int
+    tokens: int
+    v_local: int
+    dtype: str
+    ms: float | None = None  # median event time per call (loop)
+    graph_ms: float | None = None  # median CUDA-graph replay time
+    gbps: float | None = None  # model bytes / best of (ms, graph_ms)
+    pct_copy: float | None = None
+    peak_gib: float | None = None
+    error: str = ""
+
+
+def model_bytes(op: str, n: int, v: int, itemsize: int) -> int:
+    """Bytes of the minimal passes, forward + backward, frozen teacher (issue 4's model):
+    JSD 3 reads of both inputs + 1 gradient write; KL 2 reads of both + 1 write;
+    CE / log-probs / entropy 2 reads + 1 write."""
+    passes = {"jsd": 7, "kl": 5}.get(op, 3)
+    return passes * n * v * itemsize
+
+
+# -- arms: each returns a closure running forward + backward once ------------------------------
+
+def _inputs(op, n, v, dtype, device, seed):
+    import torch
+    g = torch.Generator(device=device).manual_seed(seed)
+    z = (torch.randn(n, v, generator=g, device=device, dtype=torch.float32) * 2).to(dtype).requires_grad_(True)
+    other = None
+    if op in ("kl", "jsd"):
+        other = (torch.randn(n, v, generator=g, device=device, dtype=torch.float32) * 2).to(dtype)
+    elif op in ("cross_entropy", "logprobs"):
+        other = torch.randint(0, v, (n,), generator=g, device=device)
+    return z, other
+
+
+def _vtp_arm(backend, op, z, other, beta):
+    import torch
+
+    import vtp_runtime as vtp
+    args = (z, other) if other is not None else (z,)
+    opts = {"beta": beta} if op == "jsd" else {}
+
+    def run():
+        out = vtp.loss(op, *args, backend=backend, **opts)
+        return torch.autograd.grad(out, (z,), torch.ones_like(out))
+    return run
+
+
+def _torch_arm(op, z, other, beta):
+    import torch
+    import torch.nn.functional as F
+
+    def run():
+        if op == "cross_entropy":
+            out = F.cross_entropy(z, other, reduction="none")
+        elif op == "logprobs":
+            out = F.log_softmax(z.float(), -1).gather(1, other[:, None]).squeeze(1)
+        elif op == "entropy":
+            lp = F.log_softmax(z.float(), -1)
+            out = -(lp.exp() * lp).sum(-1)
+        elif op == "kl":  # KL(p_t || p_s), materialized fp32 log-probs
+            ls, lt = F.log_softmax(z.float(), -1), F.log_softmax(other.float(), -1)
+            out = F.kl_div(ls, lt, reduction="none", log_target=True).sum(-1)
+        else:  # TRL GKD's generalized JSD: materialized log-probs and log-mixture
+            ls, lt = F.log_softmax(z.float(), -1), F.log_softmax(other.float(), -1)
+            lm = torch.logsumexp(torch.stack([ls + math.log1p(-beta), lt + math.log(beta)]), dim=0)
+            out = (beta * F.kl_div(lm, lt, reduction="none", log_target=True)
+                   + (1 - beta) * F.kl_div(lm, ls, reduction="none", log_target=True)).sum(-1)
+        return torch.autograd.grad(out, (z,), torch.ones_like(out))
+    return run
+
+
+def _liger_arm(op, z, other, beta):
+    import torch
+    import torch.nn.functional as F
+    if op == "jsd":
+        from liger_kernel.transformers import LigerJSD
+        jsd = LigerJSD(beta=beta)
+
+        def run():  # Liger takes log-probs: the log_softmax is part of the arm
+            loss = jsd(F.log_softmax(z, -1), F.log_softmax(other, -1))
+            return torch.autograd.grad(loss, (z,))
+        return run
+    if op == "cross_entropy":
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+        ce = LigerCrossEntropyLoss(reduction="sum")
+
+        def run():
+            return torch.autograd.grad(ce(z, other), (z,))
+        return run
+    return None
+
+
+def _liger_vp_arm(op, z, other):
+    import torch
+    if op != "cross_entropy":
+        return None
+    from liger_kernel.ops.vocab_parallel_cross_entropy import LigerVocabParallelCEFunction
+
+    def run():  # world 1: no group; Liger's [S, B, V] layout as a view
+        loss = LigerVocabParallelCEFunction.apply(z.unsqueeze(1), other, None, -100, 0.0, "pytorch", "global")
+        return torch.autograd.grad(loss, (z,), torch.ones_like(loss))
+    return run
+
+
+# -- timing -------------------------------------------------------------------------------------
+
+def _time_loop(fn, warmup: int, reps: int) -> float:
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _time_graph(fn, reps: int) -> float:
+    import torch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graphs asks
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def _peak(fn) -> float:
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def copy_bandwidth(reps: int = 20) -> float:
+    """Device-to-device copy in GB/s, counting bytes read + written (1 GiB buffers)."""
+    import torch
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _time_loop(lambda: dst.copy_(src), 3, reps)
+    del src, dst
+    return 2 * 2**30 / (ms * 1e-3) / 1e9
+
+
+def dispatch_overhead(calls: int = 2000) -> dict:
+    """CPU microseconds per call at TP=1 in steady state, tiny inputs (so the GPU keeps up):
+    the full ``vtp.loss`` forward, forward + backward, and the bare kernel launches."""
+    import torch
+
+    import vtp_runtime as vtp
+    z = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, 256, (4,), device="cuda")
+    out = {}
+    for name, fn in [
+        ("cross_entropy_forward", lambda: vtp.loss("cross_entropy", z.detach(), y, backend="triton")),
+        ("jsd_forward", lambda: vtp.loss("jsd", z.detach(), t, backend="triton")),
+        ("cross_entropy_fwd_bwd", lambda: vtp.loss("cross_entropy", z, y, backend="triton").sum().backward()),
+        ("jsd_fwd_bwd", lambda: vtp.loss("jsd", z, t, backend="triton").sum().backward()),
+    ]:
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(5):
+            c0 = time.perf_counter()
+            for _ in range(calls // 5):
+                fn()
+            samples.append((time.perf_counter() - c0) / (calls // 5) * 1e6)
+            torch.cuda.synchronize()
+        out[name] = statistics.median(samples)
+    return out
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+class _Progress:
+    """rich's progress bar when rich is installed, else one plain line per step."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        try:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            # on stderr, so that stdout holds only the table
+            self._rich = Progress(TextColumn("{task.description}"), BarColumn(),
+                                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                  console=Console(stderr=True))
+            self._rich.start()
+            self._task = self._rich.add_task("bench", total=total)
+        except ImportError:
+            self._rich = None
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self._rich is not None:
+            self._rich.update(self._task, advance=1, description=label)
+        else:
+            print(f"[{self.done}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+
+
+def _arms(op, backends, peers, tp):
+    arms = [(b, "vtp") for b in backends]
+    if tp == 1:  # peers run on the full vocabulary on one device
+        if "torch" in peers:
+            arms.append(("torch", "torch"))
+        if "liger" in peers and op in ("jsd", "cross_entropy"):
+            arms.append(("liger", "liger"))
+    if "liger" in peers and op == "cross_entropy":
+        arms.append(("liger_vp", "liger_vp"))  # per-rank work of Liger's vocab-parallel CE
+    return arms
+
+
+def run(args) -> int:
+    import torch
+    if not torch.cuda.is_available():
+        print("vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    ops = [o for o in args.ops.split(",") if o]
+    backends = [b for b in args.backends.split(",") if b]
+    peers = {p for p in args.peers.split(",") if p}
+    if "liger" in peers:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            print("liger-kernel is not installed: skipping the liger peers", file=sys.stderr)
+            peers.discard("liger")
+    tps = [int(t) for t in args.tp.split(",")]
+    tokens = [int(n) for n in args.tokens.split(",")]
+    dtype = getattr(torch, args.dtype)
+    itemsize = torch.finfo(dtype).bits // 8
+
+    copy_gbps = copy_bandwidth()
+    plan = [(op, tp, n, arm, kind) for op in ops for n in tokens for tp in tps
+            for arm, kind in _arms(op, backends, peers, tp)]
+    progress = _Progress(len(plan))
+    rows: list[Row] = []
+    seed = 0
+    try:
+        for op, tp, n, arm, kind in plan:
+            v_local = args.vocab // tp
+            row = Row(op, arm, tp, n, v_local, args.dtype)
+            seed += 1
+            try:
+                z, other = _inputs(op, n, v_local, dtype, "cuda", seed)
+                fn = (_vtp_arm(arm, op, z, other, args.beta) if kind == "vtp" else
+                      _torch_arm(op, z, other, args.beta) if kind == "torch" else
+                      _liger_arm(op, z, other, args.beta) if kind == "liger" else
+                      _liger_vp_arm(op, z, other))
+                row.peak_gib = _peak(fn)
+                row.ms = _time_loop(fn, args.warmup, args.reps)
+                if not args.no_graph:
+                    try:
+                        row.graph_ms = _time_graph(fn, args.reps)
+                    except Exception as exc:  # not capturable: report the loop time only
+                        row.error = f"graph: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+                        torch.cuda.synchronize()
+                best = min(t for t in (row.ms, row.graph_ms) if t is not None)
+                row.gbps = model_bytes(op, n, v_local, itemsize) / (best * 1e-3) / 1e9
+                row.pct_copy = 100 * row.gbps / copy_gbps
+            except Exception as exc:
+                row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            finally:
+                z = other = fn = None  # noqa: F841
+                torch.cuda.empty_cache()
+            rows.append(row)
+            progress.step(f"{op} {arm} TP{tp} N={n}")
+    finally:
+        progress.close()
+
+    overhead = dispatch_overhead() if args.overhead else None
+    _print_table(rows, copy_gbps, overhead)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": _version("triton"), "liger_kernel": _version("liger-kernel"),
+                       "copy_gbps": copy_gbps, "vocab": args.vocab, "dtype": args.dtype, "beta": args.beta,
+                       "argv": sys.argv, "dispatch_overhead_us": overhead,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        _plot(rows, args.plot, args.vocab)
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _fmt(x, spec):
+    return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+
+
+def _print_table(rows, copy_gbps, overhead) -> None:
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
+    head = f"{'op':14s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'graph ms':>8s} " \
+           f"{'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r.op:14s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {_fmt(r.ms, '8.3f')} "
+              f"{_fmt(r.graph_ms, '8.3f')} {_fmt(r.gbps, '6.0f')} {_fmt(r.pct_copy, '5.0f')} "
+              f"{_fmt(r.peak_gib, '8.2f')}  {r.error}")
+    if overhead:
+        print("CPU time per call at TP=1, steady state (us): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
+
+
+def _plot(rows, path: str, vocab: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ops = sorted({r.op for r in rows}, key=lambda o: OPS.index(o) if o in OPS else 99)
+    tokens = sorted({r.tokens for r in rows})
+    fig, axes = plt.subplots(len(tokens), len(ops), figsize=(4 * len(ops), 3.4 * len(tokens)), squeeze=False)
+    for i, n in enumerate(tokens):
+        for j, op in enumerate(ops):
+            ax = axes[i][j]
+            for arm in sorted({r.arm for r in rows if r.op == op}):
+                pts = sorted((r.v_local, min(t for t in (r.ms, r.graph_ms) if t is not None))
+                             for r in rows if r.op == op and r.arm == arm and r.tokens == n and r.ms is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=arm)
+            ax.set_title(f"{op}, N={n}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("V_local (= V / TP)")
+            ax.set_ylabel("ms, fwd+bwd")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"vtp-runtime bench, V={vocab}: best of loop / CUDA-graph time per call")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
