@@ -363,6 +363,13 @@ def run(args) -> int:
     return 0
 
 
+def replot(json_path: str, png_path: str) -> None:
+    """Redraw the PNG from a ``--json`` file (no GPU needed)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    _plot([Row(**r) for r in data["rows"]], png_path, data["vocab"])
+
+
 def _version(dist: str) -> str | None:
     from importlib import metadata
     try:
@@ -396,6 +403,8 @@ def _plot(rows, path: str, vocab: int) -> None:
     import matplotlib.pyplot as plt
     ops = sorted({r.op for r in rows}, key=lambda o: OPS.index(o) if o in OPS else 99)
     tokens = sorted({r.tokens for r in rows})
+    arms = sorted({r.arm for r in rows})
+    colors = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(arms)}  # one color per arm
     fig, axes = plt.subplots(len(tokens), len(ops), figsize=(4 * len(ops), 3.4 * len(tokens)), squeeze=False)
     for i, n in enumerate(tokens):
         for j, op in enumerate(ops):
@@ -404,7 +413,7 @@ def _plot(rows, path: str, vocab: int) -> None:
                 pts = sorted((r.v_local, min(t for t in (r.ms, r.graph_ms) if t is not None))
                              for r in rows if r.op == op and r.arm == arm and r.tokens == n and r.ms is not None)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=arm)
+                    ax.plot(*zip(*pts), marker="o", label=arm, color=colors[arm])
             ax.set_title(f"{op}, N={n}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

@@ -61,18 +61,20 @@ class LaunchConfig:
     bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
     block_rows: int = 128  # finishing kernels: rows per program
     warps_finish: int = 4
-    fast_log2: bool = True  # JSD: hardware lg2.approx through inline PTX (NVIDIA only)
+    # JSD: the hardware lg2.approx through inline PTX. NVIDIA only, so off unless a config
+    # asks for it (CUDA_CONFIG does); other targets get Triton's portable tl.log2.
+    fast_log2: bool = False
     # statistics passes: issue tile i+1's load before reducing tile i. Measured 3-8% slower on
     # the H200 (benchmarks/NOTES.md): occupancy already hides the latency. Off by default.
     prefetch: bool = False
 
 
-CUDA_CONFIG = LaunchConfig()
+CUDA_CONFIG = LaunchConfig(fast_log2=True)
 # Triton's interpreter runs programs one by one in numpy: small tiles keep the tests fast
 # and make the small test shapes cover several tiles and several splits per row.
 INTERPRETER_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32,
                                   warps_bwd=1, target_programs=16, max_splits=4, bwd_target_programs=16,
-                                  block_rows=16, warps_finish=1, fast_log2=False)
+                                  block_rows=16, warps_finish=1)
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
