@@ -148,18 +148,27 @@ def main(argv=None) -> int:
     vocab, shape, tokens, reps = (1531, (3, 4), [64], 3) if args.cpu else (32003, (4, 16), [1024, 8192], 20)
     pool = RankPool(args.tp, backend="gloo" if args.cpu else "nccl", collective_timeout=300)
     out = {"tp": args.tp, "device": device}
+
+    def save():  # after every step, so a later step that runs out of time loses nothing
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+    failed = []
     try:
         print(f"[1/3] correctness at TP={args.tp} ({device})", flush=True)
         out["correctness"] = pool.run(correctness, device, vocab, shape, timeout=1800)[0]
         failed = [r for r in out["correctness"] if r[2].startswith("FAIL")]
         for backend, case, verdict in out["correctness"]:
             print(f"  {backend:10s} {case:60s} {verdict}")
+        save()
         print(f"[3/3] benchmark at TP={args.tp}", flush=True)
         out["bench"] = pool.run(benchmark, device, 151936 if not args.cpu else vocab, tokens, reps,
                                 timeout=1800)[0]
         for r in out["bench"]:
             print(f"  {r['arm']:28s} N={r['tokens']:5d} V_local={r['v_local']:6d} "
                   f"{r['max_ms']:9.3f} ms  {r['max_peak_gib']:6.2f} GiB (max over ranks)")
+        save()
     finally:
         pool.close()
     print("[2/3] training parity: 3 SGD updates under JSD, then the demo schedule", flush=True)
@@ -168,9 +177,7 @@ def main(argv=None) -> int:
     rc_sgd = cli(["demo", "--tp", str(args.tp), "--jsd-steps", "3", "--ce-steps", "0"])
     rc_demo = cli(["demo", "--tp", str(args.tp)])
     out["training"] = {"three_sgd_updates_rc": rc_sgd, "demo_rc": rc_demo}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save()
     return 1 if failed or rc_sgd or rc_demo else 0
 
 
