@@ -31,6 +31,7 @@ import torch
 
 from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability
 from vtp_runtime.comm import all_gather_stack, group_size
+from vtp_runtime.ops import kl_direction
 
 LOG2E = 1.4426950408889634
 
@@ -163,24 +164,20 @@ class TritonBackend(Backend):
 
     # -- forward -----------------------------------------------------------------------
     def forward(self, call, inputs, index, mask):
-        op = call.op
-        if op in ("cross_entropy", "logprobs", "entropy"):
+        if call.op in ("cross_entropy", "logprobs", "entropy"):
             return self._forward1(call, inputs[0], index, mask)
-        beta = call.options.get("beta", 0.5)
-        if op == "kl" or beta in (0.0, 1.0):
-            reverse = call.options["reverse"] if op == "kl" else beta == 1.0
+        reverse = kl_direction(call.op, call.options)
+        if reverse is not None:
             return self._forward_kl(call, inputs, mask, reverse)
-        return self._forward_jsd(call, inputs, mask, beta)
+        return self._forward_jsd(call, inputs, mask, call.options["beta"])
 
     def backward(self, call, saved, grad):
-        op = call.op
-        if op in ("cross_entropy", "logprobs", "entropy"):
+        if call.op in ("cross_entropy", "logprobs", "entropy"):
             return self._backward1(call, saved, grad)
-        beta = call.options.get("beta", 0.5)
-        if op == "kl" or beta in (0.0, 1.0):
-            reverse = call.options["reverse"] if op == "kl" else beta == 1.0
+        reverse = kl_direction(call.op, call.options)
+        if reverse is not None:
             return self._backward2(call, saved, grad, _KL, reverse, 0.5)
-        return self._backward2(call, saved, grad, _JSD, False, beta)
+        return self._backward2(call, saved, grad, _JSD, False, call.options["beta"])
 
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
         op, opts = call.op, call.options
