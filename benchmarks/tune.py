@@ -7,13 +7,13 @@ target shapes; prints one line per (config, shape). Used to pick the defaults in
 """
 
 import dataclasses
-import statistics
 import sys
 
 import torch
 
 import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
+from vtp_runtime.bench import _time_loop
 
 V = 151936
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
@@ -28,18 +28,7 @@ VARIANTS = {
 
 
 def time_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return _time_loop(fn, warmup=3, reps=reps)
 
 
 def main():
