@@ -22,10 +22,10 @@ Tensor = torch.Tensor
 
 
 class _Prepared:
-    """A call after local validation, metadata gather and backend selection."""
+    """A call after local validation and the metadata gather: what selection and the run need."""
 
-    __slots__ = ("spec", "inputs", "index", "mask", "options", "lead", "topk", "needs_grad",
-                 "request", "layout", "backend", "forced", "forced_by")
+    __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
+                 "forced", "forced_by")
 
 
 def _local_checks(spec: OpSpec, inputs, index, options) -> None:
