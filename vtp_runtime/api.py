@@ -237,7 +237,8 @@ def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
     elif mask is not None:
         count = mask.sum()
     else:
-        count = torch.tensor(values.numel(), device=values.device)
+        # a fill on the device: torch.tensor(n, device=cuda) would wait for the stream
+        count = torch.full((), values.numel(), device=values.device)
     return total / count.clamp(min=1).to(total.dtype)
 
 
