@@ -12,6 +12,7 @@ import vtp_runtime as vtp
 from vtp_runtime.backend import Request
 from vtp_runtime.errors import BackendUnavailable
 from vtp_runtime.registry import REGISTRY
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.cases import Case, run_case
 from vtp_runtime.testing.reference import values_and_grads
 
@@ -24,20 +25,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 CE = Case("cross_entropy", layout="even", backend="liger", vocab=24, shape=(2, 3))
 DIV = Case("jsd", layout="even", backend="liger", vocab=24, shape=(2, 3), grads=(True, False))
-
-
-def _case(rank, world, group, case):
-    """run_case, except that Liger's cross entropy refuses the second backward run_case
-    always attempts (after it has checked values and first-backward gradients)."""
-    try:
-        run_case(rank, world, group, case)
-    except SecondBackwardError:
-        return "second backward refused"
-    return "ok"
-
-
-def _expected(case: Case) -> str:
-    return "second backward refused" if case.op == "cross_entropy" and case.grads[0] else "ok"
 
 
 CE_CASES = [
@@ -61,7 +48,7 @@ DIV_CASES = [
 
 @pytest.mark.parametrize("case", CE_CASES + DIV_CASES, ids=lambda c: c.id)
 def test_tp1_matches_reference(case):
-    assert _case(0, 1, None, case) == _expected(case)
+    run_case(0, 1, None, case)  # cross entropy declares repeat_backward=False: the second backward must raise
 
 
 TP2_CASES = [CE, CE.with_(dtype="bfloat16", masked="labels"), CE.with_(edge="neg_inf"),
@@ -71,7 +58,7 @@ TP2_CASES = [CE, CE.with_(dtype="bfloat16", masked="labels"), CE.with_(edge="neg
 
 @pytest.mark.parametrize("case", TP2_CASES, ids=lambda c: c.id)
 def test_tp2_cross_entropy_matches_reference(ranks, case):
-    assert ranks(2, _case, case, timeout=120) == [_expected(case)] * 2
+    ranks(2, run_case, case, timeout=120)
 
 
 # -- refusals --------------------------------------------------------------------------------
@@ -278,3 +265,10 @@ def test_importing_the_backend_does_not_import_liger():
             "assert not any(k.startswith('liger_kernel') for k in sys.modules), 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert math.isfinite(1.0)
+
+
+# -- the conformance kit: every declared capability matches float64, the rest is refused ----
+
+@conformance.parametrize("liger")
+def test_conformance(conformance_case):
+    conformance.check(conformance_case)

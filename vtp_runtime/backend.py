@@ -49,6 +49,9 @@ class OpCapability:
     even_shards_only: bool = False
     empty_shards: bool = True  # can a rank hold V_local = 0?
     empty_tokens: bool = True  # can N be 0?
+    # a second backward through a retained graph gives the same gradient (True), or raises a
+    # RuntimeError saying why (False: e.g. a kernel that overwrites what it saved)
+    repeat_backward: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.features) - set(FEATURES)

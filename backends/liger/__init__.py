@@ -107,7 +107,7 @@ class LigerBackend(Backend):
     name = "liger"
     priority = 10
     ops = {
-        "cross_entropy": OpCapability(**_CAP, even_shards_only=True),
+        "cross_entropy": OpCapability(**_CAP, even_shards_only=True, repeat_backward=False),
         "kl": OpCapability(**_CAP, tp_sizes=frozenset({1}),
                            features=frozenset({"mask", "reverse", "temperature"})),
         "jsd": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "temperature"})),
