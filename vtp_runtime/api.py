@@ -190,10 +190,21 @@ class _VocabParallelFunction(torch.autograd.Function):
         return values
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        grads = ctx.backend.backward(ctx.call, ctx.saved_tensors, grad.contiguous())
-        return (None, None, None, None, *grads)
+        # With create_graph=True (grad mode on here) the gradient is not itself differentiable:
+        # once_differentiable makes a double backward raise instead of returning a wrong
+        # second-order term. It costs tens of µs, so the usual backward skips it.
+        if torch.is_grad_enabled():
+            return _backward_once(ctx, grad)
+        return _backward(ctx, grad)
+
+
+def _backward(ctx, grad):
+    grads = ctx.backend.backward(ctx.call, ctx.saved_tensors, grad.contiguous())
+    return (None, None, None, None, *grads)
+
+
+_backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
 def _run(p: _Prepared) -> Tensor:
