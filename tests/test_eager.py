@@ -171,3 +171,16 @@ def test_detached_teacher_gets_no_gradient_work():
         eager._jsd_backward = saved_fn
     assert seen == [(True, False)]
     assert s.grad is not None and t.grad is None
+
+
+def test_double_backward_raises_instead_of_a_wrong_second_order_gradient():
+    """Backward recomputes from detached statistics, so its result is not differentiable:
+    create_graph=True must lead to an error, never to a silently wrong Hessian term."""
+    z = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(vtp.entropy(z, backend="eager").sum(), z, create_graph=True)
+    with pytest.raises(RuntimeError):
+        g.sum().backward()
+    upstream = torch.ones(4, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(vtp.entropy(z, backend="eager"), z, upstream, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
