@@ -15,7 +15,7 @@ import torch
 from . import dispatch, shards
 from .backend import Backend, Call, Request
 from .errors import UnknownBackend
-from .ops import COMMON_OPTIONS, OpSpec, check_options, features_of, get_spec
+from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
@@ -99,14 +99,18 @@ def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim
     return "|".join(parts)
 
 
+# every option of each op with its default, built once (this is on every call's path)
+_DEFAULTS = {name: {**COMMON_OPTIONS, **spec.options} for name, spec in OPS.items()}
+
+
 def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
     spec = get_spec(op)
     n_expected = len(spec.inputs) + (1 if spec.index else 0)
     if len(tensors) != n_expected:
         names = ", ".join(spec.inputs + ((spec.index,) if spec.index else ()))
         raise TypeError(f"{op} takes {n_expected} tensor argument(s) ({names}), got {len(tensors)}")
-    allowed = {**COMMON_OPTIONS, **spec.options}
-    unknown = sorted(set(given) - set(allowed))
+    allowed = _DEFAULTS[spec.name]
+    unknown = sorted(given.keys() - allowed.keys())
     if unknown:
         raise TypeError(f"{op} got unknown option(s) {', '.join(unknown)}; it takes: {', '.join(allowed)}")
     options = {**allowed, **given}
