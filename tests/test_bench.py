@@ -1,0 +1,38 @@
+"""`vtp-runtime bench` where no GPU is: a clear refusal, and its plot redrawn from the
+committed H200 results (the timing itself runs on the GPU machine, never in CI)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+from vtp_runtime import bench
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "h200_final.json"
+
+
+def test_refuses_without_a_gpu():
+    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--ops", "jsd"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "needs a CUDA GPU" in run.stderr
+
+
+def test_model_bytes_counts_the_passes_of_the_performance_model():
+    n, v = 1024, 75968
+    assert bench.model_bytes("jsd", n, v, 2) == 7 * n * v * 2  # 3 reads of both inputs + 1 write
+    assert bench.model_bytes("kl", n, v, 2) == 5 * n * v * 2
+    for op in ("cross_entropy", "logprobs", "entropy"):
+        assert bench.model_bytes(op, n, v, 2) == 3 * n * v * 2  # read, re-read in backward, write
+
+
+def test_replot_and_table_from_committed_results(tmp_path, capsys):
+    data = json.loads(RESULTS.read_text())
+    assert data["rows"] and data["copy_gbps"] > 1000
+    png = tmp_path / "bench.png"
+    bench.replot(str(RESULTS), str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    bench._print_table([bench.Row(**r) for r in data["rows"]], data["copy_gbps"], None)
+    out = capsys.readouterr().out
+    assert "device-to-device copy" in out and "jsd" in out and "triton" in out
