@@ -156,7 +156,6 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
             options_fingerprint=_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead)) if ok else "",
             forced=forced,
             available=dispatch.local_availability(device.type),
-            registry_fingerprint=",".join(f"{b.name}:{b.priority}" for b in registered.values()),
             error=error,
             error_detail=detail,
         )

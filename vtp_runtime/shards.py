@@ -27,7 +27,7 @@ DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "npu")
 
 # Fixed fields of the metadata vector, in order.
 FIELDS = ("magic", "v_local", "vocab_start", "vocab_end", "global_vocab_size", "num_tokens",
-          "dtype", "device_type", "op", "options", "forced", "error", "error_detail", "registry")
+          "dtype", "device_type", "op", "options", "forced", "error", "error_detail")
 F = {name: i for i, name in enumerate(FIELDS)}
 META_SIZE = len(FIELDS) + MAX_BACKEND_SLOTS
 
@@ -35,10 +35,8 @@ META_SIZE = len(FIELDS) + MAX_BACKEND_SLOTS
 ERRORS = {
     1: "invalid argument value or shape",
     3: "invalid argument type",
-    4: "inputs on different devices",
     5: "unknown backend name",
-    6: "invalid vocab_start/vocab_end",
-    7: "too many backends registered",
+    7: "too many backends available",
 }
 
 
@@ -67,7 +65,6 @@ class LocalCall:
     options_fingerprint: str
     forced: str | None
     available: tuple[int, ...]  # backend_key of each backend whose probe passes here
-    registry_fingerprint: str
     error: int = 0
     error_detail: str = ""
 
@@ -119,13 +116,10 @@ def encode(local: LocalCall) -> list[int]:
     row[F["op"]] = list(OPS).index(local.op)
     row[F["options"]] = stable_hash(local.options_fingerprint)
     row[F["forced"]] = stable_hash(local.forced) if local.forced else 0
+    if len(local.available) > MAX_BACKEND_SLOTS and not local.error:
+        local.error, local.error_detail = 7, f"more than {MAX_BACKEND_SLOTS} backends are available"
     row[F["error"]] = local.error
     row[F["error_detail"]] = stable_hash(local.error_detail) if local.error else 0
-    row[F["registry"]] = stable_hash(local.registry_fingerprint)
-    error = local.error
-    if len(local.available) > MAX_BACKEND_SLOTS and not error:
-        row[F["error"]], local.error_detail = 7, f"more than {MAX_BACKEND_SLOTS} backends are available"
-        row[F["error_detail"]] = stable_hash(local.error_detail)
     for i, key in enumerate(local.available[:MAX_BACKEND_SLOTS]):
         row[len(FIELDS) + i] = key
     return row
