@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
+from vtp_runtime.bench import _inputs, _vtp_arm
 
 V = 151936
 BASE = tb.CUDA_CONFIG
@@ -27,13 +28,8 @@ SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy"
 
 
 def per_kernel(op, n, v, reps=10):
-    z = torch.randn(n, v, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-    other = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) if op == "jsd" else \
-        torch.randint(0, v, (n,), device="cuda")
-
-    def step():
-        out = vtp.loss(op, z, other, backend="triton")
-        return torch.autograd.grad(out, (z,), torch.ones_like(out))
+    z, other = _inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
+    step = _vtp_arm("triton", op, z, other, beta=0.5)
 
     for _ in range(3):
         step()

@@ -11,9 +11,8 @@ import sys
 
 import torch
 
-import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
-from vtp_runtime.bench import _time_loop
+from vtp_runtime.bench import _inputs, _time_loop, _vtp_arm, model_bytes
 
 V = 151936
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
@@ -41,16 +40,9 @@ def main():
         tb.CUDA_CONFIG = cfg
         for op, n, tp in SHAPES:
             v = V // tp
-            z = torch.randn(n, v, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
-            other = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) if op == "jsd" else \
-                torch.randint(0, v, (n,), device="cuda")
-
-            def step():
-                out = vtp.loss(op, z, other, backend="triton")
-                return torch.autograd.grad(out, (z,), torch.ones_like(out))
-
-            ms = time_ms(step)
-            nbytes = (7 if op == "jsd" else 3) * n * v * 2
+            z, other = _inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
+            ms = time_ms(_vtp_arm("triton", op, z, other, beta=0.5))
+            nbytes = model_bytes(op, n, v, 2)
             print(f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
                   f"{100 * nbytes / ms / 1e6 / copy:4.0f}%", flush=True)
             del z, other
