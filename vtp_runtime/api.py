@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, shards
+from . import dispatch, inputs, shards
 from .backend import Backend, Call, Request
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
@@ -264,14 +264,18 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
     each rank passing its local ``[..., V_local]`` shard. The result is fp32 (fp64 for fp64
     inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for top-k log-probs) or a scalar when
-    reduced, and identical on every rank of ``tp_group``.
+    reduced, and identical on every rank of ``tp_group``. DTensor logits give a DTensor
+    result on their mesh (see ``vtp_runtime.inputs``).
     """
-    return _run(_prepare(op, tensors, options))
+    tensors, options, wrap = inputs.normalize(op, tensors, options)
+    out = _run(_prepare(op, tensors, options))
+    return out if wrap is None else wrap(out)
 
 
 def explain(op: str, *tensors: Tensor, **options: Any) -> dispatch.Explanation:
     """Which backend ``loss(op, *tensors, **options)`` would use and why not the others.
     A collective call like ``loss``: every rank of ``tp_group`` must call it."""
+    tensors, options, _ = inputs.normalize(op, tensors, options)
     p = _prepare(op, tensors, options)
     return dispatch.explain_request(p.request, p.layout, p.forced, p.forced_by)
 

@@ -1,0 +1,245 @@
+"""Input forms, normalized at the API boundary: backends only ever see plain local tensors.
+
+``normalize(op, tensors, options)`` runs first in ``loss`` and ``explain``. Plain tensors
+pass through untouched (a type check per tensor: this is on every call's path). A DTensor
+(``torch.distributed.tensor``) whose last dimension -- the vocabulary -- is sharded on one
+mesh dimension becomes its local shard plus the layout facts the core needs: the process
+group of that mesh dimension (``tp_group``), this rank's ``[vocab_start, vocab_end)`` by
+torch's own chunking (ceil(V/tp) per rank, the last shards smaller or empty) and the global
+V (``global_vocab_size``). Every rank derives them from the same placement, so they agree.
+
+Other mesh dimensions may shard the batch (``Shard(d)``, ``d`` before the vocabulary) or
+replicate: the local batch is what this rank computes. The result is wrapped back into a
+DTensor on the same mesh, placed as ``loss_parallel()`` places ``F.cross_entropy``'s
+result: ``Replicate()`` on the vocabulary's mesh dimension (every TP rank holds the same
+loss); per token (``reduction="none"``) it keeps the batch sharding; reduced, it is
+``Partial("sum")`` over batch-sharded mesh dimensions (each rank holds its batch's part).
+``to_local`` and ``from_local`` are differentiable, so the gradient of a DTensor input is a
+DTensor with the input's placement.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from .ops import get_spec
+
+Tensor = torch.Tensor
+Wrap = Callable[[Tensor], Any]
+
+_TENSOR_OPTIONS = ("mask", "labels", "normalizer")
+_DT: Any = None  # the torch DTensor names, imported on first use (see _dtensor)
+
+
+def normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple, dict[str, Any], Wrap | None]:
+    """``(tensors, options, wrap)`` for ``_prepare``: plain local tensors, options with the
+    layout a DTensor carries, and ``wrap`` to turn the result back into a DTensor (None when
+    no DTensor was given: use the result as it is). Raises ValueError/TypeError for a
+    DTensor layout vtp_runtime cannot take; the placement is the same on every rank, so
+    every rank raises the same error before any collective."""
+    for t in tensors:
+        if type(t) is not Tensor:
+            return _normalize(op, tensors, options)
+    for name in _TENSOR_OPTIONS:
+        t = options.get(name)
+        if t is not None and type(t) is not Tensor and isinstance(t, Tensor):
+            return _normalize(op, tensors, options)
+    return tensors, options, None
+
+
+def _dtensor():
+    """torch's DTensor names (DTensor, Shard, Replicate, Partial, and the function giving a
+    shard's shape and offset), or None where torch.distributed is not built."""
+    global _DT
+    if _DT is None:
+        if not torch.distributed.is_available():
+            _DT = False
+            return None
+        try:  # torch >= 2.5
+            from torch.distributed import tensor as dt
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        except ImportError:  # torch 2.4
+            from torch.distributed import _tensor as dt
+            from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+        _DT = _Torch(dt.DTensor, dt.Shard, dt.Replicate, dt.Partial, compute_local_shape_and_global_offset)
+    return _DT or None
+
+
+class _Torch:
+    """The torch DTensor names this module uses."""
+
+    def __init__(self, dtensor, shard, replicate, partial, local_shape_and_offset):
+        self.DTensor, self.Shard, self.Replicate, self.Partial = dtensor, shard, replicate, partial
+        self.local_shape_and_offset = local_shape_and_offset
+
+
+class _Layout:
+    """What a logits DTensor says about its shards, on this rank."""
+
+    __slots__ = ("mesh", "placements", "vocab_mesh_dim", "batch_sharded", "group", "vocab_start",
+                 "vocab_end", "vocab_size", "shape")
+
+
+def _placements(t, torch_names: _Torch) -> tuple:
+    """``t.placements`` with shard dimensions counted from the front (Shard(-1) -> Shard(ndim-1))."""
+    return tuple(torch_names.Shard(p.dim % t.dim()) if p.is_shard() and p.dim < 0 else p for p in t.placements)
+
+
+def _layout(logits, names: _Torch) -> _Layout:
+    ndim = logits.dim()
+    if ndim < 1:
+        raise ValueError("logits must have a vocabulary dimension: shape [..., V]")
+    lay = _Layout()
+    lay.mesh, lay.placements, lay.shape = logits.device_mesh, _placements(logits, names), tuple(logits.shape)
+    vocab_dims, lay.batch_sharded = [], False
+    for i, p in enumerate(lay.placements):
+        # a strided shard (FSDP2 + TP) also reports is_shard() on some torch versions
+        if p.is_shard() and not hasattr(p, "split_factor"):
+            if p.dim % ndim == ndim - 1:
+                vocab_dims.append(i)
+            else:
+                lay.batch_sharded = True
+        elif not p.is_replicate():
+            what = "a pending reduction (Partial)" if p.is_partial() else "not a plain Shard or Replicate"
+            raise ValueError(f"the logits DTensor has placement {p} on mesh dimension {i}, {what}; "
+                             f"vtp_runtime takes Shard(-1) on the vocabulary's mesh dimension and "
+                             f"Shard/Replicate elsewhere: redistribute it first (.redistribute(mesh, placements))")
+    if len(vocab_dims) > 1:
+        raise ValueError(f"the logits DTensor shards the vocabulary on mesh dimensions {vocab_dims} "
+                         f"(placements {lay.placements}); shard it on exactly one")
+    lay.vocab_size = lay.shape[-1]
+    lay.vocab_mesh_dim = vocab_dims[0] if vocab_dims else None
+    if lay.vocab_mesh_dim is None:
+        lay.group, lay.vocab_start, lay.vocab_end = None, None, None
+        return lay
+    if lay.mesh.get_coordinate() is None:
+        raise ValueError("this rank is not part of the logits DTensor's device mesh; call vtp_runtime "
+                         "only on the ranks of the mesh")
+    lay.group = lay.mesh.get_group(lay.vocab_mesh_dim)
+    # The bounds torch's chunking gives this rank. The local tensor is checked against them
+    # after the metadata gather, so a DTensor built with a wrong global shape fails on every
+    # rank. An empty shard sits at the end, [V, V), whatever offset this torch reports for it.
+    local_shape, offset = names.local_shape_and_offset(lay.shape, lay.mesh, lay.placements)
+    size = int(local_shape[-1])
+    lay.vocab_start = int(offset[-1]) if size else lay.vocab_size
+    lay.vocab_end = lay.vocab_start + size
+    return lay
+
+
+def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple, dict[str, Any], Wrap | None]:
+    names = _dtensor()
+    if names is None:
+        return tensors, options, None
+    DTensor = names.DTensor
+    spec = get_spec(op)
+    n_logits = len(spec.inputs)
+    logits = tensors[0] if tensors else None
+    if not isinstance(logits, DTensor):
+        given = [name for name, t in _named_tensors(spec, tensors, options) if isinstance(t, DTensor)]
+        if given:
+            raise TypeError(f"{', '.join(given)} {'is a DTensor' if len(given) == 1 else 'are DTensors'} but "
+                            f"{spec.inputs[0]} is not; pass the logits as a DTensor too, or pass this "
+                            f"rank's local parts (.to_local())")
+        return tensors, options, None
+
+    lay = _layout(logits, names)
+    options = dict(options)
+    if lay.vocab_mesh_dim is not None:
+        _check_layout_options(lay, options)
+        options.update(tp_group=lay.group, vocab_start=lay.vocab_start, vocab_end=lay.vocab_end,
+                       global_vocab_size=lay.vocab_size)
+
+    local = [logits.to_local()]
+    for name, t in zip(spec.inputs[1:], tensors[1:n_logits]):
+        if isinstance(t, DTensor):
+            if t.device_mesh != lay.mesh or _placements(t, names) != lay.placements or tuple(t.shape) != lay.shape:
+                raise ValueError(f"{name} is a DTensor of shape {tuple(t.shape)} with placements "
+                                 f"{tuple(t.placements)}; it must be laid out like {spec.inputs[0]} "
+                                 f"(shape {lay.shape}, placements {lay.placements}, same mesh): "
+                                 f"{name}.redistribute({spec.inputs[0]}.device_mesh, {spec.inputs[0]}.placements)")
+            t = t.to_local()
+        local.append(t)
+    for name, t in zip((spec.index,) if spec.index else (), tensors[n_logits:]):
+        local.append(_local_part(name, t, lay, names))
+    local.extend(tensors[n_logits + (1 if spec.index else 0):])  # too many: _prepare says so
+    for name in ("mask", "labels"):
+        if options.get(name) is not None:
+            options[name] = _local_part(name, options[name], lay, names)
+    normalizer = options.get("normalizer")
+    if isinstance(normalizer, DTensor):
+        if not all(p.is_replicate() for p in normalizer.placements):
+            raise ValueError(f"normalizer is a DTensor with placements {tuple(normalizer.placements)}; pass "
+                             f"a replicated one (.full_tensor() or .redistribute(mesh, [Replicate()] * ndim))")
+        options["normalizer"] = normalizer.to_local()
+
+    reduced = options.get("reduction", "none") != "none"
+    if reduced and lay.batch_sharded and options.get("reduction") == "mean" and options.get("normalizer") is None:
+        raise ValueError(f"reduction='mean' on logits whose batch is sharded across the mesh (placements "
+                         f"{lay.placements}) would average per-rank means; use reduction='sum' with "
+                         f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'")
+    return tuple(local), options, _wrapper(lay, reduced, names)
+
+
+def _named_tensors(spec, tensors, options):
+    names = spec.inputs + ((spec.index,) if spec.index else ())
+    yield from zip(names, tensors)
+    for name in _TENSOR_OPTIONS:
+        yield name, options.get(name)
+
+
+def _local_part(name: str, t, lay: _Layout, names: _Torch):
+    """This rank's part of labels, index or mask: a plain tensor is taken as it is; a
+    DTensor must be replicated, or sharded over the batch like the logits."""
+    if not isinstance(t, names.DTensor):
+        return t
+    target = tuple(names.Replicate() if i == lay.vocab_mesh_dim else p for i, p in enumerate(lay.placements))
+    placements = _placements(t, names)
+    if t.device_mesh != lay.mesh or (placements != target and not all(p.is_replicate() for p in placements)):
+        raise ValueError(f"{name} is a DTensor with placements {placements}; it must be on the logits' mesh "
+                         f"and either replicated or placed {target} (the logits' batch sharding)")
+    if placements != target:  # replicated: keep this rank's batch (no communication)
+        t = t.redistribute(lay.mesh, target)
+    return t.to_local()
+
+
+def _same_group(a, b) -> bool:
+    if a is b:
+        return True
+    ranks = torch.distributed.get_process_group_ranks
+    return ranks(a) == ranks(b)
+
+
+def _check_layout_options(lay: _Layout, options: dict[str, Any]) -> None:
+    group = options.get("tp_group")
+    if group is not None and not _same_group(group, lay.group):
+        raise ValueError(f"tp_group is not the process group of mesh dimension {lay.vocab_mesh_dim}, which "
+                         f"shards the logits DTensor's vocabulary; leave tp_group out (the DTensor gives it)")
+    if options.get("vocab_start") is not None or options.get("vocab_end") is not None:
+        raise ValueError(f"vocab_start/vocab_end come from the logits DTensor's placement (this rank holds "
+                         f"[{lay.vocab_start}, {lay.vocab_end})); leave them out, or pass plain local tensors "
+                         f"(.to_local()) to use another tiling")
+    given = options.get("global_vocab_size")
+    if given is not None and given != lay.vocab_size:
+        raise ValueError(f"global_vocab_size={given!r} but the logits DTensor's vocabulary has "
+                         f"V={lay.vocab_size}")
+
+
+def _wrapper(lay: _Layout, reduced: bool, names: _Torch) -> Wrap:
+    DTensor, Replicate, Partial = names.DTensor, names.Replicate, names.Partial
+    if reduced:  # a scalar: each batch shard holds its part of the sum
+        placements = tuple(Partial() if p.is_shard() and i != lay.vocab_mesh_dim else Replicate()
+                           for i, p in enumerate(lay.placements))
+    else:  # the logits' batch sharding; replicated over the vocabulary's mesh dimension
+        placements = tuple(Replicate() if i == lay.vocab_mesh_dim else p for i, p in enumerate(lay.placements))
+    lead = lay.shape[:-1]
+
+    def wrap(out: Tensor):
+        shape = () if reduced else lead + tuple(out.shape[len(lead):])  # + (k,) for top-k log-probs
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(out, lay.mesh, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=stride)
+
+    return wrap
