@@ -225,23 +225,28 @@ def forms_and_errors(rank, world, group):
         x9 = distribute_tensor(x[..., :9], line, [Shard(2)])
         assert "tp=4 V=9 tokens=12 shards=uneven, one empty" in str(vtp.explain("jsd", x9, x9))
 
+        partial_logits = DTensor.from_local(dx.to_local(), mesh, [Shard(0), Partial()])
+        vocab_twice = distribute_tensor(x, mesh, [Shard(2), Shard(2)])
+        replicated_mask = distribute_tensor(y > 0, mesh, [Replicate(), Replicate()])
+        teacher_elsewhere = distribute_tensor(t, mesh, [Replicate(), Shard(2)])
+        labels_elsewhere = distribute_tensor(y, mesh, [Shard(1), Replicate()])
+        partial_count = DTensor.from_local(torch.tensor(1.0), mesh, [Partial(), Replicate()])
+        # from_local without shape= assumes even shards: with V=10 on 4 ranks (3, 3, 3, 1), ranks
+        # 0-2 read V=12 and rank 3 reads V=4; every rank raises all the same (after the gather)
+        no_shape = DTensor.from_local(distribute_tensor(x, line, [Shard(2)]).to_local(), line, [Shard(2)])
         errors = [
             (ValueError, "come from the logits DTensor", lambda: vtp.cross_entropy(dx, dy, vocab_start=0, vocab_end=5)),
             (ValueError, "tp_group is not", lambda: vtp.cross_entropy(dx, dy, tp_group=group)),
             (ValueError, "global_vocab_size=11", lambda: vtp.cross_entropy(dx, dy, global_vocab_size=11)),
-            (ValueError, "Partial", lambda: vtp.entropy(DTensor.from_local(dx.to_local(), mesh, [Shard(0), Partial()]))),
-            (ValueError, "exactly one", lambda: vtp.entropy(distribute_tensor(x, mesh, [Shard(2), Shard(2)]))),
+            (ValueError, "Partial", lambda: vtp.entropy(partial_logits)),
+            (ValueError, "exactly one", lambda: vtp.entropy(vocab_twice)),
             (ValueError, "per-rank means", lambda: vtp.entropy(dx, reduction="mean")),
             (TypeError, "labels is a DTensor", lambda: vtp.cross_entropy(dx.to_local(), dy)),
-            (TypeError, "mask is a DTensor", lambda: vtp.entropy(x, mask=distribute_tensor(y > 0, mesh, [Replicate()] * 2))),
-            (ValueError, "teacher_logits is a DTensor", lambda: vtp.kl(dx, distribute_tensor(t, mesh, [Replicate(), Shard(2)]))),
-            (ValueError, "labels is a DTensor", lambda: vtp.cross_entropy(dx, distribute_tensor(y, mesh, [Shard(1), Replicate()]))),
-            (ValueError, "normalizer is a DTensor", lambda: vtp.entropy(dx, reduction="sum", normalizer=DTensor.from_local(
-                torch.tensor(1.0), mesh, [Partial(), Replicate()]))),
-            # from_local without shape= takes uneven shards for even ones: V=10 on 4 ranks read as 12.
-            # Only rank 3's shard disagrees, and still every rank raises (after the metadata gather)
-            (ShardError, "", lambda: vtp.entropy(DTensor.from_local(distribute_tensor(x, line, [Shard(2)]).to_local(),
-                                                                    line, [Shard(2)]))),
+            (TypeError, "mask is a DTensor", lambda: vtp.entropy(x, mask=replicated_mask)),
+            (ValueError, "teacher_logits is a DTensor", lambda: vtp.kl(dx, teacher_elsewhere)),
+            (ValueError, "labels is a DTensor", lambda: vtp.cross_entropy(dx, labels_elsewhere)),
+            (ValueError, "normalizer is a DTensor", lambda: vtp.entropy(dx, reduction="sum", normalizer=partial_count)),
+            (ShardError, "", lambda: vtp.entropy(no_shape)),
         ]
         for kind, match, call in errors:
             with pytest.raises(kind, match=match):

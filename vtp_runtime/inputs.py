@@ -60,10 +60,14 @@ def _dtensor():
             return None
         try:  # torch >= 2.5
             from torch.distributed import tensor as dt
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+            from torch.distributed.tensor._utils import (
+                compute_local_shape_and_global_offset,
+            )
         except ImportError:  # torch 2.4
             from torch.distributed import _tensor as dt
-            from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+            from torch.distributed._tensor._utils import (
+                compute_local_shape_and_global_offset,
+            )
         _DT = _Torch(dt.DTensor, dt.Shard, dt.Replicate, dt.Partial, compute_local_shape_and_global_offset)
     return _DT or None
 
@@ -77,10 +81,10 @@ class _Torch:
 
 
 class _Layout:
-    """What a logits DTensor says about its shards, on this rank."""
+    """What a logits DTensor's mesh and placement say about the shards, on this rank."""
 
     __slots__ = ("mesh", "placements", "vocab_mesh_dim", "batch_sharded", "group", "vocab_start",
-                 "vocab_end", "vocab_size", "shape")
+                 "vocab_end", "vocab_size")
 
 
 def _placements(t, torch_names: _Torch) -> tuple:
@@ -88,17 +92,33 @@ def _placements(t, torch_names: _Torch) -> tuple:
     return tuple(torch_names.Shard(p.dim % t.dim()) if p.is_shard() and p.dim < 0 else p for p in t.placements)
 
 
+_LAYOUTS: dict = {}  # (mesh, placements, ndim, (V,)) -> _Layout: the same for every batch shape
+
+
 def _layout(logits, names: _Torch) -> _Layout:
-    ndim = logits.dim()
+    placements = _placements(logits, names)
+    shape = tuple(logits.shape)
+    key = (logits.device_mesh, placements, len(shape), shape[-1:])
+    lay = _LAYOUTS.get(key)
+    if lay is None:
+        lay = _new_layout(logits.device_mesh, placements, shape, names)
+        if len(_LAYOUTS) > 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = lay
+    return lay
+
+
+def _new_layout(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Layout:
+    ndim = len(shape)
     if ndim < 1:
         raise ValueError("logits must have a vocabulary dimension: shape [..., V]")
     lay = _Layout()
-    lay.mesh, lay.placements, lay.shape = logits.device_mesh, _placements(logits, names), tuple(logits.shape)
+    lay.mesh, lay.placements, lay.vocab_size = mesh, placements, shape[-1]
     vocab_dims, lay.batch_sharded = [], False
-    for i, p in enumerate(lay.placements):
+    for i, p in enumerate(placements):
         # a strided shard (FSDP2 + TP) also reports is_shard() on some torch versions
         if p.is_shard() and not hasattr(p, "split_factor"):
-            if p.dim % ndim == ndim - 1:
+            if p.dim == ndim - 1:
                 vocab_dims.append(i)
             else:
                 lay.batch_sharded = True
@@ -109,20 +129,20 @@ def _layout(logits, names: _Torch) -> _Layout:
                              f"Shard/Replicate elsewhere: redistribute it first (.redistribute(mesh, placements))")
     if len(vocab_dims) > 1:
         raise ValueError(f"the logits DTensor shards the vocabulary on mesh dimensions {vocab_dims} "
-                         f"(placements {lay.placements}); shard it on exactly one")
-    lay.vocab_size = lay.shape[-1]
+                         f"(placements {placements}); shard it on exactly one")
     lay.vocab_mesh_dim = vocab_dims[0] if vocab_dims else None
     if lay.vocab_mesh_dim is None:
         lay.group, lay.vocab_start, lay.vocab_end = None, None, None
         return lay
-    if lay.mesh.get_coordinate() is None:
+    if mesh.get_coordinate() is None:
         raise ValueError("this rank is not part of the logits DTensor's device mesh; call vtp_runtime "
                          "only on the ranks of the mesh")
-    lay.group = lay.mesh.get_group(lay.vocab_mesh_dim)
-    # The bounds torch's chunking gives this rank. The local tensor is checked against them
-    # after the metadata gather, so a DTensor built with a wrong global shape fails on every
-    # rank. An empty shard sits at the end, [V, V), whatever offset this torch reports for it.
-    local_shape, offset = names.local_shape_and_offset(lay.shape, lay.mesh, lay.placements)
+    lay.group = mesh.get_group(lay.vocab_mesh_dim)
+    # The bounds torch's chunking gives this rank; they do not depend on the other dimensions
+    # (so the layout is cached without them). The local tensor is checked against them after
+    # the metadata gather, so a DTensor built with a wrong global shape fails on every rank.
+    # An empty shard sits at the end, [V, V), whatever offset this torch reports for it.
+    local_shape, offset = names.local_shape_and_offset(shape, mesh, placements)
     size = int(local_shape[-1])
     lay.vocab_start = int(offset[-1]) if size else lay.vocab_size
     lay.vocab_end = lay.vocab_start + size
@@ -155,10 +175,10 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
     local = [logits.to_local()]
     for name, t in zip(spec.inputs[1:], tensors[1:n_logits]):
         if isinstance(t, DTensor):
-            if t.device_mesh != lay.mesh or _placements(t, names) != lay.placements or tuple(t.shape) != lay.shape:
+            if t.device_mesh != lay.mesh or _placements(t, names) != lay.placements or t.shape != logits.shape:
                 raise ValueError(f"{name} is a DTensor of shape {tuple(t.shape)} with placements "
                                  f"{tuple(t.placements)}; it must be laid out like {spec.inputs[0]} "
-                                 f"(shape {lay.shape}, placements {lay.placements}, same mesh): "
+                                 f"(shape {tuple(logits.shape)}, placements {lay.placements}, same mesh): "
                                  f"{name}.redistribute({spec.inputs[0]}.device_mesh, {spec.inputs[0]}.placements)")
             t = t.to_local()
         local.append(t)
@@ -180,7 +200,7 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
         raise ValueError(f"reduction='mean' on logits whose batch is sharded across the mesh (placements "
                          f"{lay.placements}) would average per-rank means; use reduction='sum' with "
                          f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'")
-    return tuple(local), options, _wrapper(lay, reduced, names)
+    return tuple(local), options, _wrapper(lay, tuple(logits.shape[:-1]), reduced, names)
 
 
 def _named_tensors(spec, tensors, options):
@@ -227,14 +247,15 @@ def _check_layout_options(lay: _Layout, options: dict[str, Any]) -> None:
                          f"V={lay.vocab_size}")
 
 
-def _wrapper(lay: _Layout, reduced: bool, names: _Torch) -> Wrap:
+def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch) -> Wrap:
+    """Wraps this rank's result into a DTensor; ``lead`` is the global shape of the logits
+    without the vocabulary."""
     DTensor, Replicate, Partial = names.DTensor, names.Replicate, names.Partial
     if reduced:  # a scalar: each batch shard holds its part of the sum
         placements = tuple(Partial() if p.is_shard() and i != lay.vocab_mesh_dim else Replicate()
                            for i, p in enumerate(lay.placements))
     else:  # the logits' batch sharding; replicated over the vocabulary's mesh dimension
         placements = tuple(Replicate() if i == lay.vocab_mesh_dim else p for i, p in enumerate(lay.placements))
-    lead = lay.shape[:-1]
 
     def wrap(out: Tensor):
         shape = () if reduced else lead + tuple(out.shape[len(lead):])  # + (k,) for top-k log-probs
