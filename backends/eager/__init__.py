@@ -21,7 +21,7 @@ import torch
 
 from vtp_runtime.backend import ALL_DTYPES, Backend, Call, OpCapability
 from vtp_runtime.comm import all_reduce_
-from vtp_runtime.ops import kl_direction
+from vtp_runtime.ops import OPS, kl_direction
 from vtp_runtime.registry import hookimpl
 
 CHUNK_ELEMENTS = 1 << 24
@@ -79,14 +79,9 @@ def _bad_index(index: Tensor, call: Call) -> Tensor:
 class EagerBackend(Backend):
     name = "eager"
     priority = 0
-    _ANY = dict(device_types=None, dtypes=ALL_DTYPES)
-    ops = {
-        "cross_entropy": OpCapability(**_ANY, features=frozenset({"label_smoothing", "z_loss", "temperature"})),
-        "logprobs": OpCapability(**_ANY, features=frozenset({"topk", "temperature"})),
-        "entropy": OpCapability(**_ANY, features=frozenset({"mask", "temperature"})),
-        "kl": OpCapability(**_ANY, features=frozenset({"mask", "temperature", "reverse", "teacher_grad"})),
-        "jsd": OpCapability(**_ANY, features=frozenset({"mask", "temperature", "teacher_grad"})),
-    }
+    # every op with every feature that applies to it, on any device, in every dtype
+    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
+           for op, spec in OPS.items()}
 
     def forward(self, call, inputs, index, mask):
         reverse = kl_direction(call.op, call.options)

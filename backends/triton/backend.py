@@ -31,7 +31,7 @@ import torch
 
 from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability
 from vtp_runtime.comm import all_gather_stack, group_size
-from vtp_runtime.ops import kl_direction
+from vtp_runtime.ops import OPS, kl_direction
 
 LOG2E = 1.4426950408889634
 
@@ -79,17 +79,9 @@ INTERPRETER_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, w
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
-    """Every op with every feature it has, on ``device_types``, in fp32/bf16/fp16."""
-    def cap(*features: str) -> OpCapability:
-        return OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(features))
-
-    return {
-        "cross_entropy": cap("label_smoothing", "z_loss", "temperature"),
-        "logprobs": cap("topk", "temperature"),
-        "entropy": cap("mask", "temperature"),
-        "kl": cap("mask", "temperature", "reverse", "teacher_grad"),
-        "jsd": cap("mask", "temperature", "teacher_grad"),
-    }
+    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16."""
+    return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features))
+            for op, spec in OPS.items()}
 
 
 def _kernels():
