@@ -83,16 +83,16 @@ class WrongValue(EagerBackend):
     locals().update(_entropy_only("kit_wrong_value"))
 
     def forward(self, call, inputs, index, mask):
-        values, saved = super().forward(call, inputs, index, mask)
-        return values * 1.001, saved
+        values, state = super().forward(call, inputs, index, mask)
+        return values * 1.001, state
 
 
 class WrongTemperatureGrad(EagerBackend):
     """Right at T = 1; forgets the 1/T factor of the gradient."""
     locals().update(_entropy_only("kit_wrong_temperature_grad"))
 
-    def backward(self, call, saved, grad):
-        (out,) = super().backward(call, saved, grad)
+    def backward(self, call, state, grad):
+        (out,) = super().backward(call, state, grad)
         return (out * call.options["temperature"],)
 
 
@@ -108,9 +108,9 @@ class OverwritesSaved(EagerBackend):
     """Right the first time; its backward overwrites what it saved (as Liger's kernels do)."""
     locals().update(_entropy_only("kit_overwrites_saved"))
 
-    def backward(self, call, saved, grad):
-        out = super().backward(call, saved, grad)
-        saved[1].data.add_(1.0)  # like a kernel writing through a raw pointer: autograd cannot tell
+    def backward(self, call, state, grad):
+        out = super().backward(call, state, grad)
+        state.max.data.add_(1.0)  # like a kernel writing through a raw pointer: autograd cannot tell
         return out
 
 

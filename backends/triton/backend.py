@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability
+from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import OPS, kl_direction
 
@@ -76,6 +76,26 @@ CUDA_CONFIG = LaunchConfig(fast_log2=True)
 INTERPRETER_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32,
                                   warps_bwd=1, target_programs=16, max_splits=4, bwd_target_programs=16,
                                   block_rows=16, warps_finish=1)
+
+
+@dataclass
+class OneInputState(SavedState):
+    """cross_entropy, logprobs, entropy: the logits, their index and mask, O(N) statistics."""
+
+    logits: torch.Tensor  # [N, V_local], or the [A, B, V_local] strided view the kernels read
+    index: torch.Tensor | None  # int64 labels [N] or logprobs' index [N, k]; None for entropy
+    stats: torch.Tensor  # fp32 [N, 2]: anchor, log2 sum (entropy [N, 3]: and the entropy)
+    keep: torch.Tensor | None  # uint8 [N] (entropy with a mask), else None
+
+
+@dataclass
+class PairState(SavedState):
+    """kl and jsd: both inputs, the mask, O(N) statistics."""
+
+    student: torch.Tensor
+    teacher: torch.Tensor
+    stats: torch.Tensor  # fp32, KL [N, 5]: a_a, log2 s_a, a_b, log2 s_b, KL; JSD [N, 6]: ..., KL_s, KL_t
+    keep: torch.Tensor | None  # uint8 [N] with a mask, else None
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
@@ -163,13 +183,13 @@ class TritonBackend(Backend):
             return self._forward_kl(call, inputs, mask, reverse)
         return self._forward_jsd(call, inputs, mask, call.options["beta"])
 
-    def backward(self, call, saved, grad):
+    def backward(self, call, state, grad):
         if call.op in ("cross_entropy", "logprobs", "entropy"):
-            return self._backward1(call, saved, grad)
+            return self._backward1(call, state, grad)
         reverse = kl_direction(call.op, call.options)
         if reverse is not None:
-            return self._backward2(call, saved, grad, _KL, reverse, 0.5)
-        return self._backward2(call, saved, grad, _JSD, False, call.options["beta"])
+            return self._backward2(call, state, grad, _KL, reverse, 0.5)
+        return self._backward2(call, state, grad, _JSD, False, call.options["beta"])
 
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
         op, opts = call.op, call.options
@@ -191,9 +211,9 @@ class TritonBackend(Backend):
         val_shape = (n, n_idx) if (kind == _LOGPROBS and call.topk) else (n,)
         values = torch.empty(val_shape, dtype=torch.float32, device=dev)
         stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
-        saved = (z,) + ((idx,) if idx is not None else ()) + (stats,) + ((keep,) if keep is not None else ())
+        state = OneInputState(z, idx, stats, keep)
         if n == 0:
-            return values, saved
+            return values, state
         k = _kernels()
         cfg = self.config_for(dev)
         tp = call.request.tp_size
@@ -218,7 +238,7 @@ class TritonBackend(Backend):
             float(opts.get("z_loss", 0.0)),
             KIND=kind, SMOOTH=smooth, ZLOSS=zloss, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows,
             num_warps=cfg.warps_finish)
-        return values, saved
+        return values, state
 
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
         student, teacher = inputs
@@ -228,9 +248,9 @@ class TritonBackend(Backend):
         keep = mask.contiguous().view(torch.uint8) if mask is not None else None
         values = torch.empty((n,), dtype=torch.float32, device=dev)
         stats = torch.empty((n, 5), dtype=torch.float32, device=dev)  # a_a, log2 s_a, a_b, log2 s_b, KL
-        saved = (student, teacher, stats) + ((keep,) if keep is not None else ())
+        state = PairState(student, teacher, stats, keep)
         if n == 0:
-            return values, saved
+            return values, state
         k = _kernels()
         cfg = self.config_for(dev)
         splits = _splits(n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats,
@@ -249,7 +269,7 @@ class TritonBackend(Backend):
             part, n_parts, n, keep if keep is not None else values, values, stats,
             LOG2E / call.options["temperature"], 0.0,
             KIND=_KL, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
-        return values, saved
+        return values, state
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
         student, teacher = inputs
@@ -258,9 +278,9 @@ class TritonBackend(Backend):
         keep = mask.contiguous().view(torch.uint8) if mask is not None else None
         values = torch.empty((n,), dtype=torch.float32, device=dev)
         stats = torch.empty((n, 6), dtype=torch.float32, device=dev)  # a_s, log2 s_s, a_t, log2 s_t, KL_s, KL_t
-        saved = (student, teacher, stats) + ((keep,) if keep is not None else ())
+        state = PairState(student, teacher, stats, keep)
         if n == 0:
-            return values, saved
+            return values, state
         k = _kernels()
         cfg = self.config_for(dev)
         v_per_rank = _cdiv(call.vocab_size, call.request.tp_size)
@@ -287,7 +307,7 @@ class TritonBackend(Backend):
         k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
             part2, n_parts2, n, keep_arg, values, stats, k2, beta,
             KIND=_JSD, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
-        return values, saved
+        return values, state
 
     # -- backward ----------------------------------------------------------------------
     def _bwd_splits(self, cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
@@ -295,15 +315,10 @@ class TritonBackend(Backend):
         splits = max(1, min(_cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
         return splits, _chunk(v_local, splits, cfg.block_bwd)
 
-    def _backward1(self, call: Call, saved, grad):
+    def _backward1(self, call: Call, state: OneInputState, grad):
         op, opts = call.op, call.options
         kind = {"cross_entropy": _CE, "logprobs": _LOGPROBS, "entropy": _ENTROPY}[op]
-        z = saved[0]
-        if kind == _ENTROPY:
-            idx, stats = None, saved[1]
-            keep = saved[2] if len(saved) > 2 else None
-        else:
-            idx, stats, keep = saved[1], saved[2], None
+        z, idx, stats, keep = state.logits, state.index, state.stats, state.keep
         if not call.needs_grad[0]:
             return (None,)
         n, v_local = _num_rows(z), z.shape[-1]
@@ -326,9 +341,8 @@ class TritonBackend(Backend):
             num_warps=cfg.warps_bwd)
         return (dz,)
 
-    def _backward2(self, call: Call, saved, grad, kind: int, reverse: bool, beta: float):
-        student, teacher, stats = saved[:3]
-        keep = saved[3] if len(saved) > 3 else None
+    def _backward2(self, call: Call, state: PairState, grad, kind: int, reverse: bool, beta: float):
+        student, teacher, stats, keep = state.student, state.teacher, state.stats, state.keep
         need_s, need_t = call.needs_grad
         # KL(A || B): forward A = teacher, reverse A = student; JSD: a = student, b = teacher
         if kind == _KL and not reverse:
