@@ -21,7 +21,6 @@ V = 151936
 BASE = tb.CUDA_CONFIG
 VARIANTS = {
     "default": BASE,
-    "no_prefetch": dataclasses.replace(BASE, prefetch=False),
     "stats2k_w4": dataclasses.replace(BASE, block_stats=2048, warps_stats=4),
 }
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
