@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.eager import EagerBackend
 from vtp_runtime.backend import ALL_DTYPES, OpCapability
+from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.registry import hookimpl
 from vtp_runtime.testing import conformance as kit
 from vtp_runtime.testing.cases import Case
