@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
-from vtp_runtime.bench import _inputs, _vtp_arm
+from vtp_runtime.bench import make_inputs, vtp_arm
 
 V = 151936
 BASE = tb.CUDA_CONFIG
@@ -27,8 +27,8 @@ SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy"
 
 
 def per_kernel(op, n, v, reps=10):
-    z, other = _inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
-    step = _vtp_arm("triton", op, z, other, beta=0.5)
+    z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
+    step = vtp_arm("triton", op, z, other, beta=0.5)
 
     for _ in range(3):
         step()

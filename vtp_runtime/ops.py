@@ -59,10 +59,6 @@ class OpSpec:
     options: Mapping[str, Any]  # op-specific options and their defaults
     features: tuple[str, ...]  # the FEATURES that apply to this op
 
-    @property
-    def is_divergence(self) -> bool:
-        return len(self.inputs) == 2
-
 
 _MASKING = {"mask": None, "labels": None, "ignore_index": -100}
 

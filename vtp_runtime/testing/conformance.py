@@ -63,7 +63,7 @@ class ConformanceCase:
         return f"tp{self.world}-{self.expect}-{c.id}{extra}" + ("" if c.vocab == 37 else f"-V{c.vocab}")
 
 
-def _feature(case: Case, feature: str, on: bool = True) -> Case:
+def _feature(case: Case, feature: str) -> Case:
     if feature in _OPTION:
         key, value = _OPTION[feature]
         return case.with_(options=case.options + ((key, value),))
