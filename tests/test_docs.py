@@ -172,3 +172,19 @@ def test_documented_op_options_exist():
                 bad.append(f"`{span}`: {name} defaults to {_options(None)[name][0]!r}, not {default!r}")
     assert seen >= 15, "expected the docs to show op options"
     assert not bad, "\n".join(bad)
+
+
+def test_every_benchmark_result_is_indexed_and_every_cited_one_exists():
+    results = ROOT / "benchmarks" / "results"
+    index = (results / "README.md").read_text()
+    listed = set()
+    for cell in re.findall(r"^\| `([^|]+)` \|", index, re.M):  # "`a.json`, `.log`" -> a.json, a.log
+        names = re.findall(r"`?([\w.]+)`?", cell)
+        stem = names[0].rsplit(".", 1)[0]
+        listed |= {stem + n if n.startswith(".") else n for n in names}
+    present = {p.name for p in results.iterdir()} - {"README.md"}
+    assert present == listed, f"not indexed: {sorted(present - listed)}; indexed but absent: {sorted(listed - present)}"
+    cited = re.findall(r"results/([\w.*]+)", _doc_text() + (ROOT / "benchmarks" / "NOTES.md").read_text())
+    for name in cited:
+        name = name.rstrip(".")
+        assert list(results.glob(name)), f"the docs cite benchmarks/results/{name}, which does not exist"
