@@ -24,7 +24,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 INT_ARGS = {"rows_b", "stride_a", "stride_b", "n_idx", "n_rows", "v_local", "vocab_start", "splits", "chunk",
             "ignore_index", "n_parts", "vocab_size", "sa_a", "sa_b", "sb_a", "sb_b", "ss_a", "ss_b", "st_a", "st_b",
             "n_stats_parts"}
-FLOAT_ARGS = {"k2", "inv_t", "smoothing", "z_loss", "beta", "w_a", "w_b"}
+FLOAT_ARGS = {"k2", "inv_t", "smoothing", "z_loss", "beta"}
 
 
 def signature(fn, dtype: str, const: dict) -> dict:
@@ -57,13 +57,12 @@ def main() -> int:
     jobs = []
     for dt in ("bf16", "fp16", "fp32"):
         for kind, smooth, keep in itertools.product((0, 1, 2), (False, True), (False, True)):
-            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, HAS_KEEP=keep, PREFETCH=keep,
-                                                   BLOCK=C.block_stats),
+            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, HAS_KEEP=keep, BLOCK=C.block_stats),
                          C.warps_stats))
             jobs.append((K.backward1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep,
                                                       BLOCK=C.block_bwd), C.warps_bwd))
         for with_kl, keep in itertools.product((False, True), (False, True)):
-            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, PREFETCH=keep, BLOCK=C.block_stats),
+            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, BLOCK=C.block_stats),
                          C.warps_stats))
         jobs.append((K.jsd_div_kernel, dt, dict(HAS_KEEP=False, FAST_LOG2=True, BLOCK=C.block_div), C.warps_div))
         for kind, na, nb in itertools.product((0, 1), (True, False), (True, False)):

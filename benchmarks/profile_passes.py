@@ -15,21 +15,20 @@ from torch.profiler import ProfilerActivity, profile
 
 import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
-from vtp_runtime.bench import _inputs, _vtp_arm
+from vtp_runtime.bench import make_inputs, vtp_arm
 
 V = 151936
 BASE = tb.CUDA_CONFIG
 VARIANTS = {
     "default": BASE,
-    "no_prefetch": dataclasses.replace(BASE, prefetch=False),
     "stats2k_w4": dataclasses.replace(BASE, block_stats=2048, warps_stats=4),
 }
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
 
 
 def per_kernel(op, n, v, reps=10):
-    z, other = _inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
-    step = _vtp_arm("triton", op, z, other, beta=0.5)
+    z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
+    step = vtp_arm("triton", op, z, other, beta=0.5)
 
     for _ in range(3):
         step()

@@ -12,7 +12,7 @@ import sys
 import torch
 
 import vtp_runtime.backends.triton.backend as tb
-from vtp_runtime.bench import _inputs, _time_loop, _vtp_arm, model_bytes
+from vtp_runtime.bench import make_inputs, model_bytes, time_loop, vtp_arm
 
 V = 151936
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
@@ -27,7 +27,7 @@ VARIANTS = {
 
 
 def time_ms(fn, reps=20):
-    return _time_loop(fn, warmup=3, reps=reps)
+    return time_loop(fn, warmup=3, reps=reps)
 
 
 def main():
@@ -40,8 +40,8 @@ def main():
         tb.CUDA_CONFIG = cfg
         for op, n, tp in SHAPES:
             v = V // tp
-            z, other = _inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
-            ms = time_ms(_vtp_arm("triton", op, z, other, beta=0.5))
+            z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
+            ms = time_ms(vtp_arm("triton", op, z, other, beta=0.5))
             nbytes = model_bytes(op, n, v, 2)
             print(f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
                   f"{100 * nbytes / ms / 1e6 / copy:4.0f}%", flush=True)

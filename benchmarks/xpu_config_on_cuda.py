@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
-from vtp_runtime.bench import _time_stream
+from vtp_runtime.bench import time_stream
 from vtp_runtime.backends.triton.backend import TritonBackend, capabilities
 from vtp_runtime.backends.triton_xpu import XPU_CONFIG, TritonXPUBackend
 from vtp_runtime.registry import hookimpl, register
@@ -132,7 +132,7 @@ def time_fwd_bwd(backend: str, op: str, n: int, vocab: int, dtype, group, rank, 
 
     for _ in range(3):
         step()
-    return _time_stream(step, reps)  # back to back, one sync at the end
+    return time_stream(step, reps)  # back to back, one sync at the end
 
 
 def main() -> int:

@@ -33,6 +33,6 @@ def test_replot_and_table_from_committed_results(tmp_path, capsys):
     png = tmp_path / "bench.png"
     bench.replot(str(RESULTS), str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    bench._print_table([bench.Row(**r) for r in data["rows"]], data["copy_gbps"], None)
+    bench.print_table([bench.Row(**r) for r in data["rows"]], data["copy_gbps"], None)
     out = capsys.readouterr().out
     assert "device-to-device copy" in out and "jsd" in out and "triton" in out

@@ -159,9 +159,9 @@ def test_detached_teacher_gets_no_gradient_work():
 
     seen = []
     original = eager._jsd_backward
-    def spy(call, saved, grad, beta):
+    def spy(call, state, grad):
         seen.append(call.needs_grad)
-        return original(call, saved, grad, beta)
+        return original(call, state, grad)
     eager._jsd_backward, saved_fn = spy, original
     try:
         s = torch.randn(4, 9, requires_grad=True)

@@ -3,8 +3,6 @@ reference; its refusals; its second-backward guard."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -264,7 +262,6 @@ def test_importing_the_backend_does_not_import_liger():
     code = ("import sys, vtp_runtime.backends.liger as m; "
             "assert not any(k.startswith('liger_kernel') for k in sys.modules), 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert math.isfinite(1.0)
 
 
 # -- the conformance kit: every declared capability matches float64, the rest is refused ----

@@ -274,3 +274,17 @@ def test_threads_wait_for_loading(site, monkeypatch):
     for t in threads:
         t.join(10)
     assert seen == [{"eager", "slow_one"}] * 4  # nobody saw a half-loaded registry
+
+
+def test_builtin_backends_have_one_import_path():
+    """The backends/ folder is vtp_runtime.backends; as a top-level package it would load every
+    backend module a second time, with classes that are not the registered ones."""
+    import importlib
+    import sys
+
+    import vtp_runtime.backends.eager as eager
+
+    assert reg.REGISTRY.get("eager").__class__ is eager.EagerBackend
+    with pytest.raises(ImportError, match="as vtp_runtime.backends.<name>"):
+        importlib.import_module("backends.eager")
+    assert "backends" not in sys.modules and "backends.eager" not in sys.modules

@@ -157,7 +157,7 @@ def test_tp2_needs_the_backend_on_every_rank(registered_xpu):
     key = backend_key("triton_xpu", 20)
     eager = backend_key("eager", 0)
     per_rank = (frozenset({key, eager}), frozenset({eager}))  # rank 1's probe failed
-    layout = Layout(rank=0, tp_size=2, vocab_start=0, vocab_end=75968, vocab_size=151936, starts=(0, 75968),
+    layout = Layout(rank=0, tp_size=2, vocab_start=0, vocab_end=75968, vocab_size=151936,
                     sizes=(75968, 75968), num_tokens=1024, even_shards=True,
                     available=frozenset.intersection(*per_rank), available_per_rank=per_rank)
     ex = dispatch.explain_request(_request(tp=2), layout)

@@ -5,7 +5,7 @@
 """
 
 from .api import cross_entropy, entropy, explain, jsd, kl, logprobs, loss
-from .backend import Backend, Call, OpCapability, Request
+from .backend import Backend, Call, OpCapability, Request, SavedState
 from .dispatch import Explanation, use_backend
 from .errors import BackendUnavailable, PluginError, ShardError, UnknownBackend, VtpError
 from .ops import FEATURES, OPS
@@ -15,6 +15,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend",
-    "Explanation", "Backend", "Call", "OpCapability", "Request", "FEATURES", "OPS", "hookimpl",
+    "Explanation", "Backend", "Call", "OpCapability", "Request", "SavedState", "FEATURES", "OPS", "hookimpl",
     "register", "VtpError", "ShardError", "BackendUnavailable", "UnknownBackend", "PluginError",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import dispatch, inputs, shards
-from .backend import Backend, Call, Request
+from .backend import Backend, Call, Request, SavedState
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
 from .registry import REGISTRY
@@ -187,9 +187,10 @@ def _rows(t: Tensor, n: int, backend: Backend) -> Tensor:
 class _VocabParallelFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, backend: Backend, call: Call, index, mask, *inputs):
-        values, saved = backend.forward(call, inputs, index, mask)
-        ctx.backend, ctx.call = backend, call
-        ctx.save_for_backward(*saved)
+        values, state = backend.forward(call, inputs, index, mask)
+        ctx.backend, ctx.call, ctx.state_type = backend, call, _state_type(backend, state)
+        if state is not None:
+            ctx.save_for_backward(*state.tensors())
         return values
 
     @staticmethod
@@ -203,8 +204,18 @@ class _VocabParallelFunction(torch.autograd.Function):
 
 
 def _backward(ctx, grad):
-    grads = ctx.backend.backward(ctx.call, ctx.saved_tensors, grad.contiguous())
+    state = None if ctx.state_type is None else ctx.state_type.from_tensors(ctx.saved_tensors)
+    grads = ctx.backend.backward(ctx.call, state, grad.contiguous())
     return (None, None, None, None, *grads)
+
+
+def _state_type(backend: Backend, state) -> type[SavedState] | None:
+    if state is None:
+        return None
+    if not isinstance(state, SavedState):
+        raise TypeError(f"backend {backend.name!r}: forward must return (values, state) with state a "
+                        f"vtp_runtime.SavedState dataclass or None, got {type(state).__name__}")
+    return type(state)
 
 
 _backward_once = torch.autograd.function.once_differentiable(_backward)

@@ -15,20 +15,27 @@ Contract of ``forward(call, inputs, index, mask)``:
   holding **global** vocabulary ids or ``call.options["ignore_index"]``; else None.
 - ``mask``: bool ``[N]`` (True = keep) for ``entropy``/``kl``/``jsd``, already combined with
   their ``labels``; None when every token counts.
-- returns ``(values, saved)``: values fp32 (fp64 for fp64 inputs) ``[N]`` (``[N, k]`` for
-  top-k log-probs), replicated on every rank, exactly 0 on masked tokens; ``saved`` a tuple
-  of tensors the core keeps for backward (inputs and O(N) statistics, never O(N x V)).
+- returns ``(values, state)``: values fp32 (fp64 for fp64 inputs) ``[N]`` (``[N, k]`` for
+  top-k log-probs), replicated on every rank, exactly 0 on masked tokens; ``state`` a
+  ``SavedState`` (a dataclass of tensors) holding what backward needs, or None. Keep it to
+  the inputs and O(N) statistics where the math allows: the core holds it until backward
+  (the ``liger`` backend is the exception: Liger's kernels keep an fp32 ``[N, V_local]``
+  buffer).
 
-Contract of ``backward(call, saved, grad)``: ``grad`` is the upstream gradient shaped like
-``values``; return one gradient per input (shape and dtype of that input) or None where
+Contract of ``backward(call, state, grad)``: ``state`` is an equal ``SavedState`` rebuilt
+from the tensors forward saved; ``grad`` is the upstream gradient shaped like ``values``;
+return one gradient per input (shape and dtype of that input) or None where
 ``call.needs_grad`` is False. No collectives: every rank back-propagates the same values.
-``saved`` must not be modified, so a second backward through a retained graph is right.
+``state``'s tensors must not be modified, so a second backward through a retained graph is
+right.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import torch
 
@@ -96,6 +103,50 @@ class Call:
         return self.request.vocab_size
 
 
+class SavedState:
+    """What a backend's ``forward`` keeps for its ``backward``. Subclass it as a dataclass
+    whose fields are all tensors (None for an optional tensor that is absent)::
+
+        @dataclass
+        class EntropyState(SavedState):
+            logits: torch.Tensor  # [N, V_local], the input itself
+            log_sum: torch.Tensor  # [N] fp32
+            mask: torch.Tensor | None = None
+
+    The core saves the fields with ``ctx.save_for_backward`` (so autograd detects an input
+    modified in place before backward) and hands ``backward`` an object of the same class
+    rebuilt from them with ``from_tensors``. Facts that are not tensors belong in ``call``,
+    which backward receives too. ``tensors()`` lists the fields in declaration order: the
+    outputs, besides the values, that a registered custom op would return.
+    """
+
+    @classmethod
+    def tensor_names(cls) -> tuple[str, ...]:
+        """The field names, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The fields' values, in declaration order."""
+        getter = _GETTERS.get(type(self))
+        if getter is None:  # once per class: this is on every call's path
+            getter = _GETTERS[type(self)] = _fields_getter(self.tensor_names())
+        return getter(self)
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor | None]) -> SavedState:
+        """The state whose ``tensors()`` are ``tensors``."""
+        return cls(*tensors)
+
+
+_GETTERS: dict[type, Callable[[SavedState], tuple]] = {}
+
+
+def _fields_getter(names: tuple[str, ...]) -> Callable[[SavedState], tuple]:
+    if len(names) == 1:  # attrgetter of one name returns the value itself, not a 1-tuple
+        return lambda state: (getattr(state, names[0]),)
+    return operator.attrgetter(*names) if names else (lambda state: ())
+
+
 class Backend:
     """Base class of every backend. Subclasses set ``name``, ``priority`` and ``ops``.
 
@@ -157,10 +208,10 @@ class Backend:
 
     # -- compute -----------------------------------------------------------------------
     def forward(self, call: Call, inputs: tuple[torch.Tensor, ...], index: torch.Tensor | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, SavedState | None]:
         raise NotImplementedError
 
-    def backward(self, call: Call, saved: tuple[torch.Tensor, ...],
+    def backward(self, call: Call, state: SavedState | None,
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
 

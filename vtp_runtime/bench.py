@@ -75,8 +75,11 @@ def model_bytes(op: str, n: int, v: int, itemsize: int) -> int:
 
 
 # -- arms: each returns a closure running forward + backward once ------------------------------
+# make_inputs, vtp_arm, time_loop and time_stream are public: benchmarks/*.py build on them.
 
-def _inputs(op, n, v, dtype, device, seed):
+def make_inputs(op: str, n: int, v: int, dtype, device, seed: int):
+    """``(logits, other)`` for ``op``: logits ``[n, v]`` of ``dtype`` requiring grad, and a
+    frozen teacher ``[n, v]`` (kl, jsd), int64 labels ``[n]`` (cross_entropy, logprobs) or None."""
     import torch
     g = torch.Generator(device=device).manual_seed(seed)
     z = (torch.randn(n, v, generator=g, device=device, dtype=torch.float32) * 2).to(dtype).requires_grad_(True)
@@ -88,7 +91,9 @@ def _inputs(op, n, v, dtype, device, seed):
     return z, other
 
 
-def _vtp_arm(backend, op, z, other, beta):
+def vtp_arm(backend: str, op: str, z, other, beta: float):
+    """A closure running ``op`` forward + backward once on ``backend`` (an upstream gradient
+    of ones; the gradient w.r.t. ``z`` only)."""
     import torch
 
     import vtp_runtime as vtp
@@ -160,7 +165,9 @@ def _liger_vp_arm(op, z, other):
 
 # -- timing -------------------------------------------------------------------------------------
 
-def _time_loop(fn, warmup: int, reps: int) -> float:
+def time_loop(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds of one ``fn()`` on the current CUDA stream, each call timed with
+    CUDA events and synchronized, after ``warmup`` calls."""
     import torch
     for _ in range(warmup):
         fn()
@@ -176,10 +183,10 @@ def _time_loop(fn, warmup: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def _time_stream(fn, reps: int) -> float:
+def time_stream(fn, reps: int) -> float:
     """Time per call of ``reps`` calls issued back to back, synchronized once at the end: what
     a training loop sees when Python runs ahead of the GPU (max of CPU and GPU cost per call),
-    where ``_time_loop``'s per-call sync adds the CPU issue time to the GPU time."""
+    where ``time_loop``'s per-call sync adds the CPU issue time to the GPU time."""
     import torch
     fn()
     torch.cuda.synchronize()
@@ -231,7 +238,7 @@ def copy_bandwidth(reps: int = 20) -> float:
     import torch
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    ms = _time_loop(lambda: dst.copy_(src), 3, reps)
+    ms = time_loop(lambda: dst.copy_(src), 3, reps)
     del src, dst
     return 2 * 2**30 / (ms * 1e-3) / 1e9
 
@@ -340,14 +347,14 @@ def run(args) -> int:
             row = Row(op, arm, tp, n, v_local, args.dtype)
             seed += 1
             try:
-                z, other = _inputs(op, n, v_local, dtype, "cuda", seed)
-                fn = (_vtp_arm(arm, op, z, other, args.beta) if kind == "vtp" else
+                z, other = make_inputs(op, n, v_local, dtype, "cuda", seed)
+                fn = (vtp_arm(arm, op, z, other, args.beta) if kind == "vtp" else
                       _torch_arm(op, z, other, args.beta) if kind == "torch" else
                       _liger_arm(op, z, other, args.beta) if kind == "liger" else
                       _liger_vp_arm(op, z, other))
                 row.peak_gib = _peak(fn)
-                row.ms = _time_loop(fn, args.warmup, args.reps)
-                row.stream_ms = _time_stream(fn, args.reps)
+                row.ms = time_loop(fn, args.warmup, args.reps)
+                row.stream_ms = time_stream(fn, args.reps)
                 if not args.no_graph:
                     try:
                         row.graph_ms = _time_graph(fn, args.reps)
@@ -368,7 +375,7 @@ def run(args) -> int:
         progress.close()
 
     overhead = dispatch_overhead() if args.overhead else None
-    _print_table(rows, copy_gbps, overhead)
+    print_table(rows, copy_gbps, overhead)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -400,7 +407,8 @@ def _fmt(x, spec):
     return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
 
 
-def _print_table(rows, copy_gbps, overhead) -> None:
+def print_table(rows: list[Row], copy_gbps: float, overhead: dict | None) -> None:
+    """The measurements as the text table ``vtp-runtime bench`` prints."""
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
     head = f"{'op':14s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} {'graph ms':>8s} " \
            f"{'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"

@@ -30,20 +30,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-# Features a call may use beyond the plain op; a backend lists those it supports.
-FEATURES = (
-    "label_smoothing",  # cross_entropy with label_smoothing != 0
-    "z_loss",  # cross_entropy with z_loss != 0
-    "temperature",  # temperature != 1
-    "topk",  # logprobs with an index of shape [..., k]
-    "mask",  # entropy/kl/jsd with mask= or labels=
-    "reverse",  # kl with reverse=True
-    "teacher_grad",  # kl/jsd with a teacher that requires grad
-)
+# Features a call may use beyond the plain op, each with how a call turns it on: from its
+# options, whether its index has a top-k dimension, whether its teacher requires grad. A
+# backend declares the ones it supports, per op; ``OpSpec.features`` says which apply to an op.
+_USES: dict[str, Callable[[Mapping[str, Any], bool, bool], bool]] = {
+    "label_smoothing": lambda options, topk, teacher_grad: options["label_smoothing"] != 0.0,
+    "z_loss": lambda options, topk, teacher_grad: options["z_loss"] != 0.0,
+    "temperature": lambda options, topk, teacher_grad: options["temperature"] != 1.0,
+    "topk": lambda options, topk, teacher_grad: topk,  # logprobs with an index [..., k]
+    "mask": lambda options, topk, teacher_grad: options["mask"] is not None or options["labels"] is not None,
+    "reverse": lambda options, topk, teacher_grad: bool(options["reverse"]),
+    "teacher_grad": lambda options, topk, teacher_grad: teacher_grad,
+}
+FEATURES = tuple(_USES)
 
 REDUCTIONS = ("none", "sum", "mean")
 
@@ -54,10 +57,7 @@ class OpSpec:
     inputs: tuple[str, ...]  # floating-point logits inputs, in call order
     index: str | None  # name of the integer index input, if any
     options: Mapping[str, Any]  # op-specific options and their defaults
-
-    @property
-    def is_divergence(self) -> bool:
-        return len(self.inputs) == 2
+    features: tuple[str, ...]  # the FEATURES that apply to this op
 
 
 _MASKING = {"mask": None, "labels": None, "ignore_index": -100}
@@ -66,13 +66,18 @@ OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
         OpSpec("cross_entropy", ("logits",), "labels",
-               {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0}),
-        OpSpec("logprobs", ("logits",), "index", {"ignore_index": -100}),
-        OpSpec("entropy", ("logits",), None, dict(_MASKING)),
-        OpSpec("kl", ("student_logits", "teacher_logits"), None, {"reverse": False, **_MASKING}),
-        OpSpec("jsd", ("student_logits", "teacher_logits"), None, {"beta": 0.5, **_MASKING}),
+               {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0},
+               ("label_smoothing", "z_loss", "temperature")),
+        OpSpec("logprobs", ("logits",), "index", {"ignore_index": -100}, ("topk", "temperature")),
+        OpSpec("entropy", ("logits",), None, dict(_MASKING), ("mask", "temperature")),
+        OpSpec("kl", ("student_logits", "teacher_logits"), None, {"reverse": False, **_MASKING},
+               ("mask", "temperature", "reverse", "teacher_grad")),
+        OpSpec("jsd", ("student_logits", "teacher_logits"), None, {"beta": 0.5, **_MASKING},
+               ("mask", "temperature", "teacher_grad")),
     )
 }
+# per op, the (feature, how a call uses it) pairs features_of tests: built once, it is on every call's path
+_FEATURE_TESTS = {name: tuple((f, _USES[f]) for f in spec.features) for name, spec in OPS.items()}
 
 # Options every op takes; handled by the core, not by backends.
 COMMON_OPTIONS: dict[str, Any] = {
@@ -135,21 +140,6 @@ def kl_direction(op: str, options: Mapping[str, Any]) -> bool | None:
 
 def features_of(op: str, options: Mapping[str, Any], *, topk: bool,
                 teacher_grad: bool) -> frozenset[str]:
-    """The features (see FEATURES) a call uses; dispatch matches them against capabilities."""
-    used = set()
-    if options["temperature"] != 1.0:
-        used.add("temperature")
-    if op == "cross_entropy":
-        if options["label_smoothing"] != 0.0:
-            used.add("label_smoothing")
-        if options["z_loss"] != 0.0:
-            used.add("z_loss")
-    if topk:
-        used.add("topk")
-    if options.get("mask") is not None or options.get("labels") is not None:
-        used.add("mask")
-    if op == "kl" and options["reverse"]:
-        used.add("reverse")
-    if teacher_grad:
-        used.add("teacher_grad")
-    return frozenset(used)
+    """The features (see FEATURES) a call uses; dispatch matches them against capabilities.
+    ``options`` holds every option of ``op`` (defaults filled in)."""
+    return frozenset([f for f, uses in _FEATURE_TESTS[op] if uses(options, topk, teacher_grad)])

@@ -15,7 +15,10 @@ Environment, read once at first use:
 - ``VTP_PLUGINS=a,b``: load only these entry-point or distribution names.
 - ``VTP_STRICT_PLUGINS=1``: a plugin that fails raises ``PluginError`` instead.
 
-The registry is the only global mutable state of vtp_runtime.
+The registry is the one piece of global mutable state that decides anything. The rest is
+derived from it or scoped: dispatch's selection cache and its VTP_DEBUG log-once set (keyed
+on ``Registry.version``, which every change bumps), each backend's probe cache (per device
+type, for the life of the process), and ``use_backend``'s overrides (a ContextVar).
 """
 
 from __future__ import annotations

@@ -78,7 +78,6 @@ class Layout:
     vocab_start: int
     vocab_end: int
     vocab_size: int
-    starts: tuple[int, ...]  # per rank
     sizes: tuple[int, ...]  # per rank V_local
     num_tokens: int
     even_shards: bool  # rank order with equal sizes: vocab_start = rank * V_local
@@ -97,7 +96,7 @@ def single_rank_layout(v_local: int, vocab_start: int | None, global_vocab_size:
                          f"(a single rank); pass tp_group for a sharded vocabulary")
     if v_local == 0:
         raise ShardError("the global vocabulary is empty (V_local = 0 on every rank)")
-    return Layout(rank=0, tp_size=1, vocab_start=0, vocab_end=v_local, vocab_size=v_local, starts=(0,),
+    return Layout(rank=0, tp_size=1, vocab_start=0, vocab_end=v_local, vocab_size=v_local,
                   sizes=(v_local,), num_tokens=num_tokens, even_shards=True, available=frozenset(),
                   available_per_rank=())
 
@@ -211,5 +210,5 @@ def validate(table: list[list[int]], local: LocalCall, group) -> Layout:
     per_rank = tuple(frozenset(k for k in row[len(FIELDS):] if k) for row in table)
     even = len(set(sizes)) == 1 and all(starts[r] == r * sizes[0] for r in range(world))
     return Layout(rank=rank, tp_size=world, vocab_start=starts[rank], vocab_end=starts[rank] + sizes[rank],
-                  vocab_size=vocab_size, starts=starts, sizes=sizes, num_tokens=table[0][F["num_tokens"]],
+                  vocab_size=vocab_size, sizes=sizes, num_tokens=table[0][F["num_tokens"]],
                   even_shards=even, available=frozenset.intersection(*per_rank), available_per_rank=per_rank)

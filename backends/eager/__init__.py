@@ -16,12 +16,13 @@ implements faster:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import ALL_DTYPES, Backend, Call, OpCapability
+from vtp_runtime.backend import ALL_DTYPES, Backend, Call, OpCapability, SavedState
 from vtp_runtime.comm import all_reduce_
-from vtp_runtime.ops import kl_direction
+from vtp_runtime.ops import OPS, kl_direction
 from vtp_runtime.registry import hookimpl
 
 CHUNK_ELEMENTS = 1 << 24
@@ -76,35 +77,57 @@ def _bad_index(index: Tensor, call: Call) -> Tensor:
     return (index != ii) & ((index < 0) | (index >= call.vocab_size))
 
 
+@dataclass
+class IndexState(SavedState):
+    """cross_entropy and logprobs: the logits, their index, and two O(N) statistics."""
+
+    logits: Tensor  # [N, V_local]
+    index: Tensor  # int64 labels [N], or logprobs' index [N] / [N, k]
+    max: Tensor  # [N] global row max of x = z / T (0 for an all -inf row)
+    log_sum: Tensor  # [N] log sum exp(x - max)
+
+
+@dataclass
+class EntropyState(SavedState):
+    logits: Tensor  # [N, V_local]
+    max: Tensor  # [N]
+    log_sum: Tensor  # [N]
+    entropy: Tensor  # [N], the value (0 on masked tokens)
+    mask: Tensor | None = None  # bool [N]
+
+
+@dataclass
+class PairState(SavedState):
+    """kl and jsd: both inputs and the stacked O(N) statistics."""
+
+    student: Tensor  # [N, V_local]
+    teacher: Tensor  # [N, V_local]
+    # KL(A || B) [5, N]: max_a, max_b, log_sum_a, log_sum_b, KL;
+    # JSD [6, N]: max_s, max_t, log_sum_s, log_sum_t, KL(p_s || M), KL(p_t || M)
+    stats: Tensor
+    mask: Tensor | None = None  # bool [N]
+
+
 class EagerBackend(Backend):
     name = "eager"
     priority = 0
-    _ANY = dict(device_types=None, dtypes=ALL_DTYPES)
-    ops = {
-        "cross_entropy": OpCapability(**_ANY, features=frozenset({"label_smoothing", "z_loss", "temperature"})),
-        "logprobs": OpCapability(**_ANY, features=frozenset({"topk", "temperature"})),
-        "entropy": OpCapability(**_ANY, features=frozenset({"mask", "temperature"})),
-        "kl": OpCapability(**_ANY, features=frozenset({"mask", "temperature", "reverse", "teacher_grad"})),
-        "jsd": OpCapability(**_ANY, features=frozenset({"mask", "temperature", "teacher_grad"})),
-    }
+    # every op with every feature that applies to it, on any device, in every dtype
+    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
+           for op, spec in OPS.items()}
 
     def forward(self, call, inputs, index, mask):
-        reverse = kl_direction(call.op, call.options)
-        if reverse is not None:
-            return _kl_forward(call, inputs, mask, reverse)
-        if call.op == "jsd":
-            return _jsd_forward(call, inputs, mask, call.options["beta"])
-        return {"cross_entropy": _ce_forward, "logprobs": _logprobs_forward,
-                "entropy": _entropy_forward}[call.op](call, inputs, index, mask)
+        return _math(call)[0](call, inputs, index, mask)
 
-    def backward(self, call, saved, grad):
-        reverse = kl_direction(call.op, call.options)
-        if reverse is not None:
-            return _kl_backward(call, saved, grad, reverse)
-        if call.op == "jsd":
-            return _jsd_backward(call, saved, grad, call.options["beta"])
-        return {"cross_entropy": _ce_backward, "logprobs": _logprobs_backward,
-                "entropy": _entropy_backward}[call.op](call, saved, grad)
+    def backward(self, call, state, grad):
+        return _math(call)[1](call, state, grad)
+
+
+def _math(call: Call):
+    """(forward, backward) of ``call``: ``jsd`` at beta 0 or 1 is a plain KL."""
+    if kl_direction(call.op, call.options) is not None:
+        return _kl_forward, _kl_backward
+    return {"cross_entropy": (_ce_forward, _ce_backward), "logprobs": (_logprobs_forward, _logprobs_backward),
+            "entropy": (_entropy_forward, _entropy_backward), "jsd": (_jsd_forward, _jsd_backward)}[call.op]
 
 
 # -- cross entropy -------------------------------------------------------------------------
@@ -134,11 +157,11 @@ def _ce_forward(call, inputs, labels, mask):
         value = value + lam * lse * lse
     value = torch.where(_bad_index(labels, call), torch.full_like(value, math.nan), value)
     value = torch.where(labels != ii, value, torch.zeros_like(value))
-    return value, (z, labels, m, log_s)
+    return value, IndexState(z, labels, m, log_s)
 
 
-def _ce_backward(call, saved, grad):
-    z, labels, m, log_s = saved
+def _ce_backward(call, state, grad):
+    z, labels, m, log_s = state.logits, state.index, state.max, state.log_sum
     n, v = z.shape
     eps, lam, ii = call.options["label_smoothing"], call.options["z_loss"], call.options["ignore_index"]
     keep = labels != ii
@@ -181,11 +204,11 @@ def _logprobs_forward(call, inputs, index, mask):
     value = both[:, 1:] - log_s[:, None]
     value = torch.where(_bad_index(idx, call), torch.full_like(value, math.nan), value)
     value = torch.where(idx != call.options["ignore_index"], value, torch.zeros_like(value))
-    return (value if call.topk else value[:, 0]), (z, index, m, log_s)
+    return (value if call.topk else value[:, 0]), IndexState(z, index, m, log_s)
 
 
-def _logprobs_backward(call, saved, grad):
-    z, index, m, log_s = saved
+def _logprobs_backward(call, state, grad):
+    z, index, m, log_s = state.logits, state.index, state.max, state.log_sum
     n, v = z.shape
     idx = index if call.topk else index[:, None]
     g = grad if call.topk else grad[:, None]
@@ -222,12 +245,11 @@ def _entropy_forward(call, inputs, index, mask):
     h = log_s - sums[1] / sums[0]
     if mask is not None:
         h = torch.where(mask, h, torch.zeros_like(h))
-    return h, (z, m, log_s, h) + ((mask,) if mask is not None else ())
+    return h, EntropyState(z, m, log_s, h, mask)
 
 
-def _entropy_backward(call, saved, grad):
-    z, m, log_s, h = saved[:4]
-    mask = saved[4] if len(saved) > 4 else None
+def _entropy_backward(call, state, grad):
+    z, m, log_s, h, mask = state.logits, state.max, state.log_sum, state.entropy, state.mask
     n, v = z.shape
     scale = grad / call.options["temperature"]
     out = torch.empty_like(z)
@@ -243,8 +265,9 @@ def _entropy_backward(call, saved, grad):
 
 # -- KL ------------------------------------------------------------------------------------
 
-def _kl_forward(call, inputs, mask, reverse):
+def _kl_forward(call, inputs, index, mask):
     """KL(A || B): forward A = teacher, B = student; reverse A = student, B = teacher."""
+    reverse = kl_direction(call.op, call.options)
     student, teacher = inputs
     a, b = (student, teacher) if reverse else (teacher, student)
     n, v = a.shape
@@ -263,12 +286,12 @@ def _kl_forward(call, inputs, mask, reverse):
     if mask is not None:
         value = torch.where(mask, value, torch.zeros_like(value))
     stats = torch.stack([m[0], m[1], log_sa, log_sb, value])
-    return value, (student, teacher, stats) + ((mask,) if mask is not None else ())
+    return value, PairState(student, teacher, stats, mask)
 
 
-def _kl_backward(call, saved, grad, reverse):
-    student, teacher, stats = saved[:3]
-    mask = saved[3] if len(saved) > 3 else None
+def _kl_backward(call, state, grad):
+    reverse = kl_direction(call.op, call.options)
+    student, teacher, stats, mask = state.student, state.teacher, state.stats, state.mask
     a, b = (student, teacher) if reverse else (teacher, student)
     need_s, need_t = call.needs_grad
     need_a, need_b = (need_s, need_t) if reverse else (need_t, need_s)
@@ -298,7 +321,8 @@ def _log_mixture(logp_s: Tensor, logp_t: Tensor, beta: float) -> Tensor:
     return torch.logaddexp(logp_t + math.log(beta), logp_s + math.log1p(-beta))
 
 
-def _jsd_forward(call, inputs, mask, beta):
+def _jsd_forward(call, inputs, index, mask):
+    beta = call.options["beta"]
     student, teacher = inputs
     n, v = student.shape
     m = _global_max(call, inputs)
@@ -320,12 +344,12 @@ def _jsd_forward(call, inputs, mask, beta):
     if mask is not None:
         value = torch.where(mask, value, torch.zeros_like(value))
     stats = torch.cat([m, log_s, kls])
-    return value, (student, teacher, stats) + ((mask,) if mask is not None else ())
+    return value, PairState(student, teacher, stats, mask)
 
 
-def _jsd_backward(call, saved, grad, beta):
-    student, teacher, stats = saved[:3]
-    mask = saved[3] if len(saved) > 3 else None
+def _jsd_backward(call, state, grad):
+    beta = call.options["beta"]
+    student, teacher, stats, mask = state.student, state.teacher, state.stats, state.mask
     need_s, need_t = call.needs_grad
     n, v = student.shape
     m, log_s, kls = stats[0:2], stats[2:4], stats[4:6]

@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from importlib import metadata
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability
+from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
 from vtp_runtime.registry import hookimpl
 
 MIN_VERSION = (0, 8, 1)
@@ -150,13 +151,22 @@ class LigerBackend(Backend):
             return _ce_forward(call, inputs[0], index)
         return _div_forward(call, inputs, mask)
 
-    def backward(self, call, saved, grad):
+    def backward(self, call, state, grad):
         if call.op == "cross_entropy":
-            return _ce_backward(call, saved, grad)
-        return _div_backward(call, saved, grad)
+            return _ce_backward(call, state, grad)
+        return _div_backward(call, state, grad)
 
 
 # -- cross entropy -------------------------------------------------------------------------
+
+@dataclass
+class CrossEntropyState(SavedState):
+    """What Liger's forward saved, and the flag that guards its one backward."""
+
+    exp_buf: Tensor  # fp32 [N, V_local] exp(x - max); Liger's backward overwrites it
+    sum_exp: Tensor  # [N]
+    target: Tensor  # int64 [N] labels
+    consumed: Tensor  # uint8 [1] on the CPU: 1 once backward has run
 
 def _bad_labels(labels: Tensor, call: Call) -> Tensor:
     ii = call.options["ignore_index"]
@@ -195,11 +205,11 @@ def _ce_forward(call: Call, z: Tensor, labels: Tensor):
     value = loss.view(n)
     value = torch.where(_bad_labels(labels, call), torch.full_like(value, math.nan), value)
     consumed = torch.zeros(1, dtype=torch.uint8)  # CPU: checking it never syncs the device
-    return value, (exp_buf, sum_exp, target, consumed)
+    return value, CrossEntropyState(exp_buf, sum_exp, target, consumed)
 
 
-def _ce_backward(call: Call, saved, grad):
-    exp_buf, sum_exp, target, consumed = saved
+def _ce_backward(call: Call, state: CrossEntropyState, grad):
+    exp_buf, sum_exp, target, consumed = state.exp_buf, state.sum_exp, state.target, state.consumed
     if consumed[0]:
         raise SecondBackwardError(
             "liger cross_entropy: backward already ran once for this graph. Liger's kernel writes the "
@@ -220,6 +230,15 @@ def _ce_backward(call: Call, saved, grad):
 
 
 # -- KL and JSD (TP = 1) -------------------------------------------------------------------
+
+@dataclass
+class DivergenceState(SavedState):
+    student: Tensor  # [N, V]
+    max: Tensor  # fp32 [N] row max of z / T (0 for an all -inf row)
+    log_sum: Tensor  # fp32 [N] log sum exp(z / T - max)
+    dlogq: Tensor  # fp32 [N, V] Liger's gradient w.r.t. the student log-probs
+    total: Tensor  # fp32 [N] its row sums
+    mask: Tensor | None = None  # bool [N]
 
 def _beta(call: Call) -> float:
     if call.op == "kl":
@@ -268,17 +287,15 @@ def _div_forward(call: Call, inputs, mask):
     if mask is not None:
         value = torch.where(mask, value, torch.zeros_like(value))
     if not call.needs_grad[0]:
-        return value, ()
-    total = dlogq.sum(dim=1)
-    extra = (mask,) if mask is not None else ()
-    return value, (student, m, log_s, dlogq, total) + extra
+        return value, None
+    return value, DivergenceState(student, m, log_s, dlogq, dlogq.sum(dim=1), mask)
 
 
-def _div_backward(call: Call, saved, grad):
+def _div_backward(call: Call, state: DivergenceState | None, grad):
     if not call.needs_grad[0]:
         return (None, None)
-    student, m, log_s, dlogq, total = saved[:5]
-    mask = saved[5] if len(saved) > 5 else None
+    student, m, log_s, dlogq, total, mask = (state.student, state.max, state.log_sum, state.dlogq,
+                                             state.total, state.mask)
     t = call.options["temperature"]
     x = student.float()
     if t != 1.0:

@@ -19,7 +19,9 @@ the inputs plus O(N) fp32 statistics.
 
 ``TritonBackend`` takes a ``LaunchConfig`` (tile sizes, warps, programs per pass); the Intel
 XPU backend subclasses it with its own name, probe, device types and configuration and
-launches the very same kernels. Importing this module never imports triton.
+launches the very same kernels. Kernels are launched with keyword arguments, named as in
+``kernels.py``; the sizes of the partials and statistics it allocates come from
+``layout.py``, which the kernels read too. Importing this module never imports triton.
 """
 
 from __future__ import annotations
@@ -29,15 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability
+from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
 from vtp_runtime.comm import all_gather_stack, group_size
-from vtp_runtime.ops import kl_direction
+from vtp_runtime.ops import OPS, kl_direction
+
+from . import layout
 
 LOG2E = 1.4426950408889634
-
-# op kinds, as the kernels number them (kernels.CE, ... are the constexpr twins)
-_CE, _LOGPROBS, _ENTROPY = 0, 1, 2
-_KL, _JSD = 0, 1
+_ONE_INPUT_KIND = {"cross_entropy": layout.CE, "logprobs": layout.LOGPROBS, "entropy": layout.ENTROPY}
 
 
 @dataclass(frozen=True)
@@ -65,9 +66,6 @@ class LaunchConfig:
     # JSD: the hardware lg2.approx through inline PTX. NVIDIA only, so off unless a config
     # asks for it (CUDA_CONFIG does); other targets get Triton's portable tl.log2.
     fast_log2: bool = False
-    # statistics passes: issue tile i+1's load before reducing tile i. Measured 3-8% slower on
-    # the H200 (benchmarks/NOTES.md): occupancy already hides the latency. Off by default.
-    prefetch: bool = False
 
 
 CUDA_CONFIG = LaunchConfig(fast_log2=True)
@@ -78,18 +76,30 @@ INTERPRETER_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, w
                                   block_rows=16, warps_finish=1)
 
 
-def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
-    """Every op with every feature it has, on ``device_types``, in fp32/bf16/fp16."""
-    def cap(*features: str) -> OpCapability:
-        return OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(features))
+@dataclass
+class OneInputState(SavedState):
+    """cross_entropy, logprobs, entropy: the logits, their index and mask, O(N) statistics."""
 
-    return {
-        "cross_entropy": cap("label_smoothing", "z_loss", "temperature"),
-        "logprobs": cap("topk", "temperature"),
-        "entropy": cap("mask", "temperature"),
-        "kl": cap("mask", "temperature", "reverse", "teacher_grad"),
-        "jsd": cap("mask", "temperature", "teacher_grad"),
-    }
+    logits: torch.Tensor  # [N, V_local], or the [A, B, V_local] strided view the kernels read
+    index: torch.Tensor | None  # int64 labels [N] or logprobs' index [N, k]; None for entropy
+    stats: torch.Tensor  # fp32 [N, 2]: anchor, log2 sum (entropy [N, 3]: and the entropy)
+    keep: torch.Tensor | None  # uint8 [N] (entropy with a mask), else None
+
+
+@dataclass
+class PairState(SavedState):
+    """kl and jsd: both inputs, the mask, O(N) statistics."""
+
+    student: torch.Tensor
+    teacher: torch.Tensor
+    stats: torch.Tensor  # fp32, KL [N, 5]: a_a, log2 s_a, a_b, log2 s_b, KL; JSD [N, 6]: ..., KL_s, KL_t
+    keep: torch.Tensor | None  # uint8 [N] with a mask, else None
+
+
+def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
+    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16."""
+    return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features))
+            for op, spec in OPS.items()}
 
 
 def _kernels():
@@ -163,70 +173,76 @@ class TritonBackend(Backend):
         return CUDA_CONFIG
 
     # -- forward -----------------------------------------------------------------------
+    # Triton needs a tensor for every pointer argument: where a call has no index or no
+    # mask, another tensor of the call stands in, and KIND / HAS_KEEP keep the kernel from
+    # reading it.
     def forward(self, call, inputs, index, mask):
-        if call.op in ("cross_entropy", "logprobs", "entropy"):
+        if call.op in _ONE_INPUT_KIND:
             return self._forward1(call, inputs[0], index, mask)
         reverse = kl_direction(call.op, call.options)
         if reverse is not None:
             return self._forward_kl(call, inputs, mask, reverse)
         return self._forward_jsd(call, inputs, mask, call.options["beta"])
 
-    def backward(self, call, saved, grad):
-        if call.op in ("cross_entropy", "logprobs", "entropy"):
-            return self._backward1(call, saved, grad)
+    def backward(self, call, state, grad):
+        if call.op in _ONE_INPUT_KIND:
+            return self._backward1(call, state, grad)
         reverse = kl_direction(call.op, call.options)
         if reverse is not None:
-            return self._backward2(call, saved, grad, _KL, reverse, 0.5)
-        return self._backward2(call, saved, grad, _JSD, False, call.options["beta"])
+            return self._backward2(call, state, grad, layout.KL, reverse)
+        return self._backward2(call, state, grad, layout.JSD, False)
 
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
-        op, opts = call.op, call.options
-        kind = {"cross_entropy": _CE, "logprobs": _LOGPROBS, "entropy": _ENTROPY}[op]
+        opts = call.options
+        kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]
         dev = z.device
         n_idx = 0
-        if kind == _CE:
+        if kind == layout.CE:
             idx = index.contiguous()
             n_idx = 1
-        elif kind == _LOGPROBS:
+        elif kind == layout.LOGPROBS:
             idx = (index if call.topk else index[:, None]).contiguous()
             n_idx = idx.shape[1]
         else:
             idx = None
         keep = mask.contiguous().view(torch.uint8) if mask is not None else None
-        n_fields = {_CE: 5, _LOGPROBS: 2 + n_idx, _ENTROPY: 3}[kind]
-        n_stats = 3 if kind == _ENTROPY else 2  # anchor, log2 s (, H)
-        val_shape = (n, n_idx) if (kind == _LOGPROBS and call.topk) else (n,)
+        n_fields = {layout.CE: layout.CE_FIELDS, layout.LOGPROBS: layout.LOGPROBS_FIELDS + n_idx,
+                    layout.ENTROPY: layout.ENTROPY_FIELDS}[kind]
+        n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY else layout.STATS
+        val_shape = (n, n_idx) if (kind == layout.LOGPROBS and call.topk) else (n,)
         values = torch.empty(val_shape, dtype=torch.float32, device=dev)
         stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
-        saved = (z,) + ((idx,) if idx is not None else ()) + (stats,) + ((keep,) if keep is not None else ())
+        state = OneInputState(z, idx, stats, keep)
         if n == 0:
-            return values, saved
+            return values, state
         k = _kernels()
         cfg = self.config_for(dev)
         tp = call.request.tp_size
         splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
         chunk = _chunk(v_local, splits, cfg.block_stats)
         part = torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
-        smooth = kind == _CE and opts["label_smoothing"] != 0.0
-        zloss = kind == _CE and opts["z_loss"] != 0.0
+        smooth = kind == layout.CE and opts["label_smoothing"] != 0.0
+        zloss = kind == layout.CE and opts["z_loss"] != 0.0
         ignore = int(opts.get("ignore_index", -100))
         k2 = LOG2E / opts["temperature"]
-        dummy = values
+        idx_arg = idx if idx is not None else values
+        keep_arg = keep if keep is not None else values
         rows_b, s_a, s_b = _geometry(z)
         k.stats1_kernel[(n * splits,)](
-            z, rows_b, s_a, s_b, idx if idx is not None else dummy, n_idx, keep if keep is not None else dummy,
-            part, n, v_local, call.vocab_start, splits, chunk, k2, ignore,
-            KIND=kind, SMOOTH=smooth, HAS_KEEP=keep is not None, PREFETCH=cfg.prefetch, BLOCK=cfg.block_stats,
+            z_ptr=z, rows_b=rows_b, stride_a=s_a, stride_b=s_b, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
+            part_ptr=part, n_rows=n, v_local=v_local, vocab_start=call.vocab_start, splits=splits, chunk=chunk,
+            k2=k2, ignore_index=ignore,
+            KIND=kind, SMOOTH=smooth, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats,
             num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
         k.finish1_kernel[(_cdiv(n, cfg.block_rows),)](
-            part, n_parts, n, idx if idx is not None else dummy, n_idx, keep if keep is not None else dummy,
-            values, stats, call.vocab_size, k2, ignore, float(opts.get("label_smoothing", 0.0)),
-            float(opts.get("z_loss", 0.0)),
+            part_ptr=part, n_parts=n_parts, n_rows=n, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
+            val_ptr=values, stat_ptr=stats, vocab_size=call.vocab_size, k2=k2, ignore_index=ignore,
+            smoothing=float(opts.get("label_smoothing", 0.0)), z_loss=float(opts.get("z_loss", 0.0)),
             KIND=kind, SMOOTH=smooth, ZLOSS=zloss, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows,
             num_warps=cfg.warps_finish)
-        return values, saved
+        return values, state
 
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
         student, teacher = inputs
@@ -235,29 +251,30 @@ class TritonBackend(Backend):
         dev = a.device
         keep = mask.contiguous().view(torch.uint8) if mask is not None else None
         values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, 5), dtype=torch.float32, device=dev)  # a_a, log2 s_a, a_b, log2 s_b, KL
-        saved = (student, teacher, stats) + ((keep,) if keep is not None else ())
+        stats = torch.empty((n, layout.KL_STATS), dtype=torch.float32, device=dev)
+        state = PairState(student, teacher, stats, keep)
         if n == 0:
-            return values, saved
+            return values, state
         k = _kernels()
         cfg = self.config_for(dev)
         splits = _splits(n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats,
                          cfg.target_programs, cfg.max_splits)
         chunk = _chunk(v_local, splits, cfg.block_stats)
-        part = torch.empty((splits, n, 5), dtype=torch.float32, device=dev)
+        part = torch.empty((splits, n, layout.KL_FIELDS), dtype=torch.float32, device=dev)
+        k2 = LOG2E / call.options["temperature"]
+        keep_arg = keep if keep is not None else values
         rows_b, a_a, a_b = _geometry(a)
         _, b_a, b_b = _geometry(b)
         k.stats2_kernel[(n * splits,)](
-            a, b, rows_b, a_a, a_b, b_a, b_b, keep if keep is not None else values, part,
-            n, v_local, splits, chunk, LOG2E / call.options["temperature"],
-            WITH_KL=True, HAS_KEEP=keep is not None, PREFETCH=cfg.prefetch, BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats)
+            a_ptr=a, b_ptr=b, rows_b=rows_b, sa_a=a_a, sa_b=a_b, sb_a=b_a, sb_b=b_b, keep_ptr=keep_arg,
+            part_ptr=part, n_rows=n, v_local=v_local, splits=splits, chunk=chunk, k2=k2,
+            WITH_KL=True, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
         k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
-            part, n_parts, n, keep if keep is not None else values, values, stats,
-            LOG2E / call.options["temperature"], 0.0,
-            KIND=_KL, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
-        return values, saved
+            part_ptr=part, n_parts=n_parts, n_rows=n, keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats, k2=k2,
+            beta=0.0,  # read only by the JSD kind
+            KIND=layout.KL, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
+        return values, state
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
         student, teacher = inputs
@@ -265,10 +282,10 @@ class TritonBackend(Backend):
         dev = student.device
         keep = mask.contiguous().view(torch.uint8) if mask is not None else None
         values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, 6), dtype=torch.float32, device=dev)  # a_s, log2 s_s, a_t, log2 s_t, KL_s, KL_t
-        saved = (student, teacher, stats) + ((keep,) if keep is not None else ())
+        stats = torch.empty((n, layout.JSD_STATS), dtype=torch.float32, device=dev)
+        state = PairState(student, teacher, stats, keep)
         if n == 0:
-            return values, saved
+            return values, state
         k = _kernels()
         cfg = self.config_for(dev)
         v_per_rank = _cdiv(call.vocab_size, call.request.tp_size)
@@ -277,25 +294,27 @@ class TritonBackend(Backend):
         rows_b, s_a, s_b = _geometry(student)
         _, t_a, t_b = _geometry(teacher)
         splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        part = torch.empty((splits, n, 4), dtype=torch.float32, device=dev)
+        part = torch.empty((splits, n, layout.PAIR_FIELDS), dtype=torch.float32, device=dev)
         k.stats2_kernel[(n * splits,)](
-            student, teacher, rows_b, s_a, s_b, t_a, t_b, keep_arg, part,
-            n, v_local, splits, _chunk(v_local, splits, cfg.block_stats), k2,
-            WITH_KL=False, HAS_KEEP=keep is not None, PREFETCH=cfg.prefetch, BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats)
+            a_ptr=student, b_ptr=teacher, rows_b=rows_b, sa_a=s_a, sa_b=s_b, sb_a=t_a, sb_b=t_b,
+            keep_ptr=keep_arg, part_ptr=part, n_rows=n, v_local=v_local, splits=splits,
+            chunk=_chunk(v_local, splits, cfg.block_stats), k2=k2,
+            WITH_KL=False, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
         div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
-        part2 = torch.empty((div_splits, n, 2), dtype=torch.float32, device=dev)
+        part2 = torch.empty((div_splits, n, layout.DIV_FIELDS), dtype=torch.float32, device=dev)
         k.jsd_div_kernel[(n * div_splits,)](
-            student, teacher, rows_b, s_a, s_b, t_a, t_b, keep_arg, part, n_parts, part2, stats,
-            n, v_local, div_splits, _chunk(v_local, div_splits, cfg.block_div), k2,
-            beta,
+            s_ptr=student, t_ptr=teacher, rows_b=rows_b, ss_a=s_a, ss_b=s_b, st_a=t_a, st_b=t_b,
+            keep_ptr=keep_arg, stats_part_ptr=part, n_stats_parts=n_parts, part_ptr=part2, stat_ptr=stats,
+            n_rows=n, v_local=v_local, splits=div_splits, chunk=_chunk(v_local, div_splits, cfg.block_div),
+            k2=k2, beta=beta,
             HAS_KEEP=keep is not None, FAST_LOG2=cfg.fast_log2, BLOCK=cfg.block_div, num_warps=cfg.warps_div)
         part2, n_parts2 = _gather(part2, call.group)
         k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
-            part2, n_parts2, n, keep_arg, values, stats, k2, beta,
-            KIND=_JSD, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
-        return values, saved
+            part_ptr=part2, n_parts=n_parts2, n_rows=n, keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats,
+            k2=k2, beta=beta,
+            KIND=layout.JSD, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
+        return values, state
 
     # -- backward ----------------------------------------------------------------------
     def _bwd_splits(self, cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
@@ -303,15 +322,10 @@ class TritonBackend(Backend):
         splits = max(1, min(_cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
         return splits, _chunk(v_local, splits, cfg.block_bwd)
 
-    def _backward1(self, call: Call, saved, grad):
-        op, opts = call.op, call.options
-        kind = {"cross_entropy": _CE, "logprobs": _LOGPROBS, "entropy": _ENTROPY}[op]
-        z = saved[0]
-        if kind == _ENTROPY:
-            idx, stats = None, saved[1]
-            keep = saved[2] if len(saved) > 2 else None
-        else:
-            idx, stats, keep = saved[1], saved[2], None
+    def _backward1(self, call: Call, state: OneInputState, grad):
+        opts = call.options
+        kind = _ONE_INPUT_KIND[call.op]
+        z, idx, stats, keep = state.logits, state.index, state.stats, state.keep
         if not call.needs_grad[0]:
             return (None,)
         n, v_local = _num_rows(z), z.shape[-1]
@@ -322,24 +336,25 @@ class TritonBackend(Backend):
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
         rows_b, s_a, s_b = _geometry(z)
-        grad = grad.contiguous()
         k.backward1_kernel[(n * splits,)](
-            z, rows_b, s_a, s_b, dz, grad, idx if idx is not None else stats, 0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
-            keep if keep is not None else stats, stats, v_local, call.vocab_start, call.vocab_size,
-            splits, chunk, LOG2E / opts["temperature"], 1.0 / opts["temperature"],
-            int(opts.get("ignore_index", -100)), float(opts.get("label_smoothing", 0.0)),
-            float(opts.get("z_loss", 0.0)),
-            KIND=kind, SMOOTH=kind == _CE and opts["label_smoothing"] != 0.0,
-            ZLOSS=kind == _CE and opts["z_loss"] != 0.0, HAS_KEEP=keep is not None, BLOCK=cfg.block_bwd,
+            z_ptr=z, rows_b=rows_b, stride_a=s_a, stride_b=s_b, dz_ptr=dz, grad_ptr=grad.contiguous(),
+            idx_ptr=idx if idx is not None else stats,
+            n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
+            keep_ptr=keep if keep is not None else stats, stat_ptr=stats, v_local=v_local,
+            vocab_start=call.vocab_start, vocab_size=call.vocab_size, splits=splits, chunk=chunk,
+            k2=LOG2E / opts["temperature"], inv_t=1.0 / opts["temperature"],
+            ignore_index=int(opts.get("ignore_index", -100)), smoothing=float(opts.get("label_smoothing", 0.0)),
+            z_loss=float(opts.get("z_loss", 0.0)),
+            KIND=kind, SMOOTH=kind == layout.CE and opts["label_smoothing"] != 0.0,
+            ZLOSS=kind == layout.CE and opts["z_loss"] != 0.0, HAS_KEEP=keep is not None, BLOCK=cfg.block_bwd,
             num_warps=cfg.warps_bwd)
         return (dz,)
 
-    def _backward2(self, call: Call, saved, grad, kind: int, reverse: bool, beta: float):
-        student, teacher, stats = saved[:3]
-        keep = saved[3] if len(saved) > 3 else None
+    def _backward2(self, call: Call, state: PairState, grad, kind: int, reverse: bool):
+        student, teacher, stats, keep = state.student, state.teacher, state.stats, state.keep
         need_s, need_t = call.needs_grad
         # KL(A || B): forward A = teacher, reverse A = student; JSD: a = student, b = teacher
-        if kind == _KL and not reverse:
+        if kind == layout.KL and not reverse:
             a, b, need_a, need_b = teacher, student, need_t, need_s
         else:
             a, b, need_a, need_b = student, teacher, need_s, need_t
@@ -353,14 +368,16 @@ class TritonBackend(Backend):
             rows_b, a_a, a_b = _geometry(a)
             _, b_a, b_b = _geometry(b)
             k.backward2_kernel[(n * splits,)](
-                a, b, rows_b, a_a, a_b, b_a, b_b, da if need_a else db, db if need_b else da,
-                grad.contiguous(), keep if keep is not None else stats, stats, v_local, splits, chunk,
-                LOG2E / call.options["temperature"], 1.0 / call.options["temperature"], beta,
-                1.0 - beta, beta,
+                a_ptr=a, b_ptr=b, rows_b=rows_b, sa_a=a_a, sa_b=a_b, sb_a=b_a, sb_b=b_b,
+                da_ptr=da if need_a else db, db_ptr=db if need_b else da,  # NEED_A / NEED_B gate the writes
+                grad_ptr=grad.contiguous(), keep_ptr=keep if keep is not None else stats, stat_ptr=stats,
+                v_local=v_local, splits=splits, chunk=chunk, k2=LOG2E / call.options["temperature"],
+                inv_t=1.0 / call.options["temperature"],
+                beta=call.options["beta"] if kind == layout.JSD else 0.0,  # read only by the JSD kind
                 KIND=kind, NEED_A=need_a, NEED_B=need_b, HAS_KEEP=keep is not None,
-                FAST_LOG2=cfg.fast_log2 and kind == _JSD, BLOCK=cfg.block_bwd,
+                FAST_LOG2=cfg.fast_log2 and kind == layout.JSD, BLOCK=cfg.block_bwd,
                 num_warps=cfg.warps_bwd)
-        if kind == _KL and not reverse:
+        if kind == layout.KL and not reverse:
             return db, da
         return da, db
 

@@ -18,7 +18,9 @@ appears unless the row really is all ``-inf`` (where NaN is the contract).
 Layouts. Logits rows may be strided: row ``r`` starts at
 ``(r // rows_b) * stride_a + (r % rows_b) * stride_b`` (a 3-D ``[A, B, V]`` view such as
 ``logits[:, :-1]`` has ``rows_b = B``; a 2-D tensor has ``rows_b = N, stride_a = 0``).
-Partials are ``[P, N, F]`` fp32 (P = splits x ranks). Gradients are written contiguous.
+Partials are ``[P, N, F]`` fp32 (P = splits x ranks) and saved statistics ``[N, S]`` fp32;
+``layout.py`` gives F and S, the offsets of the fields are named below. Gradients are
+written contiguous.
 Each stats/divergence/backward program handles one row and one contiguous chunk of its
 local vocabulary (``pid = row * splits + split``), so few rows still fill the GPU.
 """
@@ -26,15 +28,56 @@ local vocabulary (``pid = row * splits + split``), so few rows still fill the GP
 import triton
 import triton.language as tl
 
-# Kernels may only read globals that are constexpr; backend.py passes the plain ints.
+from . import layout
+
+# Kernels read only constexpr globals. The layout shared with backend.py, from layout.py:
+CE = tl.constexpr(layout.CE)
+LOGPROBS = tl.constexpr(layout.LOGPROBS)
+ENTROPY = tl.constexpr(layout.ENTROPY)
+KL = tl.constexpr(layout.KL)
+JSD = tl.constexpr(layout.JSD)
+CE_FIELDS = tl.constexpr(layout.CE_FIELDS)
+LOGPROBS_FIELDS = tl.constexpr(layout.LOGPROBS_FIELDS)
+ENTROPY_FIELDS = tl.constexpr(layout.ENTROPY_FIELDS)
+PAIR_FIELDS = tl.constexpr(layout.PAIR_FIELDS)
+KL_FIELDS = tl.constexpr(layout.KL_FIELDS)
+DIV_FIELDS = tl.constexpr(layout.DIV_FIELDS)
+STATS = tl.constexpr(layout.STATS)
+ENTROPY_STATS = tl.constexpr(layout.ENTROPY_STATS)
+KL_STATS = tl.constexpr(layout.KL_STATS)
+JSD_STATS = tl.constexpr(layout.JSD_STATS)
+
+# Where each field sits in a row of partials (P_) or of saved statistics (S_).
+P_MAX = tl.constexpr(0)  # every partial state starts with (max, sum)
+P_SUM = tl.constexpr(1)
+P_MOMENT = tl.constexpr(2)  # CE: sum (z - a) k2 (label smoothing); entropy: sum e (z - a) k2
+P_COUNT = tl.constexpr(3)  # CE: columns counted in that sum
+P_LABEL = tl.constexpr(4)  # CE: the label's raw logit (0 where this chunk does not own it)
+P_INDEX = tl.constexpr(2)  # logprobs: raw logits at index entries 0 .. k-1 (0 where not owned)
+P_MAX_A = tl.constexpr(0)  # two inputs
+P_SUM_A = tl.constexpr(1)
+P_MAX_B = tl.constexpr(2)
+P_SUM_B = tl.constexpr(3)
+P_KL = tl.constexpr(4)  # KL: sum e_a ((z_a - a_a) - (z_b - a_b)) k2
+P_KL_S = tl.constexpr(0)  # JSD divergence pass
+P_KL_T = tl.constexpr(1)
+S_ANCHOR = tl.constexpr(0)  # one input
+S_LOG2_SUM = tl.constexpr(1)
+S_ENTROPY = tl.constexpr(2)
+S_ANCHOR_A = tl.constexpr(0)  # two inputs (JSD: a = student, b = teacher)
+S_LOG2_SUM_A = tl.constexpr(1)
+S_ANCHOR_B = tl.constexpr(2)
+S_LOG2_SUM_B = tl.constexpr(3)
+S_KL_A = tl.constexpr(4)  # KL: KL(A || B); JSD: KL(p_s || M)
+S_KL_B = tl.constexpr(5)  # JSD: KL(p_t || M)
+
 LN2 = tl.constexpr(0.6931471805599453)
-# op kinds of the one-input kernels
-CE = tl.constexpr(0)
-LOGPROBS = tl.constexpr(1)
-ENTROPY = tl.constexpr(2)
-# op kinds of the two-input kernels
-KL = tl.constexpr(0)
-JSD = tl.constexpr(1)
+# The smallest normal fp32: the JSD mixture is clamped to it before its log2, so that the
+# fast .ftz log2 never sees a denormal and a mixture that flushed to 0 stays finite.
+MIN_NORMAL = tl.constexpr(1.1754944e-38)
+# A finite floor for log-probs in bits (exp2 of it is exactly 0): p * (max(lp, floor) - lm)
+# is then 0 where p = 0 (the 0 log 0 = 0 rule) in one op, where lp = -inf would give NaN.
+LOGP_FLOOR = tl.constexpr(-1e30)
 
 
 @triton.jit
@@ -75,8 +118,7 @@ def _chunk(pid, splits, chunk, v_local):
 @triton.jit
 def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, part_ptr,
                   n_rows, v_local, vocab_start, splits, chunk, k2, ignore_index,
-                  KIND: tl.constexpr, SMOOTH: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
+                  KIND: tl.constexpr, SMOOTH: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
     """Partial statistics of one row over one vocabulary chunk, one read of the logits.
 
     Fields (F): CE ``[m, s, sum (z - a) k2, count, z_label]`` (sum/count only with SMOOTH);
@@ -87,15 +129,15 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     if KIND == CE:
-        n_fields = 5
+        n_fields = CE_FIELDS
         active = tl.load(idx_ptr + row) != ignore_index
     elif KIND == LOGPROBS:
-        n_fields = 2 + n_idx
+        n_fields = LOGPROBS_FIELDS + n_idx
         active = row < 0  # false; true below when any index entry is not ignored
         for j in range(n_idx):
             active = active | (tl.load(idx_ptr + row * n_idx + j) != ignore_index)
     else:
-        n_fields = 3
+        n_fields = ENTROPY_FIELDS
         if HAS_KEEP:
             active = tl.load(keep_ptr + row) != 0
         else:
@@ -106,16 +148,10 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     t = tl.zeros([], tl.float32)  # CE: sum (z - a) k2; entropy: sum e (z - a) k2
-    if PREFETCH:  # the next tile's load is issued before this tile's reductions wait on it
-        z_next = tl.load(src + lo + tl.arange(0, BLOCK), mask=lo + tl.arange(0, BLOCK) < hi, other=float("-inf"))
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inb = cols < hi
-        if PREFETCH:
-            z = z_next.to(tl.float32)
-            z_next = tl.load(src + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
-        else:
-            z = tl.load(src + cols, mask=inb, other=float("-inf")).to(tl.float32)
+        z = tl.load(src + cols, mask=inb, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(z, 0))
         a_new = _anchor(m_new)
         shift = (_anchor(m) - a_new) * k2  # old anchor -> new anchor, in bits (<= 0)
@@ -131,23 +167,23 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
         m = m_new
 
     out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
-    tl.store(out, m)
-    tl.store(out + 1, s)
+    tl.store(out + P_MAX, m)
+    tl.store(out + P_SUM, s)
     if KIND == CE:
-        tl.store(out + 2, t)
-        tl.store(out + 3, tl.maximum(hi - lo, 0).to(tl.float32))
+        tl.store(out + P_MOMENT, t)
+        tl.store(out + P_COUNT, tl.maximum(hi - lo, 0).to(tl.float32))
         local = tl.load(idx_ptr + row) - vocab_start
         mine = (local >= lo) & (local < hi)
         zy = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
-        tl.store(out + 4, tl.where(mine, zy, 0.0))
+        tl.store(out + P_LABEL, tl.where(mine, zy, 0.0))
     elif KIND == LOGPROBS:
         for j in range(n_idx):
             local = tl.load(idx_ptr + row * n_idx + j) - vocab_start
             mine = (local >= lo) & (local < hi)
             zj = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
-            tl.store(out + 2 + j, tl.where(mine, zj, 0.0))
+            tl.store(out + P_INDEX + j, tl.where(mine, zj, 0.0))
     else:
-        tl.store(out + 2, t)
+        tl.store(out + P_MOMENT, t)
 
 
 @triton.jit
@@ -162,14 +198,14 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     if KIND == CE:
-        n_fields = 5
+        n_fields = CE_FIELDS
     elif KIND == LOGPROBS:
-        n_fields = 2 + n_idx
+        n_fields = LOGPROBS_FIELDS + n_idx
     else:
-        n_fields = 3
+        n_fields = ENTROPY_FIELDS
     big_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for p in range(n_parts):
-        mp = tl.load(part_ptr + (p * n_rows + rows) * n_fields, mask=rmask, other=float("-inf"))
+        mp = tl.load(part_ptr + (p * n_rows + rows) * n_fields + P_MAX, mask=rmask, other=float("-inf"))
         big_m = tl.maximum(big_m, mp)
     a = _anchor(big_m)
     s = tl.zeros([BLOCK_N], tl.float32)
@@ -177,19 +213,19 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
     picked = tl.zeros([BLOCK_N], tl.float32)
     for p in range(n_parts):
         base = part_ptr + (p * n_rows + rows) * n_fields
-        mp = tl.load(base, mask=rmask, other=float("-inf"))
-        sp = tl.load(base + 1, mask=rmask, other=0.0)
+        mp = tl.load(base + P_MAX, mask=rmask, other=float("-inf"))
+        sp = tl.load(base + P_SUM, mask=rmask, other=0.0)
         w = tl.exp2((mp - a) * k2)
         shift = (_anchor(mp) - a) * k2
         s += sp * w
         if KIND == CE:
             if SMOOTH:
-                cnt = tl.load(base + 3, mask=rmask, other=0.0)
-                tp = tl.load(base + 2, mask=rmask, other=0.0)
+                cnt = tl.load(base + P_COUNT, mask=rmask, other=0.0)
+                tp = tl.load(base + P_MOMENT, mask=rmask, other=0.0)
                 t += tl.where(cnt > 0, tp + cnt * shift, 0.0)
-            picked += tl.load(base + 4, mask=rmask, other=0.0)
+            picked += tl.load(base + P_LABEL, mask=rmask, other=0.0)
         elif KIND == ENTROPY:
-            tp = tl.load(base + 2, mask=rmask, other=0.0)
+            tp = tl.load(base + P_MOMENT, mask=rmask, other=0.0)
             t += w * (tp + sp * shift)
     log_s = tl.log2(s)
     empty = s == 0  # all -inf row: NaN by contract
@@ -212,7 +248,7 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
         for j in range(n_idx):
             got = tl.zeros([BLOCK_N], tl.float32)
             for p in range(n_parts):
-                got += tl.load(part_ptr + (p * n_rows + rows) * n_fields + 2 + j, mask=rmask, other=0.0)
+                got += tl.load(part_ptr + (p * n_rows + rows) * n_fields + P_INDEX + j, mask=rmask, other=0.0)
             ij = tl.load(idx_ptr + rows * n_idx + j, mask=rmask, other=ignore_index)
             keep = ij != ignore_index
             any_kept = any_kept | keep
@@ -226,10 +262,10 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
         if HAS_KEEP:
             h = tl.where(tl.load(keep_ptr + rows, mask=rmask, other=0) != 0, h, 0.0)
         tl.store(val_ptr + rows, h, mask=rmask)
-        tl.store(stat_ptr + rows * 3 + 2, h, mask=rmask)
-    n_stats = 3 if KIND == ENTROPY else 2
-    tl.store(stat_ptr + rows * n_stats, a, mask=rmask)
-    tl.store(stat_ptr + rows * n_stats + 1, log_s, mask=rmask)
+        tl.store(stat_ptr + rows * ENTROPY_STATS + S_ENTROPY, h, mask=rmask)
+    n_stats = ENTROPY_STATS if KIND == ENTROPY else STATS
+    tl.store(stat_ptr + rows * n_stats + S_ANCHOR, a, mask=rmask)
+    tl.store(stat_ptr + rows * n_stats + S_LOG2_SUM, log_s, mask=rmask)
 
 
 @triton.jit
@@ -247,12 +283,12 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
     src = _row_start(z_ptr, row, rows_b, stride_a, stride_b)
     dst = dz_ptr + row.to(tl.int64) * v_local
     nan = float("nan")
-    n_stats = 3 if KIND == ENTROPY else 2
-    a = tl.load(stat_ptr + row * n_stats)
-    log_s = tl.load(stat_ptr + row * n_stats + 1)
+    n_stats = ENTROPY_STATS if KIND == ENTROPY else STATS
+    a = tl.load(stat_ptr + row * n_stats + S_ANCHOR)
+    log_s = tl.load(stat_ptr + row * n_stats + S_LOG2_SUM)
     alive = log_s > float("-inf")
     if KIND == ENTROPY:
-        h = tl.load(stat_ptr + row * 3 + 2)
+        h = tl.load(stat_ptr + row * ENTROPY_STATS + S_ENTROPY)
         coef = tl.where(alive, tl.load(grad_ptr + row) * inv_t, nan)
         if HAS_KEEP:
             keep = tl.load(keep_ptr + row) != 0
@@ -308,7 +344,7 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
 @triton.jit
 def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_ptr,
                   n_rows, v_local, splits, chunk, k2,
-                  WITH_KL: tl.constexpr, HAS_KEEP: tl.constexpr, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
+                  WITH_KL: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
     """Partial statistics of two inputs over one chunk, one read of each.
 
     Fields ``[m_a, s_a, m_b, s_b]`` and with WITH_KL ``sum e_a ((z_a - a_a) - (z_b - a_b)) k2``,
@@ -324,21 +360,11 @@ def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_p
     sa = tl.zeros([], tl.float32)
     sb = tl.zeros([], tl.float32)
     kl = tl.zeros([], tl.float32)
-    if PREFETCH:  # the next tile's loads are issued before this tile's reductions wait on them
-        first = lo + tl.arange(0, BLOCK)
-        za_next = tl.load(src_a + first, mask=first < hi, other=float("-inf"))
-        zb_next = tl.load(src_b + first, mask=first < hi, other=float("-inf"))
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inb = cols < hi
-        if PREFETCH:
-            za = za_next.to(tl.float32)
-            zb = zb_next.to(tl.float32)
-            za_next = tl.load(src_a + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
-            zb_next = tl.load(src_b + cols + BLOCK, mask=cols + BLOCK < hi, other=float("-inf"))
-        else:
-            za = tl.load(src_a + cols, mask=inb, other=float("-inf")).to(tl.float32)
-            zb = tl.load(src_b + cols, mask=inb, other=float("-inf")).to(tl.float32)
+        za = tl.load(src_a + cols, mask=inb, other=float("-inf")).to(tl.float32)
+        zb = tl.load(src_b + cols, mask=inb, other=float("-inf")).to(tl.float32)
         ma_new = tl.maximum(ma, tl.max(za, 0))
         mb_new = tl.maximum(mb, tl.max(zb, 0))
         aa_new = _anchor(ma_new)
@@ -356,14 +382,14 @@ def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_p
         sb = sb * tl.exp2((mb - ab_new) * k2) + tl.sum(eb, 0)
         ma = ma_new
         mb = mb_new
-    n_fields = 5 if WITH_KL else 4
+    n_fields = KL_FIELDS if WITH_KL else PAIR_FIELDS
     out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
-    tl.store(out, ma)
-    tl.store(out + 1, sa)
-    tl.store(out + 2, mb)
-    tl.store(out + 3, sb)
+    tl.store(out + P_MAX_A, ma)
+    tl.store(out + P_SUM_A, sa)
+    tl.store(out + P_MAX_B, mb)
+    tl.store(out + P_SUM_B, sb)
     if WITH_KL:
-        tl.store(out + 4, kl)
+        tl.store(out + P_KL, kl)
 
 
 @triton.jit
@@ -373,16 +399,16 @@ def _merge_row_stats(part_ptr, n_parts, n_rows, row, k2, N_FIELDS: tl.constexpr)
     big_b = tl.full([], float("-inf"), tl.float32)
     for p in range(n_parts):
         base = part_ptr + (p * n_rows + row) * N_FIELDS
-        big_a = tl.maximum(big_a, tl.load(base))
-        big_b = tl.maximum(big_b, tl.load(base + 2))
+        big_a = tl.maximum(big_a, tl.load(base + P_MAX_A))
+        big_b = tl.maximum(big_b, tl.load(base + P_MAX_B))
     aa = _anchor(big_a)
     ab = _anchor(big_b)
     s_a = tl.zeros([], tl.float32)
     s_b = tl.zeros([], tl.float32)
     for p in range(n_parts):
         base = part_ptr + (p * n_rows + row) * N_FIELDS
-        s_a += tl.load(base + 1) * tl.exp2((tl.load(base) - aa) * k2)
-        s_b += tl.load(base + 3) * tl.exp2((tl.load(base + 2) - ab) * k2)
+        s_a += tl.load(base + P_SUM_A) * tl.exp2((tl.load(base + P_MAX_A) - aa) * k2)
+        s_b += tl.load(base + P_SUM_B) * tl.exp2((tl.load(base + P_MAX_B) - ab) * k2)
     return aa, tl.log2(s_a), ab, tl.log2(s_b)
 
 
@@ -398,12 +424,12 @@ def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     if HAS_KEEP:
         hi = tl.where(tl.load(keep_ptr + row) != 0, hi, lo)
-    a_s, ls_s, a_t, ls_t = _merge_row_stats(stats_part_ptr, n_stats_parts, n_rows, row, k2, 4)
+    a_s, ls_s, a_t, ls_t = _merge_row_stats(stats_part_ptr, n_stats_parts, n_rows, row, k2, PAIR_FIELDS)
     if pid % splits == 0:
-        tl.store(stat_ptr + row * 6, a_s)
-        tl.store(stat_ptr + row * 6 + 1, ls_s)
-        tl.store(stat_ptr + row * 6 + 2, a_t)
-        tl.store(stat_ptr + row * 6 + 3, ls_t)
+        tl.store(stat_ptr + row * JSD_STATS + S_ANCHOR_A, a_s)
+        tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_A, ls_s)
+        tl.store(stat_ptr + row * JSD_STATS + S_ANCHOR_B, a_t)
+        tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_B, ls_t)
     src_s = _row_start(s_ptr, row, rows_b, ss_a, ss_b)
     src_t = _row_start(t_ptr, row, rows_b, st_a, st_b)
     acc_s = tl.zeros([BLOCK], tl.float32)
@@ -416,15 +442,15 @@ def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats
         ps = tl.exp2(lps)
         pt = tl.exp2(lpt)
         # clamped: under flush-to-zero a mixture of two tiny p can round to 0 (p itself ~1e-38)
-        lm = _log2(tl.maximum(beta * pt + (1.0 - beta) * ps, 1.1754944e-38), FAST_LOG2)
+        lm = _log2(tl.maximum(beta * pt + (1.0 - beta) * ps, MIN_NORMAL), FAST_LOG2)
         # lm is finite (clamped), so clamping lp to a finite floor gives 0 * finite = 0 where
         # p = 0 (the 0 log 0 = 0 rule) in one op instead of a compare and a select; a NaN p
         # (NaN logits) still propagates through the product
-        acc_s += ps * (tl.maximum(lps, -1e30) - lm)
-        acc_t += pt * (tl.maximum(lpt, -1e30) - lm)
-    out = part_ptr + ((pid % splits) * n_rows + row) * 2
-    tl.store(out, tl.sum(acc_s, 0))
-    tl.store(out + 1, tl.sum(acc_t, 0))
+        acc_s += ps * (tl.maximum(lps, LOGP_FLOOR) - lm)
+        acc_t += pt * (tl.maximum(lpt, LOGP_FLOOR) - lm)
+    out = part_ptr + ((pid % splits) * n_rows + row) * DIV_FIELDS
+    tl.store(out + P_KL_S, tl.sum(acc_s, 0))
+    tl.store(out + P_KL_T, tl.sum(acc_t, 0))
 
 
 @triton.jit
@@ -432,7 +458,8 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
                    KIND: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr):
     """KL: merge ``[m_a, s_a, m_b, s_b, kl]`` partials into KL(A||B) and the stats
     ``[a_a, log2 s_a, a_b, log2 s_b, KL]``. JSD: add the ``[kl_s, kl_t]`` divergence partials
-    into the value and stats columns 4, 5 (columns 0-3 were written by the divergence pass)."""
+    into the value and stats columns 4, 5 (columns 0-3 were written by the divergence pass).
+    ``beta`` is the JSD's; the KL kind never reads it (one kernel serves both kinds)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     nan = float("nan")
@@ -440,48 +467,48 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
         big_a = tl.full([BLOCK_N], float("-inf"), tl.float32)
         big_b = tl.full([BLOCK_N], float("-inf"), tl.float32)
         for p in range(n_parts):
-            base = part_ptr + (p * n_rows + rows) * 5
-            big_a = tl.maximum(big_a, tl.load(base, mask=rmask, other=float("-inf")))
-            big_b = tl.maximum(big_b, tl.load(base + 2, mask=rmask, other=float("-inf")))
+            base = part_ptr + (p * n_rows + rows) * KL_FIELDS
+            big_a = tl.maximum(big_a, tl.load(base + P_MAX_A, mask=rmask, other=float("-inf")))
+            big_b = tl.maximum(big_b, tl.load(base + P_MAX_B, mask=rmask, other=float("-inf")))
         aa = _anchor(big_a)
         ab = _anchor(big_b)
         s_a = tl.zeros([BLOCK_N], tl.float32)
         s_b = tl.zeros([BLOCK_N], tl.float32)
         kl = tl.zeros([BLOCK_N], tl.float32)
         for p in range(n_parts):
-            base = part_ptr + (p * n_rows + rows) * 5
-            mpa = tl.load(base, mask=rmask, other=float("-inf"))
-            spa = tl.load(base + 1, mask=rmask, other=0.0)
-            mpb = tl.load(base + 2, mask=rmask, other=float("-inf"))
+            base = part_ptr + (p * n_rows + rows) * KL_FIELDS
+            mpa = tl.load(base + P_MAX_A, mask=rmask, other=float("-inf"))
+            spa = tl.load(base + P_SUM_A, mask=rmask, other=0.0)
+            mpb = tl.load(base + P_MAX_B, mask=rmask, other=float("-inf"))
             wa = tl.exp2((mpa - aa) * k2)
             s_a += spa * wa
-            s_b += tl.load(base + 3, mask=rmask, other=0.0) * tl.exp2((mpb - ab) * k2)
+            s_b += tl.load(base + P_SUM_B, mask=rmask, other=0.0) * tl.exp2((mpb - ab) * k2)
             shift = ((_anchor(mpa) - aa) - (_anchor(mpb) - ab)) * k2
-            kl += wa * (tl.load(base + 4, mask=rmask, other=0.0) + spa * shift)
+            kl += wa * (tl.load(base + P_KL, mask=rmask, other=0.0) + spa * shift)
         log_sa = tl.log2(s_a)
         log_sb = tl.log2(s_b)
         val = (kl / s_a - log_sa + log_sb) * LN2
         val = tl.where((s_a == 0) | (s_b == 0), nan, val)
-        tl.store(stat_ptr + rows * 5, aa, mask=rmask)
-        tl.store(stat_ptr + rows * 5 + 1, log_sa, mask=rmask)
-        tl.store(stat_ptr + rows * 5 + 2, ab, mask=rmask)
-        tl.store(stat_ptr + rows * 5 + 3, log_sb, mask=rmask)
-        tl.store(stat_ptr + rows * 5 + 4, val, mask=rmask)
+        tl.store(stat_ptr + rows * KL_STATS + S_ANCHOR_A, aa, mask=rmask)
+        tl.store(stat_ptr + rows * KL_STATS + S_LOG2_SUM_A, log_sa, mask=rmask)
+        tl.store(stat_ptr + rows * KL_STATS + S_ANCHOR_B, ab, mask=rmask)
+        tl.store(stat_ptr + rows * KL_STATS + S_LOG2_SUM_B, log_sb, mask=rmask)
+        tl.store(stat_ptr + rows * KL_STATS + S_KL_A, val, mask=rmask)
     else:
         kl_s = tl.zeros([BLOCK_N], tl.float32)
         kl_t = tl.zeros([BLOCK_N], tl.float32)
         for p in range(n_parts):
-            base = part_ptr + (p * n_rows + rows) * 2
-            kl_s += tl.load(base, mask=rmask, other=0.0)
-            kl_t += tl.load(base + 1, mask=rmask, other=0.0)
+            base = part_ptr + (p * n_rows + rows) * DIV_FIELDS
+            kl_s += tl.load(base + P_KL_S, mask=rmask, other=0.0)
+            kl_t += tl.load(base + P_KL_T, mask=rmask, other=0.0)
         kl_s *= LN2
         kl_t *= LN2
-        ls_s = tl.load(stat_ptr + rows * 6 + 1, mask=rmask, other=0.0)
-        ls_t = tl.load(stat_ptr + rows * 6 + 3, mask=rmask, other=0.0)
+        ls_s = tl.load(stat_ptr + rows * JSD_STATS + S_LOG2_SUM_A, mask=rmask, other=0.0)
+        ls_t = tl.load(stat_ptr + rows * JSD_STATS + S_LOG2_SUM_B, mask=rmask, other=0.0)
         val = (1.0 - beta) * kl_s + beta * kl_t
         val = tl.where((ls_s > float("-inf")) & (ls_t > float("-inf")), val, nan)
-        tl.store(stat_ptr + rows * 6 + 4, kl_s, mask=rmask)
-        tl.store(stat_ptr + rows * 6 + 5, kl_t, mask=rmask)
+        tl.store(stat_ptr + rows * JSD_STATS + S_KL_A, kl_s, mask=rmask)
+        tl.store(stat_ptr + rows * JSD_STATS + S_KL_B, kl_t, mask=rmask)
     if HAS_KEEP:
         val = tl.where(tl.load(keep_ptr + rows, mask=rmask, other=0) != 0, val, 0.0)
     tl.store(val_ptr + rows, val, mask=rmask)
@@ -489,27 +516,27 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
 
 @triton.jit
 def backward2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, da_ptr, db_ptr, grad_ptr, keep_ptr,
-                     stat_ptr, v_local, splits, chunk, k2, inv_t, beta, w_a, w_b,
+                     stat_ptr, v_local, splits, chunk, k2, inv_t, beta,
                      KIND: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
                      HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
     """Gradients of KL(A||B) (``dA = p_a (lp_a - lp_b - KL)``, ``dB = p_b - p_a``) or of the
     JSD (a = student, b = teacher: ``d_s = (1-beta) p_s (lp_s - lm - KL_s)``, and the same for
     the teacher with beta), from saved statistics; only requested gradients are computed and
-    written, in the input dtype."""
+    written, in the input dtype. The KL kind never reads ``beta``."""
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     src_a = _row_start(a_ptr, row, rows_b, sa_a, sa_b)
     src_b = _row_start(b_ptr, row, rows_b, sb_a, sb_b)
     out_off = row.to(tl.int64) * v_local
-    n_stats = 5 if KIND == KL else 6
+    n_stats = KL_STATS if KIND == KL else JSD_STATS
     base = stat_ptr + row * n_stats
-    anc_a = tl.load(base)
-    ls_a = tl.load(base + 1)
-    anc_b = tl.load(base + 2)
-    ls_b = tl.load(base + 3)
-    kl_a = tl.load(base + 4)
+    anc_a = tl.load(base + S_ANCHOR_A)
+    ls_a = tl.load(base + S_LOG2_SUM_A)
+    anc_b = tl.load(base + S_ANCHOR_B)
+    ls_b = tl.load(base + S_LOG2_SUM_B)
+    kl_a = tl.load(base + S_KL_A)
     if KIND == JSD:
-        kl_b = tl.load(base + 5)
+        kl_b = tl.load(base + S_KL_B)
     coef = tl.load(grad_ptr + row) * inv_t
     coef = tl.where((ls_a > float("-inf")) & (ls_b > float("-inf")), coef, float("nan"))
     if HAS_KEEP:
@@ -532,10 +559,10 @@ def backward2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, da_ptr, db_pt
                 tl.store(db_ptr + out_off + cols, tl.where(keep, db, 0.0).to(db_ptr.dtype.element_ty), mask=inb)
         else:
             pb = tl.exp2(lpb)
-            lm = _log2(tl.maximum(beta * pb + (1.0 - beta) * pa, 1.1754944e-38), FAST_LOG2)
+            lm = _log2(tl.maximum(beta * pb + (1.0 - beta) * pa, MIN_NORMAL), FAST_LOG2)
             if NEED_A:  # finite floor on lp: 0 * finite = 0 where p = 0 (see jsd_div_kernel)
-                da = pa * ((tl.maximum(lpa, -1e30) - lm) * LN2 - kl_a) * (w_a * coef)
+                da = pa * ((tl.maximum(lpa, LOGP_FLOOR) - lm) * LN2 - kl_a) * ((1.0 - beta) * coef)
                 tl.store(da_ptr + out_off + cols, tl.where(keep, da, 0.0).to(da_ptr.dtype.element_ty), mask=inb)
             if NEED_B:
-                db = pb * ((tl.maximum(lpb, -1e30) - lm) * LN2 - kl_b) * (w_b * coef)
+                db = pb * ((tl.maximum(lpb, LOGP_FLOOR) - lm) * LN2 - kl_b) * (beta * coef)
                 tl.store(db_ptr + out_off + cols, tl.where(keep, db, 0.0).to(db_ptr.dtype.element_ty), mask=inb)

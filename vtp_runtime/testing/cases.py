@@ -9,7 +9,7 @@ term fails on the rank where it happens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,8 +25,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Elementwise relative tolerance of gradients, which are rounded to the input dtype.
 GRAD_RTOL = {"float32": 2e-4, "bfloat16": 2e-2, "float16": 4e-3, "float64": 1e-7}
 VALUE_RTOL = {"float32": 2e-5, "bfloat16": 2e-5, "float16": 2e-5, "float64": 1e-9}
-LAYOUTS = ("even", "uneven", "empty", "explicit")
-EDGES = ("", "neg_inf", "offset", "disjoint", "all_neg_inf_masked", "all_neg_inf", "bad_index", "no_tokens")
+# the edge inputs make_inputs knows (see there); any other name is refused, not ignored
+EDGES = ("", "neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked", "bad_index")
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,21 @@ class Case:
     dtype: str = "float32"
     shape: tuple[int, ...] = (3, 4)  # leading (token) shape
     vocab: int = 37  # global V (rounded down to a multiple of the TP size for "even")
-    layout: str = "uneven"
+    layout: str = "uneven"  # "even", "uneven", "empty" (rank 1 holds none) or "explicit" (permuted)
     options: tuple[tuple[str, Any], ...] = ()  # e.g. (("label_smoothing", 0.1),)
     topk: int = 0  # logprobs: index with a trailing k dimension
     masked: str = ""  # "", "labels" or "mask": how tokens are masked (about a quarter)
     grads: tuple[bool, bool] = (True, True)  # (student/logits, teacher) require grad
-    edge: str = ""
+    edge: str = ""  # one of EDGES
     strided: bool = False  # pass a causal-shift view logits[:, :-1]
     backend: str | None = "eager"
     device: str = "cpu"  # "cuda": each rank's current CUDA device
     seed: int = 0
     scale: float = 3.0
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.edge not in EDGES:
+            raise ValueError(f"unknown edge {self.edge!r}; make_inputs knows {EDGES[1:]}")
 
     def with_(self, **kw) -> "Case":
         return replace(self, **kw)

@@ -38,14 +38,7 @@ from ..ops import OPS
 from ..registry import REGISTRY, registered
 from .cases import DTYPES, Case, run_case
 
-# Features that apply to each op, and how a case turns each one on.
-OP_FEATURES = {
-    "cross_entropy": ("label_smoothing", "z_loss", "temperature"),
-    "logprobs": ("topk", "temperature"),
-    "entropy": ("mask", "temperature"),
-    "kl": ("mask", "temperature", "reverse", "teacher_grad"),
-    "jsd": ("mask", "temperature", "teacher_grad"),
-}
+# How a case turns on each feature (which features apply to an op: ops.OPS[op].features).
 _OPTION = {"label_smoothing": ("label_smoothing", 0.1), "z_loss": ("z_loss", 1e-3),
            "temperature": ("temperature", 0.7), "reverse": ("reverse", True)}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -70,7 +63,7 @@ class ConformanceCase:
         return f"tp{self.world}-{self.expect}-{c.id}{extra}" + ("" if c.vocab == 37 else f"-V{c.vocab}")
 
 
-def _feature(case: Case, feature: str, on: bool = True) -> Case:
+def _feature(case: Case, feature: str) -> Case:
     if feature in _OPTION:
         key, value = _OPTION[feature]
         return case.with_(options=case.options + ((key, value),))
@@ -93,7 +86,7 @@ def _base(name: str, op: str, cap: OpCapability) -> Case:
 
 def _match_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, str]]:
     op = base.op
-    claimed = [f for f in OP_FEATURES[op] if f in cap.features]
+    claimed = [f for f in OPS[op].features if f in cap.features]
     two = len(OPS[op].inputs) == 2
     if world == 1:
         layouts = ["even"]
@@ -158,7 +151,7 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
         if cap.device_types is not None and "cpu" not in cap.device_types:
             add(1, base, "refused", "does not claim the cpu device (the kit runs on CPU only)")
             continue
-        for f in OP_FEATURES[op]:
+        for f in OPS[op].features:
             if f not in cap.features:
                 add(1, _feature(base, f), "refused", f"does not claim {f}")
         for d in DTYPES.values():

@@ -16,16 +16,19 @@ Moments kept, for ``x = z / T``, ``e = exp(x - m)``:
   not depend on the max), and plain ``(m_b, s_b)`` for B. Then
   ``KL = u / S_a - (M_a - M_b) - log S_a + log S_b``.
 
-Backward recomputes probabilities block by block from the saved inputs and O(N) statistics.
+Backward recomputes probabilities block by block from the saved inputs and O(N) statistics,
+which forward hands over in a small dataclass (a ``SavedState``): the core keeps its tensors
+for backward the way autograd keeps saved tensors, and rebuilds it for ``backward``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime import Backend, OpCapability, hookimpl
+from vtp_runtime import Backend, OpCapability, SavedState, hookimpl
 from vtp_runtime.comm import all_reduce_
 
 __version__ = "0.1.0"
@@ -76,6 +79,27 @@ def _masked(values: Tensor, mask: Tensor | None) -> Tensor:
     return values if mask is None else torch.where(mask, values, torch.zeros_like(values))
 
 
+# -- what forward keeps for backward ---------------------------------------------------------
+# Every field is a tensor (or None for an optional one): the core saves them with autograd's
+# save_for_backward, which also catches an input modified in place before backward.
+
+@dataclass
+class EntropyState(SavedState):
+    logits: Tensor  # [N, V_local], the input itself (no copy)
+    max: Tensor  # [N] global max of x = z / T (0 for an all -inf row)
+    log_sum: Tensor  # [N] log sum exp(x - max) over the global vocabulary
+    entropy: Tensor  # [N] the value
+    mask: Tensor | None = None  # bool [N], True = keep
+
+
+@dataclass
+class KLState(SavedState):
+    student: Tensor  # [N, V_local]
+    teacher: Tensor  # [N, V_local]
+    stats: Tensor  # [5, N]: max_a, max_b, log_sum_a, log_sum_b, KL (A, B as in _kl_forward)
+    mask: Tensor | None = None  # bool [N]
+
+
 # -- entropy -------------------------------------------------------------------------------
 
 def _entropy_forward(call, z: Tensor, mask):
@@ -102,13 +126,11 @@ def _entropy_forward(call, z: Tensor, mask):
     all_reduce_(sums, call.group, "sum")
     log_s = sums[0].log()
     h = _masked(log_s - sums[1] / sums[0], mask)
-    saved = (z, _finite_or_zero(big_m), log_s, h)
-    return h, saved + ((mask,) if mask is not None else ())
+    return h, EntropyState(z, _finite_or_zero(big_m), log_s, h, mask)
 
 
-def _entropy_backward(call, saved, grad):
-    z, m, log_s, h = saved[:4]
-    mask = saved[4] if len(saved) > 4 else None
+def _entropy_backward(call, state: EntropyState, grad):
+    z, m, log_s, h, mask = state.logits, state.max, state.log_sum, state.entropy, state.mask
     temp = call.options["temperature"]
     scale = (grad / temp)[:, None]
     out = torch.empty_like(z)
@@ -148,12 +170,11 @@ def _kl_forward(call, student: Tensor, teacher: Tensor, mask, reverse: bool):
     log_sa, log_sb = sums[0].log(), sums[1].log()
     value = _masked(sums[2] / sums[0] - (big_m[0] - big_m[1]) - log_sa + log_sb, mask)
     stats = torch.stack([big_m[0], big_m[1], log_sa, log_sb, value])
-    return value, (student, teacher, stats) + ((mask,) if mask is not None else ())
+    return value, KLState(student, teacher, stats, mask)
 
 
-def _kl_backward(call, saved, grad, reverse: bool):
-    student, teacher, stats = saved[:3]
-    mask = saved[3] if len(saved) > 3 else None
+def _kl_backward(call, state: KLState, grad, reverse: bool):
+    student, teacher, stats, mask = state.student, state.teacher, state.stats, state.mask
     a_in, b_in = (student, teacher) if reverse else (teacher, student)
     need_s, need_t = call.needs_grad
     need_a, need_b = (need_s, need_t) if reverse else (need_t, need_s)
@@ -207,10 +228,10 @@ class BlockwiseBackend(Backend):
             return _entropy_forward(call, inputs[0], mask)
         return _kl_forward(call, *inputs, mask, reverse=call.options["reverse"])
 
-    def backward(self, call, saved, grad):
+    def backward(self, call, state, grad):
         if call.op == "entropy":
-            return _entropy_backward(call, saved, grad)
-        return _kl_backward(call, saved, grad, reverse=call.options["reverse"])
+            return _entropy_backward(call, state, grad)
+        return _kl_backward(call, state, grad, reverse=call.options["reverse"])
 
 
 @hookimpl

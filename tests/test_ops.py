@@ -1,0 +1,56 @@
+"""vtp_runtime/ops.py: which features a call uses, as dispatch sees them through ``explain``."""
+
+import pytest
+import torch
+
+import vtp_runtime as vtp
+from vtp_runtime.ops import FEATURES, OPS
+
+V = 8
+
+
+def _tensors(op, teacher_grad=False, topk=False):
+    logits = torch.randn(3, V, requires_grad=True)
+    if op == "cross_entropy":
+        return (logits, torch.randint(0, V, (3,)))
+    if op == "logprobs":
+        return (logits, torch.randint(0, V, (3, 2) if topk else (3,)))
+    if op == "entropy":
+        return (logits,)
+    return (logits, torch.randn(3, V, requires_grad=teacher_grad))
+
+
+# one way to turn each feature on: (options, teacher requires grad, top-k index)
+TURN_ON = {
+    "label_smoothing": ({"label_smoothing": 0.1}, False, False),
+    "z_loss": ({"z_loss": 1e-3}, False, False),
+    "temperature": ({"temperature": 2.0}, False, False),
+    "topk": ({}, False, True),
+    "mask": ({"mask": torch.tensor([True, False, True])}, False, False),
+    "reverse": ({"reverse": True}, False, False),
+    "teacher_grad": ({}, True, False),
+}
+
+
+def test_every_feature_has_a_way_to_turn_it_on():
+    assert set(TURN_ON) == set(FEATURES)
+    assert all(set(spec.features) <= set(FEATURES) for spec in OPS.values())
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_a_call_uses_exactly_the_features_it_turns_on(op):
+    assert vtp.explain(op, *_tensors(op)).request.features == frozenset()
+    for feature in OPS[op].features:
+        options, teacher_grad, topk = TURN_ON[feature]
+        request = vtp.explain(op, *_tensors(op, teacher_grad, topk), **options).request
+        assert request.features == {feature}, (op, feature)
+    if "mask" in OPS[op].features:  # labels= with ignore_index masks too
+        labels = torch.tensor([1, -100, 2])
+        assert vtp.explain(op, *_tensors(op), labels=labels).request.features == {"mask"}
+
+
+def test_defaults_turn_nothing_on():
+    """Options at their default values use no feature, even when passed explicitly."""
+    for op, spec in OPS.items():
+        defaults = {k: v for k, v in spec.options.items() if v is not None}
+        assert vtp.explain(op, *_tensors(op), temperature=1.0, **defaults).request.features == frozenset()
