@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, inputs, shards
+from . import dispatch, inputs, plan, shards
 from .backend import Backend, Call, Request, SavedState
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
@@ -25,7 +25,7 @@ class _Prepared:
     """A call after local validation and the metadata gather: what selection and the run need."""
 
     __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
-                 "forced", "forced_by")
+                 "forced", "forced_by", "metadata")
 
 
 def _local_checks(spec: OpSpec, inputs, index, options) -> None:
@@ -103,7 +103,9 @@ def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim
 _DEFAULTS = {name: {**COMMON_OPTIONS, **spec.options} for name, spec in OPS.items()}
 
 
-def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
+def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None) -> _Prepared:
+    """Local checks, the metadata gather (skipped when ``table`` is this call's gathered
+    table already) and the checks of the gathered table."""
     spec = get_spec(op)
     n_expected = len(spec.inputs) + (1 if spec.index else 0)
     if len(tensors) != n_expected:
@@ -138,6 +140,7 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
         error, detail = 5, (f"unknown backend {forced!r} (from {forced_by}); registered backends: "
                             f"{', '.join(sorted(registered))}")
     device = logits.device if ok else torch.device("cpu")
+    p.metadata = None
     if shards.group_size(group) == 1:  # the hot path of single-device training: no gather
         if error:
             raise {3: TypeError, 5: UnknownBackend}.get(error, ValueError)(detail)
@@ -159,7 +162,11 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
             error=error,
             error_detail=detail,
         )
-        layout = shards.validate(shards.gather(local, group, device), local, group)
+        row = shards.pack(local, group, device)
+        if table is None:
+            table = shards.gather(row, group)
+        layout = shards.validate(table, local, group)
+        p.metadata = (row, table, local)
     p.layout = layout
     p.inputs, p.index = inputs, index
     p.request = Request(
@@ -221,38 +228,95 @@ def _state_type(backend: Backend, state) -> type[SavedState] | None:
 _backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
-def _run(p: _Prepared) -> Tensor:
+class _Plan:
+    """What every call with one signature shares (see ``vtp_runtime.plan``): the backend,
+    the ``Call`` it gets, and how the per-call tensors are shaped around it."""
+
+    __slots__ = ("spec", "backend", "call", "n", "n_inputs", "out_shape", "topk", "ignore_index", "metadata")
+
+
+def _make_plan(p: _Prepared) -> _Plan:
     spec, options, layout = p.spec, p.options, p.layout
     backend = dispatch.select(p.request, layout, p.forced, p.forced_by)
-    n = layout.num_tokens
-    inputs = tuple(_rows(t, n, backend) for t in p.inputs)
-    ignore_index = options.get("ignore_index", -100)
-    index = mask = None
-    if spec.index:
-        index = p.index.reshape(n, p.index.shape[-1]) if p.topk else p.index.reshape(n)
-        index = index.long()
-    else:
-        if options["mask"] is not None:
-            mask = options["mask"].reshape(n)
-        if options["labels"] is not None:
-            keep = options["labels"].reshape(n) != ignore_index
-            mask = keep if mask is None else mask & keep
     call_options = {k: options[k] for k in spec.options if k not in ("mask", "labels")}
     call_options["temperature"] = float(options["temperature"])
-    call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
-                vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
-                needs_grad=p.needs_grad, topk=p.topk)
-    values = _VocabParallelFunction.apply(backend, call, index, mask, *inputs)
-    values = values.view(*p.lead, *values.shape[1:])
-    return _reduce(values, options, index, mask, ignore_index)
+    made = _Plan()
+    made.spec, made.backend, made.n, made.n_inputs = spec, backend, layout.num_tokens, len(spec.inputs)
+    made.call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
+                     vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
+                     needs_grad=p.needs_grad, topk=p.topk)
+    made.topk, made.metadata = p.topk, p.metadata
+    made.ignore_index = options.get("ignore_index", -100)
+    # the backend returns [N] (or [N, k]); a view back to the leading dims only where they differ
+    made.out_shape = None if len(p.lead) == 1 else p.lead + ((p.index.shape[-1],) if p.topk else ())
+    return made
+
+
+def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor:
+    """Run a planned call on this call's tensors; ``options`` as given (defaults may be absent)."""
+    spec, n, backend = made.spec, made.n, made.backend
+    inputs = tuple(_rows(t, n, backend) for t in tensors[:made.n_inputs])
+    index = mask = None
+    if spec.index:
+        index = tensors[made.n_inputs]
+        index = index.reshape(n, index.shape[-1]) if made.topk else index.reshape(n)
+        index = index.long()
+    else:
+        mask, labels = options.get("mask"), options.get("labels")
+        if mask is not None:
+            mask = mask.reshape(n)
+        if labels is not None:
+            keep = labels.reshape(n) != made.ignore_index
+            mask = keep if mask is None else mask & keep
+    values = _VocabParallelFunction.apply(backend, made.call, index, mask, *inputs)
+    if made.out_shape is not None:
+        values = values.view(made.out_shape)
+    return _reduce(values, options, index, mask, made.ignore_index)
+
+
+def _run(p: _Prepared) -> Tensor:
+    return _execute(_make_plan(p), p.inputs + ((p.index,) if p.spec.index else ()), p.options)
+
+
+def _call(op: str, tensors: tuple, given: dict[str, Any]) -> Tensor:
+    """A call through its plan (see ``vtp_runtime.plan``): the first call of a signature is
+    checked and planned in full, later ones reuse the plan. With a TP group, how often the
+    metadata is gathered again depends on ``plan.metadata_mode``."""
+    forced = dispatch.forced_backend(op, given.get("backend"))
+    key = None
+    if type(forced[0]) in (str, type(None)):
+        key = plan.signature(op, tensors, given, forced, REGISTRY.version)
+    found = None if key is None else plan.lookup(key)
+    table = None
+    if found is not None:
+        if found.metadata is None:  # a single rank: nothing to agree on
+            return _execute(found, tensors, given)
+        row, planned_table, _ = found.metadata
+        mode = plan.metadata_mode(row.device.type == "cpu")
+        if mode == "cached":
+            return _execute(found, tensors, given)
+        if mode == "gather":  # on the host: every rank gathers once per call, whatever it holds
+            table = shards.gather(row, found.call.group)
+            if table == planned_table:
+                return _execute(found, tensors, given)
+    p = _prepare(op, tensors, given, table)
+    made = _make_plan(p)
+    if key is not None:
+        plan.store(key, made)
+    return _execute(made, tensors, p.options)
 
 
 def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
-    reduction, normalizer = options["reduction"], options["normalizer"]
+    reduction, normalizer = options.get("reduction", "none"), options.get("normalizer")
     total = values if reduction == "none" else values.sum()
     if normalizer is not None:
         if isinstance(normalizer, torch.Tensor):
             normalizer = normalizer.to(device=total.device, dtype=total.dtype).reshape(())
+        elif not 0 < normalizer < math.inf:
+            # a planned call reuses the checks of its signature; a number normalizer is per-call
+            # data, checked here, after the backend's collectives, so that a rank raising alone
+            # leaves no other rank waiting
+            raise ValueError(f"normalizer must be a finite number > 0 (e.g. num_items_in_batch), got {normalizer!r}")
         return total / normalizer
     if reduction != "mean":
         return total
@@ -279,7 +343,7 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     result on their mesh (see ``vtp_runtime.inputs``).
     """
     tensors, options, wrap = inputs.normalize(op, tensors, options)
-    out = _run(_prepare(op, tensors, options))
+    out = _call(op, tensors, options)
     return out if wrap is None else wrap(out)
 
 

@@ -130,13 +130,18 @@ def _metadata_device(group, device: torch.device) -> torch.device:
     return torch.device("cpu") if "gloo" in backend or device.type == "meta" else device
 
 
-def gather(local: LocalCall, group, device: torch.device) -> list[list[int]]:
-    """The table of every rank's metadata vector, in group-rank order (one collective)."""
-    row = encode(local)
+def pack(local: LocalCall, group, device: torch.device) -> torch.Tensor:
+    """This rank's metadata vector as an int64 tensor on the device ``group`` gathers on:
+    the host where the group has a CPU transport (gloo, ``cpu:gloo,cuda:nccl``)."""
+    return torch.tensor(encode(local), dtype=torch.int64, device=_metadata_device(group, device))
+
+
+def gather(row: torch.Tensor, group) -> list[list[int]]:
+    """The table of every rank's metadata vector, in group-rank order (one collective). The
+    host reads it: on a device tensor that waits for the device."""
     if group_size(group) == 1:
-        return [row]
-    mine = torch.tensor(row, dtype=torch.int64, device=_metadata_device(group, device))
-    return all_gather_stack(mine, group).cpu().tolist()
+        return [row.tolist()]
+    return all_gather_stack(row, group).cpu().tolist()
 
 
 def _ranks(ranks) -> str:
