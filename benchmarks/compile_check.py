@@ -56,15 +56,20 @@ def compile_one(fn, dtype, const, num_warps):
 def main() -> int:
     jobs = []
     for dt in ("bf16", "fp16", "fp32"):
-        for kind, smooth, keep in itertools.product((0, 1, 2), (False, True), (False, True)):
-            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, HAS_KEEP=keep, BLOCK=C.block_stats),
-                         C.warps_stats))
+        for kind, smooth, keep, finish in itertools.product((0, 1, 2), (False, True), (False, True), (False, True)):
+            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth and finish, HAS_KEEP=keep,
+                                                   FINISH=finish, BLOCK=C.block_stats), C.warps_stats))
             jobs.append((K.backward1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep,
                                                       BLOCK=C.block_bwd), C.warps_bwd))
         for with_kl, keep in itertools.product((False, True), (False, True)):
-            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, BLOCK=C.block_stats),
+            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, FINISH=False, BLOCK=C.block_stats),
                          C.warps_stats))
+        jobs.append((K.stats2_kernel, dt, dict(WITH_KL=True, HAS_KEEP=True, FINISH=True, BLOCK=C.block_stats),
+                     C.warps_stats))
         jobs.append((K.jsd_div_kernel, dt, dict(HAS_KEEP=False, FAST_LOG2=True, BLOCK=C.block_div), C.warps_div))
+        for keep in (False, True):
+            jobs.append((K.jsd_row_kernel, dt, dict(HAS_KEEP=keep, FAST_LOG2=True, BLOCK_STATS=C.block_stats,
+                                                    BLOCK_DIV=C.block_div), C.warps_div))
         for kind, na, nb in itertools.product((0, 1), (True, False), (True, False)):
             if na or nb:
                 jobs.append((K.backward2_kernel, dt, dict(KIND=kind, NEED_A=na, NEED_B=nb, HAS_KEEP=True,

@@ -86,6 +86,65 @@ def test_edges_tp1(case):
     run_case(0, 1, None, case)
 
 
+# Rows that are neither split nor sharded are finished by the program that reads them (one
+# launch: stats1/stats2 with FINISH, jsd_row_kernel). A backend whose configuration never
+# splits a row takes that path for every call at TP 1, on the same test matrix and edges.
+ROW_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32, warps_bwd=1,
+                          target_programs=1, max_splits=1, bwd_target_programs=16, block_rows=16,
+                          warps_finish=1)
+
+
+class _WholeRows(TritonBackend):
+    name = "triton_whole_rows"
+    priority = -5
+
+
+class _WholeRowsPlugin:
+    @staticmethod
+    def vtp_runtime_register_backends(register):
+        register(_WholeRows(ROW_CONFIG))
+
+
+@pytest.fixture(scope="module")
+def whole_rows():
+    from vtp_runtime.registry import hookimpl, register
+    hookimpl(_WholeRowsPlugin.vtp_runtime_register_backends)
+    register(_WholeRowsPlugin(), name="triton_whole_rows")
+    yield _WholeRows.name
+    REGISTRY.unregister("triton_whole_rows")
+
+
+@pytest.mark.parametrize("case", TP1 + [c for c in EDGES if c.shape != (0,)], ids=lambda c: c.id)
+def test_whole_rows_tp1(whole_rows, case):
+    run_case(0, 1, None, case.with_(backend=whole_rows))
+
+
+def test_whole_rows_is_one_launch_per_forward(whole_rows, monkeypatch):
+    """The single-launch path is the one taken: no finishing or divergence kernel runs."""
+    from vtp_runtime.backends.triton import kernels
+    launched = []
+    for name in ("stats1_kernel", "finish1_kernel", "stats2_kernel", "jsd_div_kernel", "finish2_kernel",
+                 "jsd_row_kernel"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, _Recorder(kernel, name, launched))
+    z, t = torch.randn(3, 40), torch.randn(3, 40)
+    vtp.cross_entropy(z, torch.randint(0, 40, (3,)), backend=whole_rows)
+    vtp.kl(z, t, backend=whole_rows)
+    vtp.jsd(z, t, beta=0.3, backend=whole_rows)
+    vtp.jsd(z, t, beta=0.3, backend=T)  # the split path, for contrast
+    assert launched == ["stats1_kernel", "stats2_kernel", "jsd_row_kernel",
+                        "stats2_kernel", "jsd_div_kernel", "finish2_kernel"]
+
+
+class _Recorder:
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("case", TP2, ids=lambda c: c.id)
 def test_tp2(ranks, case):
     ranks(2, run_case, case, timeout=120)

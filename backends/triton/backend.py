@@ -221,25 +221,31 @@ class TritonBackend(Backend):
         tp = call.request.tp_size
         splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
         chunk = _chunk(v_local, splits, cfg.block_stats)
-        part = torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
+        # a row that is neither split nor sharded is finished by the program that reads it
+        finish = splits == 1 and tp == 1
+        part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
         smooth = kind == layout.CE and opts["label_smoothing"] != 0.0
         zloss = kind == layout.CE and opts["z_loss"] != 0.0
         ignore = int(opts.get("ignore_index", -100))
+        smoothing, z_loss = float(opts.get("label_smoothing", 0.0)), float(opts.get("z_loss", 0.0))
         k2 = LOG2E / opts["temperature"]
         idx_arg = idx if idx is not None else values
         keep_arg = keep if keep is not None else values
         rows_b, s_a, s_b = _geometry(z)
         k.stats1_kernel[(n * splits,)](
             z_ptr=z, rows_b=rows_b, stride_a=s_a, stride_b=s_b, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
-            part_ptr=part, n_rows=n, v_local=v_local, vocab_start=call.vocab_start, splits=splits, chunk=chunk,
-            k2=k2, ignore_index=ignore,
-            KIND=kind, SMOOTH=smooth, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats)
+            part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local,
+            vocab_start=call.vocab_start, vocab_size=call.vocab_size, splits=splits, chunk=chunk, k2=k2,
+            ignore_index=ignore, smoothing=smoothing, z_loss=z_loss,
+            KIND=kind, SMOOTH=smooth, ZLOSS=zloss and finish, HAS_KEEP=keep is not None, FINISH=finish,
+            BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
+        if finish:
+            return values, state
         part, n_parts = _gather(part, call.group)
         k.finish1_kernel[(_cdiv(n, cfg.block_rows),)](
             part_ptr=part, n_parts=n_parts, n_rows=n, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
             val_ptr=values, stat_ptr=stats, vocab_size=call.vocab_size, k2=k2, ignore_index=ignore,
-            smoothing=float(opts.get("label_smoothing", 0.0)), z_loss=float(opts.get("z_loss", 0.0)),
+            smoothing=smoothing, z_loss=z_loss,
             KIND=kind, SMOOTH=smooth, ZLOSS=zloss, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows,
             num_warps=cfg.warps_finish)
         return values, state
@@ -260,15 +266,19 @@ class TritonBackend(Backend):
         splits = _splits(n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats,
                          cfg.target_programs, cfg.max_splits)
         chunk = _chunk(v_local, splits, cfg.block_stats)
-        part = torch.empty((splits, n, layout.KL_FIELDS), dtype=torch.float32, device=dev)
+        finish = splits == 1 and call.request.tp_size == 1  # see _forward1
+        part = values if finish else torch.empty((splits, n, layout.KL_FIELDS), dtype=torch.float32, device=dev)
         k2 = LOG2E / call.options["temperature"]
         keep_arg = keep if keep is not None else values
         rows_b, a_a, a_b = _geometry(a)
         _, b_a, b_b = _geometry(b)
         k.stats2_kernel[(n * splits,)](
             a_ptr=a, b_ptr=b, rows_b=rows_b, sa_a=a_a, sa_b=a_b, sb_a=b_a, sb_b=b_b, keep_ptr=keep_arg,
-            part_ptr=part, n_rows=n, v_local=v_local, splits=splits, chunk=chunk, k2=k2,
-            WITH_KL=True, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
+            part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local, splits=splits, chunk=chunk,
+            k2=k2, WITH_KL=True, HAS_KEEP=keep is not None, FINISH=finish, BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats)
+        if finish:
+            return values, state
         part, n_parts = _gather(part, call.group)
         k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
             part_ptr=part, n_parts=n_parts, n_rows=n, keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats, k2=k2,
@@ -294,14 +304,22 @@ class TritonBackend(Backend):
         rows_b, s_a, s_b = _geometry(student)
         _, t_a, t_b = _geometry(teacher)
         splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
+        if splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
+            k.jsd_row_kernel[(n,)](
+                s_ptr=student, t_ptr=teacher, rows_b=rows_b, ss_a=s_a, ss_b=s_b, st_a=t_a, st_b=t_b,
+                keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats, v_local=v_local, k2=k2, beta=beta,
+                HAS_KEEP=keep is not None, FAST_LOG2=cfg.fast_log2, BLOCK_STATS=cfg.block_stats,
+                BLOCK_DIV=cfg.block_div, num_warps=cfg.warps_div)
+            return values, state
         part = torch.empty((splits, n, layout.PAIR_FIELDS), dtype=torch.float32, device=dev)
         k.stats2_kernel[(n * splits,)](
             a_ptr=student, b_ptr=teacher, rows_b=rows_b, sa_a=s_a, sa_b=s_b, sb_a=t_a, sb_b=t_b,
-            keep_ptr=keep_arg, part_ptr=part, n_rows=n, v_local=v_local, splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats), k2=k2,
-            WITH_KL=False, HAS_KEEP=keep is not None, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
+            keep_ptr=keep_arg, part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local,
+            splits=splits, chunk=_chunk(v_local, splits, cfg.block_stats), k2=k2,
+            WITH_KL=False, HAS_KEEP=keep is not None, FINISH=False, BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
-        div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
         part2 = torch.empty((div_splits, n, layout.DIV_FIELDS), dtype=torch.float32, device=dev)
         k.jsd_div_kernel[(n * div_splits,)](
             s_ptr=student, t_ptr=teacher, rows_b=rows_b, ss_a=s_a, ss_b=s_b, st_a=t_a, st_b=t_b,

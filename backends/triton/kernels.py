@@ -116,15 +116,56 @@ def _chunk(pid, splits, chunk, v_local):
 # -- one-input ops: cross entropy, log-probs, entropy -------------------------------------------
 
 @triton.jit
-def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, part_ptr,
-                  n_rows, v_local, vocab_start, splits, chunk, k2, ignore_index,
-                  KIND: tl.constexpr, SMOOTH: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+def _ce_value(log_s, picked, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty,
+              SMOOTH: tl.constexpr, ZLOSS: tl.constexpr):
+    """Cross entropy in nats from a row's merged state (``picked``: the label's raw logit);
+    NaN for a bad label or an all -inf row, 0 for an ignored one. Rows or scalars."""
+    keep = y != ignore_index
+    bad = keep & ((y < 0) | (y >= vocab_size))
+    val = (1.0 - smoothing) * (log_s - (picked - a) * k2)
+    if SMOOTH:
+        val += smoothing * (log_s - t / vocab_size)
+    val = val * LN2
+    if ZLOSS:
+        lse = (a * k2 + log_s) * LN2
+        val += z_loss * lse * lse
+    val = tl.where(bad | empty, float("nan"), val)
+    return tl.where(keep, val, 0.0)
+
+
+@triton.jit
+def _logprob_value(log_s, picked, a, i, vocab_size, k2, ignore_index, empty):
+    """log p at index entry ``i`` in nats (``picked``: its raw logit); NaN for a bad index or
+    an all -inf row, 0 for an ignored entry."""
+    keep = i != ignore_index
+    bad = keep & ((i < 0) | (i >= vocab_size))
+    val = ((picked - a) * k2 - log_s) * LN2
+    val = tl.where(bad | empty, float("nan"), val)
+    return tl.where(keep, val, 0.0)
+
+
+@triton.jit
+def _entropy_value(log_s, t, s, empty):
+    """Entropy in nats from ``log2 s`` and ``t = sum e (z - a) k2``; NaN for an all -inf row."""
+    h = (log_s - t / s) * LN2
+    return tl.where(empty, float("nan"), h)
+
+
+@triton.jit
+def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, part_ptr, val_ptr, stat_ptr,
+                  n_rows, v_local, vocab_start, vocab_size, splits, chunk, k2, ignore_index, smoothing, z_loss,
+                  KIND: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, HAS_KEEP: tl.constexpr,
+                  FINISH: tl.constexpr, BLOCK: tl.constexpr):
     """Partial statistics of one row over one vocabulary chunk, one read of the logits.
 
     Fields (F): CE ``[m, s, sum (z - a) k2, count, z_label]`` (sum/count only with SMOOTH);
     logprobs ``[m, s, z_index_0 .. z_index_{k-1}]``; entropy ``[m, s, sum e (z - a) k2]``.
     Picked logits are raw and 0 in every partial but the owner's, so they add up.
     Rows that are masked out read nothing and leave an empty state.
+
+    FINISH: the chunk is the whole row of the whole vocabulary (one split, one rank), so
+    there is nothing to merge: the program writes the values and statistics itself, as
+    ``finish1_kernel`` would, and no partials (one launch instead of two).
     """
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
@@ -166,24 +207,52 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
         s = s * alpha + tl.sum(e, 0)
         m = m_new
 
-    out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
-    tl.store(out + P_MAX, m)
-    tl.store(out + P_SUM, s)
-    if KIND == CE:
-        tl.store(out + P_MOMENT, t)
-        tl.store(out + P_COUNT, tl.maximum(hi - lo, 0).to(tl.float32))
-        local = tl.load(idx_ptr + row) - vocab_start
-        mine = (local >= lo) & (local < hi)
-        zy = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
-        tl.store(out + P_LABEL, tl.where(mine, zy, 0.0))
-    elif KIND == LOGPROBS:
-        for j in range(n_idx):
-            local = tl.load(idx_ptr + row * n_idx + j) - vocab_start
-            mine = (local >= lo) & (local < hi)
-            zj = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
-            tl.store(out + P_INDEX + j, tl.where(mine, zj, 0.0))
+    if FINISH:
+        a = _anchor(m)
+        log_s = tl.log2(s)
+        empty = s == 0
+        if KIND == CE:
+            y = tl.load(idx_ptr + row)
+            zy = tl.load(src + (y - vocab_start), mask=(y - vocab_start >= lo) & (y - vocab_start < hi),
+                         other=0.0).to(tl.float32)
+            val = _ce_value(log_s, zy, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty,
+                            SMOOTH, ZLOSS)
+            tl.store(val_ptr + row, val)
+        elif KIND == LOGPROBS:
+            for j in range(n_idx):
+                ij = tl.load(idx_ptr + row * n_idx + j)
+                zj = tl.load(src + (ij - vocab_start), mask=(ij - vocab_start >= lo) & (ij - vocab_start < hi),
+                             other=0.0).to(tl.float32)
+                tl.store(val_ptr + row * n_idx + j, _logprob_value(log_s, zj, a, ij, vocab_size, k2,
+                                                                   ignore_index, empty))
+        else:
+            h = _entropy_value(log_s, t, s, empty)
+            if HAS_KEEP:
+                h = tl.where(active, h, 0.0)
+            tl.store(val_ptr + row, h)
+            tl.store(stat_ptr + row * ENTROPY_STATS + S_ENTROPY, h)
+        n_stats = ENTROPY_STATS if KIND == ENTROPY else STATS
+        tl.store(stat_ptr + row * n_stats + S_ANCHOR, a)
+        tl.store(stat_ptr + row * n_stats + S_LOG2_SUM, log_s)
     else:
-        tl.store(out + P_MOMENT, t)
+        out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
+        tl.store(out + P_MAX, m)
+        tl.store(out + P_SUM, s)
+        if KIND == CE:
+            tl.store(out + P_MOMENT, t)
+            tl.store(out + P_COUNT, tl.maximum(hi - lo, 0).to(tl.float32))
+            local = tl.load(idx_ptr + row) - vocab_start
+            mine = (local >= lo) & (local < hi)
+            zy = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
+            tl.store(out + P_LABEL, tl.where(mine, zy, 0.0))
+        elif KIND == LOGPROBS:
+            for j in range(n_idx):
+                local = tl.load(idx_ptr + row * n_idx + j) - vocab_start
+                mine = (local >= lo) & (local < hi)
+                zj = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
+                tl.store(out + P_INDEX + j, tl.where(mine, zj, 0.0))
+        else:
+            tl.store(out + P_MOMENT, t)
 
 
 @triton.jit
@@ -229,36 +298,21 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
             t += w * (tp + sp * shift)
     log_s = tl.log2(s)
     empty = s == 0  # all -inf row: NaN by contract
-    nan = float("nan")
     if KIND == CE:
         y = tl.load(idx_ptr + rows, mask=rmask, other=ignore_index)
-        keep = y != ignore_index
-        bad = keep & ((y < 0) | (y >= vocab_size))
-        val = (1.0 - smoothing) * (log_s - (picked - a) * k2)
-        if SMOOTH:
-            val += smoothing * (log_s - t / vocab_size)
-        val = val * LN2
-        if ZLOSS:
-            lse = (a * k2 + log_s) * LN2
-            val += z_loss * lse * lse
-        val = tl.where(bad | empty, nan, val)
-        tl.store(val_ptr + rows, tl.where(keep, val, 0.0), mask=rmask)
+        val = _ce_value(log_s, picked, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty,
+                        SMOOTH, ZLOSS)
+        tl.store(val_ptr + rows, val, mask=rmask)
     elif KIND == LOGPROBS:
-        any_kept = rows < 0
         for j in range(n_idx):
             got = tl.zeros([BLOCK_N], tl.float32)
             for p in range(n_parts):
                 got += tl.load(part_ptr + (p * n_rows + rows) * n_fields + P_INDEX + j, mask=rmask, other=0.0)
             ij = tl.load(idx_ptr + rows * n_idx + j, mask=rmask, other=ignore_index)
-            keep = ij != ignore_index
-            any_kept = any_kept | keep
-            bad = keep & ((ij < 0) | (ij >= vocab_size))
-            val = ((got - a) * k2 - log_s) * LN2
-            val = tl.where(bad | empty, nan, val)
-            tl.store(val_ptr + rows * n_idx + j, tl.where(keep, val, 0.0), mask=rmask)
+            tl.store(val_ptr + rows * n_idx + j, _logprob_value(log_s, got, a, ij, vocab_size, k2, ignore_index,
+                                                                empty), mask=rmask)
     else:
-        h = (log_s - t / s) * LN2
-        h = tl.where(empty, nan, h)
+        h = _entropy_value(log_s, t, s, empty)
         if HAS_KEEP:
             h = tl.where(tl.load(keep_ptr + rows, mask=rmask, other=0) != 0, h, 0.0)
         tl.store(val_ptr + rows, h, mask=rmask)
@@ -342,19 +396,9 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
 # -- two-input ops: KL, JSD ---------------------------------------------------------------------
 
 @triton.jit
-def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_ptr,
-                  n_rows, v_local, splits, chunk, k2,
-                  WITH_KL: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
-    """Partial statistics of two inputs over one chunk, one read of each.
-
-    Fields ``[m_a, s_a, m_b, s_b]`` and with WITH_KL ``sum e_a ((z_a - a_a) - (z_b - a_b)) k2``,
-    the unnormalized KL(A || B) term. (``sa_*``/``sb_*`` are the row strides of a and b.)"""
-    pid = tl.program_id(0)
-    row, lo, hi = _chunk(pid, splits, chunk, v_local)
-    if HAS_KEEP:
-        hi = tl.where(tl.load(keep_ptr + row) != 0, hi, lo)
-    src_a = _row_start(a_ptr, row, rows_b, sa_a, sa_b)
-    src_b = _row_start(b_ptr, row, rows_b, sb_a, sb_b)
+def _pair_stats(src_a, src_b, lo, hi, k2, WITH_KL: tl.constexpr, BLOCK: tl.constexpr):
+    """Max-rescaled state of two inputs over columns ``[lo, hi)`` of one row, one read of each:
+    ``(m_a, s_a, m_b, s_b, kl)``, ``kl`` the unnormalized KL(A || B) term (0 without WITH_KL)."""
     ma = tl.full([], float("-inf"), tl.float32)
     mb = tl.full([], float("-inf"), tl.float32)
     sa = tl.zeros([], tl.float32)
@@ -382,14 +426,62 @@ def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_p
         sb = sb * tl.exp2((mb - ab_new) * k2) + tl.sum(eb, 0)
         ma = ma_new
         mb = mb_new
-    n_fields = KL_FIELDS if WITH_KL else PAIR_FIELDS
-    out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
-    tl.store(out + P_MAX_A, ma)
-    tl.store(out + P_SUM_A, sa)
-    tl.store(out + P_MAX_B, mb)
-    tl.store(out + P_SUM_B, sb)
-    if WITH_KL:
-        tl.store(out + P_KL, kl)
+    return ma, sa, mb, sb, kl
+
+
+@triton.jit
+def _kl_value(kl, s_a, s_b, log_sa, log_sb):
+    """KL(A || B) in nats from a row's merged state; NaN where either row is all -inf."""
+    val = (kl / s_a - log_sa + log_sb) * LN2
+    return tl.where((s_a == 0) | (s_b == 0), float("nan"), val)
+
+
+@triton.jit
+def _jsd_value(kl_s, kl_t, ls_s, ls_t, beta):
+    """The JSD in nats from KL(p_s || M), KL(p_t || M) (nats); NaN where either row is all -inf."""
+    val = (1.0 - beta) * kl_s + beta * kl_t
+    return tl.where((ls_s > float("-inf")) & (ls_t > float("-inf")), val, float("nan"))
+
+
+@triton.jit
+def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_ptr, val_ptr, stat_ptr,
+                  n_rows, v_local, splits, chunk, k2,
+                  WITH_KL: tl.constexpr, HAS_KEEP: tl.constexpr, FINISH: tl.constexpr, BLOCK: tl.constexpr):
+    """Partial statistics of two inputs over one chunk, one read of each.
+
+    Fields ``[m_a, s_a, m_b, s_b]`` and with WITH_KL ``sum e_a ((z_a - a_a) - (z_b - a_b)) k2``,
+    the unnormalized KL(A || B) term. (``sa_*``/``sb_*`` are the row strides of a and b.)
+    FINISH (KL only): the chunk is the whole row of the whole vocabulary, so the program
+    writes the value and statistics as ``finish2_kernel`` would, and no partials."""
+    pid = tl.program_id(0)
+    row, lo, hi = _chunk(pid, splits, chunk, v_local)
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + row) != 0
+        hi = tl.where(keep, hi, lo)
+    src_a = _row_start(a_ptr, row, rows_b, sa_a, sa_b)
+    src_b = _row_start(b_ptr, row, rows_b, sb_a, sb_b)
+    ma, sa, mb, sb, kl = _pair_stats(src_a, src_b, lo, hi, k2, WITH_KL, BLOCK)
+    if FINISH:
+        log_sa = tl.log2(sa)
+        log_sb = tl.log2(sb)
+        val = _kl_value(kl, sa, sb, log_sa, log_sb)
+        tl.store(stat_ptr + row * KL_STATS + S_ANCHOR_A, _anchor(ma))
+        tl.store(stat_ptr + row * KL_STATS + S_LOG2_SUM_A, log_sa)
+        tl.store(stat_ptr + row * KL_STATS + S_ANCHOR_B, _anchor(mb))
+        tl.store(stat_ptr + row * KL_STATS + S_LOG2_SUM_B, log_sb)
+        tl.store(stat_ptr + row * KL_STATS + S_KL_A, val)
+        if HAS_KEEP:
+            val = tl.where(keep, val, 0.0)
+        tl.store(val_ptr + row, val)
+    else:
+        n_fields = KL_FIELDS if WITH_KL else PAIR_FIELDS
+        out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
+        tl.store(out + P_MAX_A, ma)
+        tl.store(out + P_SUM_A, sa)
+        tl.store(out + P_MAX_B, mb)
+        tl.store(out + P_SUM_B, sb)
+        if WITH_KL:
+            tl.store(out + P_KL, kl)
 
 
 @triton.jit
@@ -413,25 +505,11 @@ def _merge_row_stats(part_ptr, n_parts, n_rows, row, k2, N_FIELDS: tl.constexpr)
 
 
 @triton.jit
-def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats_part_ptr, n_stats_parts,
-                   part_ptr, stat_ptr, n_rows, v_local, splits, chunk, k2, beta,
-                   HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
-    """JSD divergence pass: merges the row's gathered statistics itself (a few scalars, no
-    separate launch), then one more read of both inputs accumulating ``sum p_s (lp_s - lm)``
-    and ``sum p_t (lp_t - lm)`` (bits), with ``M = beta p_t + (1-beta) p_s``. Three
-    transcendentals per element: exp2 of each log-prob and one log2 of the mixture."""
-    pid = tl.program_id(0)
-    row, lo, hi = _chunk(pid, splits, chunk, v_local)
-    if HAS_KEEP:
-        hi = tl.where(tl.load(keep_ptr + row) != 0, hi, lo)
-    a_s, ls_s, a_t, ls_t = _merge_row_stats(stats_part_ptr, n_stats_parts, n_rows, row, k2, PAIR_FIELDS)
-    if pid % splits == 0:
-        tl.store(stat_ptr + row * JSD_STATS + S_ANCHOR_A, a_s)
-        tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_A, ls_s)
-        tl.store(stat_ptr + row * JSD_STATS + S_ANCHOR_B, a_t)
-        tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_B, ls_t)
-    src_s = _row_start(s_ptr, row, rows_b, ss_a, ss_b)
-    src_t = _row_start(t_ptr, row, rows_b, st_a, st_b)
+def _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG2: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """``(sum p_s (lp_s - lm), sum p_t (lp_t - lm))`` in bits over columns ``[lo, hi)`` of one
+    row, with ``M = beta p_t + (1-beta) p_s``: one more read of both inputs, three
+    transcendentals per element (exp2 of each log-prob, one log2 of the mixture)."""
     acc_s = tl.zeros([BLOCK], tl.float32)
     acc_t = tl.zeros([BLOCK], tl.float32)
     for start in range(lo, hi, BLOCK):
@@ -448,9 +526,67 @@ def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats
         # (NaN logits) still propagates through the product
         acc_s += ps * (tl.maximum(lps, LOGP_FLOOR) - lm)
         acc_t += pt * (tl.maximum(lpt, LOGP_FLOOR) - lm)
+    return tl.sum(acc_s, 0), tl.sum(acc_t, 0)
+
+
+@triton.jit
+def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats_part_ptr, n_stats_parts,
+                   part_ptr, stat_ptr, n_rows, v_local, splits, chunk, k2, beta,
+                   HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
+    """JSD divergence pass: merges the row's gathered statistics itself (a few scalars, no
+    separate launch), then one more read of both inputs accumulating ``sum p_s (lp_s - lm)``
+    and ``sum p_t (lp_t - lm)`` (bits) into ``[P, N, 2]`` partials."""
+    pid = tl.program_id(0)
+    row, lo, hi = _chunk(pid, splits, chunk, v_local)
+    if HAS_KEEP:
+        hi = tl.where(tl.load(keep_ptr + row) != 0, hi, lo)
+    a_s, ls_s, a_t, ls_t = _merge_row_stats(stats_part_ptr, n_stats_parts, n_rows, row, k2, PAIR_FIELDS)
+    if pid % splits == 0:
+        tl.store(stat_ptr + row * JSD_STATS + S_ANCHOR_A, a_s)
+        tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_A, ls_s)
+        tl.store(stat_ptr + row * JSD_STATS + S_ANCHOR_B, a_t)
+        tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_B, ls_t)
+    src_s = _row_start(s_ptr, row, rows_b, ss_a, ss_b)
+    src_t = _row_start(t_ptr, row, rows_b, st_a, st_b)
+    kl_s, kl_t = _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG2, BLOCK)
     out = part_ptr + ((pid % splits) * n_rows + row) * DIV_FIELDS
-    tl.store(out + P_KL_S, tl.sum(acc_s, 0))
-    tl.store(out + P_KL_T, tl.sum(acc_t, 0))
+    tl.store(out + P_KL_S, kl_s)
+    tl.store(out + P_KL_T, kl_t)
+
+
+@triton.jit
+def jsd_row_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, val_ptr, stat_ptr, v_local, k2, beta,
+                   HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK_STATS: tl.constexpr,
+                   BLOCK_DIV: tl.constexpr):
+    """The whole JSD forward of one row when it is neither split nor sharded (one program per
+    row, one launch): the statistics pass, the divergence pass, the value. The same reads
+    and arithmetic as ``stats2_kernel`` -> ``jsd_div_kernel`` -> ``finish2_kernel``."""
+    row = tl.program_id(0)
+    hi = v_local
+    if HAS_KEEP:
+        keep = tl.load(keep_ptr + row) != 0
+        hi = tl.where(keep, hi, 0)
+    src_s = _row_start(s_ptr, row, rows_b, ss_a, ss_b)
+    src_t = _row_start(t_ptr, row, rows_b, st_a, st_b)
+    ms, ss, mt, st, _ = _pair_stats(src_s, src_t, 0, hi, k2, False, BLOCK_STATS)
+    a_s = _anchor(ms)
+    a_t = _anchor(mt)
+    ls_s = tl.log2(ss)
+    ls_t = tl.log2(st)
+    kl_s, kl_t = _jsd_div_sums(src_s, src_t, 0, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG2, BLOCK_DIV)
+    kl_s *= LN2
+    kl_t *= LN2
+    val = _jsd_value(kl_s, kl_t, ls_s, ls_t, beta)
+    if HAS_KEEP:
+        val = tl.where(keep, val, 0.0)
+    base = stat_ptr + row * JSD_STATS
+    tl.store(base + S_ANCHOR_A, a_s)
+    tl.store(base + S_LOG2_SUM_A, ls_s)
+    tl.store(base + S_ANCHOR_B, a_t)
+    tl.store(base + S_LOG2_SUM_B, ls_t)
+    tl.store(base + S_KL_A, kl_s)
+    tl.store(base + S_KL_B, kl_t)
+    tl.store(val_ptr + row, val)
 
 
 @triton.jit
@@ -462,7 +598,6 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
     ``beta`` is the JSD's; the KL kind never reads it (one kernel serves both kinds)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
-    nan = float("nan")
     if KIND == KL:
         big_a = tl.full([BLOCK_N], float("-inf"), tl.float32)
         big_b = tl.full([BLOCK_N], float("-inf"), tl.float32)
@@ -487,8 +622,7 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
             kl += wa * (tl.load(base + P_KL, mask=rmask, other=0.0) + spa * shift)
         log_sa = tl.log2(s_a)
         log_sb = tl.log2(s_b)
-        val = (kl / s_a - log_sa + log_sb) * LN2
-        val = tl.where((s_a == 0) | (s_b == 0), nan, val)
+        val = _kl_value(kl, s_a, s_b, log_sa, log_sb)
         tl.store(stat_ptr + rows * KL_STATS + S_ANCHOR_A, aa, mask=rmask)
         tl.store(stat_ptr + rows * KL_STATS + S_LOG2_SUM_A, log_sa, mask=rmask)
         tl.store(stat_ptr + rows * KL_STATS + S_ANCHOR_B, ab, mask=rmask)
@@ -505,8 +639,7 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
         kl_t *= LN2
         ls_s = tl.load(stat_ptr + rows * JSD_STATS + S_LOG2_SUM_A, mask=rmask, other=0.0)
         ls_t = tl.load(stat_ptr + rows * JSD_STATS + S_LOG2_SUM_B, mask=rmask, other=0.0)
-        val = (1.0 - beta) * kl_s + beta * kl_t
-        val = tl.where((ls_s > float("-inf")) & (ls_t > float("-inf")), val, nan)
+        val = _jsd_value(kl_s, kl_t, ls_s, ls_t, beta)
         tl.store(stat_ptr + rows * JSD_STATS + S_KL_A, kl_s, mask=rmask)
         tl.store(stat_ptr + rows * JSD_STATS + S_KL_B, kl_t, mask=rmask)
     if HAS_KEEP:
