@@ -103,9 +103,8 @@ def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim
 _DEFAULTS = {name: {**COMMON_OPTIONS, **spec.options} for name, spec in OPS.items()}
 
 
-def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None) -> _Prepared:
-    """Local checks, the metadata gather (skipped when ``table`` is this call's gathered
-    table already) and the checks of the gathered table."""
+def _check_arguments(op: str, tensors: tuple, given: dict[str, Any]) -> None:
+    """The number of tensors and the option names."""
     spec = get_spec(op)
     n_expected = len(spec.inputs) + (1 if spec.index else 0)
     if len(tensors) != n_expected:
@@ -115,7 +114,26 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[in
     unknown = sorted(given.keys() - allowed.keys())
     if unknown:
         raise TypeError(f"{op} got unknown option(s) {', '.join(unknown)}; it takes: {', '.join(allowed)}")
-    options = {**allowed, **given}
+
+
+class Traced:
+    """What a call made from a ``torch.compile``'d graph (``vtp_runtime.library``) fixed when
+    it was traced: which inputs need gradients (inside the op nothing requires grad) and the
+    forced backend."""
+
+    __slots__ = ("needs_grad", "forced", "forced_by")
+
+    def __init__(self, needs_grad: tuple[bool, ...], forced: str | None, forced_by: str) -> None:
+        self.needs_grad, self.forced, self.forced_by = needs_grad, forced, forced_by
+
+
+def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None,
+             traced: Traced | None = None) -> _Prepared:
+    """Local checks, the metadata gather (skipped when ``table`` is this call's gathered
+    table already) and the checks of the gathered table."""
+    spec = get_spec(op)
+    _check_arguments(op, tensors, given)
+    options = {**_DEFAULTS[spec.name], **given}
     inputs = tuple(tensors[: len(spec.inputs)])
     index = tensors[len(spec.inputs)] if spec.index else None
     group = options["tp_group"]
@@ -133,8 +151,13 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[in
     p.topk = bool(ok and spec.name == "logprobs" and index.dim() == len(p.lead) + 1)
     grad_on = torch.is_grad_enabled()
     p.needs_grad = tuple(bool(grad_on and t.requires_grad) for t in inputs) if ok else ()
+    if traced is not None and ok:
+        p.needs_grad = traced.needs_grad
 
-    forced, forced_by = dispatch.forced_backend(spec.name, options["backend"])
+    if traced is None:
+        forced, forced_by = dispatch.forced_backend(spec.name, options["backend"])
+    else:
+        forced, forced_by = traced.forced, traced.forced_by
     registered = REGISTRY.backends()
     if forced is not None and forced not in registered and not error:
         error, detail = 5, (f"unknown backend {forced!r} (from {forced_by}); registered backends: "
@@ -156,7 +179,8 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[in
             num_tokens=math.prod(p.lead) if ok else 0,
             dtype=logits.dtype if ok else torch.float32,
             device_type=device.type,
-            options_fingerprint=_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead)) if ok else "",
+            options_fingerprint=(_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead))
+                                 + ("|compiled" if traced is not None else "")) if ok else "",
             forced=forced,
             available=dispatch.local_availability(device.type),
             error=error,
@@ -174,7 +198,8 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[in
         vocab_size=layout.vocab_size, num_tokens=layout.num_tokens, even_shards=layout.even_shards,
         empty_shard=0 in layout.sizes,
         features=features_of(spec.name, options, topk=p.topk,
-                             teacher_grad=len(inputs) == 2 and p.needs_grad[1]))
+                             teacher_grad=len(inputs) == 2 and p.needs_grad[1]),
+        compiled=traced is not None)
     p.forced, p.forced_by = forced, forced_by
     return p
 
@@ -232,7 +257,8 @@ class _Plan:
     """What every call with one signature shares (see ``vtp_runtime.plan``): the backend,
     the ``Call`` it gets, and how the per-call tensors are shaped around it."""
 
-    __slots__ = ("spec", "backend", "call", "n", "n_inputs", "out_shape", "topk", "ignore_index", "metadata")
+    __slots__ = ("spec", "backend", "call", "n", "n_inputs", "out_shape", "topk", "ignore_index", "metadata",
+                 "state_type")
 
 
 def _make_plan(p: _Prepared) -> _Plan:
@@ -245,7 +271,7 @@ def _make_plan(p: _Prepared) -> _Plan:
     made.call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
                      vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
                      needs_grad=p.needs_grad, topk=p.topk)
-    made.topk, made.metadata = p.topk, p.metadata
+    made.topk, made.metadata, made.state_type = p.topk, p.metadata, None
     made.ignore_index = options.get("ignore_index", -100)
     # the backend returns [N] (or [N, k]); a view back to the leading dims only where they differ
     made.out_shape = None if len(p.lead) == 1 else p.lead + ((p.index.shape[-1],) if p.topk else ())
@@ -279,31 +305,41 @@ def _run(p: _Prepared) -> Tensor:
 
 
 def _call(op: str, tensors: tuple, given: dict[str, Any]) -> Tensor:
-    """A call through its plan (see ``vtp_runtime.plan``): the first call of a signature is
-    checked and planned in full, later ones reuse the plan. With a TP group, how often the
+    return _execute(_planned(op, tensors, given), tensors, given)
+
+
+def _planned(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | None = None) -> _Plan:
+    """The plan of a call (see ``vtp_runtime.plan``): the first call of a signature is
+    checked and planned in full, later ones reuse the plan. With a TP group, whether the
     metadata is gathered again depends on ``plan.metadata_mode``."""
-    forced = dispatch.forced_backend(op, given.get("backend"))
+    if traced is None:
+        forced = dispatch.forced_backend(op, given.get("backend"))
+        grads = None
+    else:
+        forced, grads = (traced.forced, traced.forced_by), traced.needs_grad
     key = None
     if type(forced[0]) in (str, type(None)):
-        key = plan.signature(op, tensors, given, forced, REGISTRY.version)
+        key = plan.signature(op, tensors, given, forced, REGISTRY.version, grads)
     found = None if key is None else plan.lookup(key)
     table = None
     if found is not None:
         if found.metadata is None:  # a single rank: nothing to agree on
-            return _execute(found, tensors, given)
+            return found
         row, planned_table, _ = found.metadata
         mode = plan.metadata_mode(row.device.type == "cpu")
         if mode == "cached":
-            return _execute(found, tensors, given)
+            return found
         if mode == "gather":  # on the host: every rank gathers once per call, whatever it holds
             table = shards.gather(row, found.call.group)
             if table == planned_table:
-                return _execute(found, tensors, given)
-    p = _prepare(op, tensors, given, table)
-    made = _make_plan(p)
+                return found
+    version = REGISTRY.version
+    made = _make_plan(_prepare(op, tensors, given, table, traced))
     if key is not None:
+        if REGISTRY.version != version:  # the first call loaded the plugins
+            key = plan.signature(op, tensors, given, forced, REGISTRY.version, grads)
         plan.store(key, made)
-    return _execute(made, tensors, p.options)
+    return made
 
 
 def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
@@ -342,6 +378,9 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     reduced, and identical on every rank of ``tp_group``. DTensor logits give a DTensor
     result on their mesh (see ``vtp_runtime.inputs``).
     """
+    if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
+        from .library import traced_loss
+        return traced_loss(op, tensors, options)
     tensors, options, wrap = inputs.normalize(op, tensors, options)
     out = _call(op, tensors, options)
     return out if wrap is None else wrap(out)

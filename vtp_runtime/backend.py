@@ -59,6 +59,9 @@ class OpCapability:
     # a second backward through a retained graph gives the same gradient (True), or raises a
     # RuntimeError saying why (False: e.g. a kernel that overwrites what it saved)
     repeat_backward: bool = True
+    # runs inside a torch.compile'd graph: its SavedState implements statistics() and
+    # from_statistics(), so the state is the op's inputs plus one [N, W] statistics tensor
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.features) - set(FEATURES)
@@ -79,6 +82,7 @@ class Request:
     even_shards: bool
     empty_shard: bool  # some rank holds V_local = 0
     features: frozenset[str] = frozenset()
+    compiled: bool = False  # called from a torch.compile'd graph (vtp_runtime.library)
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,6 +140,36 @@ class SavedState:
     def from_tensors(cls, tensors: Sequence[torch.Tensor | None]) -> SavedState:
         """The state whose ``tensors()`` are ``tensors``."""
         return cls(*tensors)
+
+    # Inside a torch.compile'd graph every output of an op, and so what backward gets, must
+    # have a shape known when the graph is traced, before any backend is chosen. There the
+    # core keeps the call's own inputs (floating inputs as [N, V_local] rows, index, mask)
+    # and one statistics tensor instead of the state; backends that declare
+    # OpCapability(compiled=True) convert both ways.
+    def statistics(self) -> torch.Tensor:
+        """Everything this state holds beyond the call's own inputs, as one new ``[N, W]``
+        tensor: fp32 (fp64 for fp64 inputs), ``W = statistics_width(call.op, call.options)``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be saved inside torch.compile")
+
+    @classmethod
+    def from_statistics(cls, call: Call, inputs: tuple[torch.Tensor, ...], index: torch.Tensor | None,
+                        mask: torch.Tensor | None, statistics: torch.Tensor) -> SavedState:
+        """The state forward returned, rebuilt from the call's inputs (as forward got them)
+        and ``statistics()``."""
+        raise NotImplementedError(f"{cls.__name__} cannot be rebuilt inside torch.compile")
+
+
+def statistics_width(op: str, options: Mapping[str, Any]) -> int:
+    """``W`` of the ``[N, W]`` statistics a call from a compiled graph keeps for backward:
+    cross_entropy and logprobs 2 (anchor, log-sum), entropy 3 (and the entropy), kl 5 (both
+    anchors and log-sums, the KL), jsd 6 (both anchors and log-sums, KL(p_s||M), KL(p_t||M));
+    jsd at beta 0 or 1 is a plain KL: 5."""
+    if op == "jsd" and options["beta"] in (0.0, 1.0):
+        return 5
+    return _STATISTICS_WIDTH[op]
+
+
+_STATISTICS_WIDTH = {"cross_entropy": 2, "logprobs": 2, "entropy": 3, "kl": 5, "jsd": 6}
 
 
 _GETTERS: dict[type, Callable[[SavedState], tuple]] = {}
@@ -200,6 +234,9 @@ class Backend:
             out.append("cannot handle zero tokens")
         for feature in sorted(request.features - cap.features):
             out.append(f"does not support {feature}")
+        if request.compiled and not cap.compiled:
+            out.append("cannot run inside torch.compile (its saved state is not the op's inputs plus "
+                       "fixed-width statistics: OpCapability(compiled=False))")
         return out
 
     def reasons(self, request: Request) -> list[str]:

@@ -102,7 +102,8 @@ def get_spec(op: str) -> OpSpec:
 def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
     """Validate option values (not tensors). Raises ValueError with what to change."""
     t = options["temperature"]
-    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) numbers are symbols
+    if not (isinstance(t, (int, float)) and 0 < t < math.inf):
         raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
     if options["reduction"] not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {options['reduction']!r}")
@@ -118,7 +119,7 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
         eps, lam = options["label_smoothing"], options["z_loss"]
         if not (isinstance(eps, (int, float)) and 0.0 <= eps <= 1.0):
             raise ValueError(f"label_smoothing must be in [0, 1], got {eps!r}")
-        if not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0.0):
+        if not (isinstance(lam, (int, float)) and 0.0 <= lam < math.inf):
             raise ValueError(f"z_loss must be a finite number >= 0, got {lam!r}")
     if spec.name == "jsd":
         beta = options["beta"]

@@ -59,14 +59,22 @@ def metadata_mode(host_transport: bool) -> str:
     return "gather" if host_transport else "cached"
 
 
-def signature(op: str, tensors: tuple, given: dict[str, Any], forced: tuple, registry_version: int) -> tuple | None:
+def signature(op: str, tensors: tuple, given: dict[str, Any], forced: tuple, registry_version: int,
+              needs_grad: tuple[bool, ...] | None = None) -> tuple | None:
     """The key of a call's plan, or None when the call cannot have one (then it takes the
-    full path every time). Built on every call: keep it to attribute reads and a tuple."""
-    key = [op, torch.is_grad_enabled(), forced, registry_version]
-    for t in tensors:
-        if type(t) is not Tensor:
-            return None
-        key += (t.shape, t.dtype, t.device, t.requires_grad)
+    full path every time). ``needs_grad``: given by a call from a compiled graph (whose
+    tensors do not require grad inside the op), read from the tensors otherwise. Built on
+    every call: keep it to attribute reads and a tuple."""
+    if needs_grad is None:
+        key = [op, torch.is_grad_enabled(), forced, registry_version]
+        for t in tensors:
+            if type(t) is not Tensor:
+                return None
+            key += (t.shape, t.dtype, t.device, t.requires_grad)
+    else:
+        key = [op, "compiled", needs_grad, forced, registry_version]
+        for t in tensors:
+            key += (t.shape, t.dtype, t.device)
     for name in sorted(given):
         value = given[name]
         if type(value) is Tensor:

@@ -86,6 +86,13 @@ class IndexState(SavedState):
     max: Tensor  # [N] global row max of x = z / T (0 for an all -inf row)
     log_sum: Tensor  # [N] log sum exp(x - max)
 
+    def statistics(self) -> Tensor:
+        return torch.stack([self.max, self.log_sum], dim=1)
+
+    @classmethod
+    def from_statistics(cls, call, inputs, index, mask, statistics):
+        return cls(inputs[0], index, statistics[:, 0], statistics[:, 1])
+
 
 @dataclass
 class EntropyState(SavedState):
@@ -94,6 +101,13 @@ class EntropyState(SavedState):
     log_sum: Tensor  # [N]
     entropy: Tensor  # [N], the value (0 on masked tokens)
     mask: Tensor | None = None  # bool [N]
+
+    def statistics(self) -> Tensor:
+        return torch.stack([self.max, self.log_sum, self.entropy], dim=1)
+
+    @classmethod
+    def from_statistics(cls, call, inputs, index, mask, statistics):
+        return cls(inputs[0], statistics[:, 0], statistics[:, 1], statistics[:, 2], mask)
 
 
 @dataclass
@@ -107,12 +121,19 @@ class PairState(SavedState):
     stats: Tensor
     mask: Tensor | None = None  # bool [N]
 
+    def statistics(self) -> Tensor:
+        return self.stats.t().contiguous()
+
+    @classmethod
+    def from_statistics(cls, call, inputs, index, mask, statistics):
+        return cls(inputs[0], inputs[1], statistics.t(), mask)
+
 
 class EagerBackend(Backend):
     name = "eager"
     priority = 0
     # every op with every feature that applies to it, on any device, in every dtype
-    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
+    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features), compiled=True)
            for op, spec in OPS.items()}
 
     def forward(self, call, inputs, index, mask):

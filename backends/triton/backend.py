@@ -85,6 +85,13 @@ class OneInputState(SavedState):
     stats: torch.Tensor  # fp32 [N, 2]: anchor, log2 sum (entropy [N, 3]: and the entropy)
     keep: torch.Tensor | None  # uint8 [N] (entropy with a mask), else None
 
+    def statistics(self) -> torch.Tensor:
+        return self.stats
+
+    @classmethod
+    def from_statistics(cls, call, inputs, index, mask, statistics):
+        return cls(inputs[0], _index_arg(call, index), statistics, _keep(mask))
+
 
 @dataclass
 class PairState(SavedState):
@@ -95,10 +102,31 @@ class PairState(SavedState):
     stats: torch.Tensor  # fp32, KL [N, 5]: a_a, log2 s_a, a_b, log2 s_b, KL; JSD [N, 6]: ..., KL_s, KL_t
     keep: torch.Tensor | None  # uint8 [N] with a mask, else None
 
+    def statistics(self) -> torch.Tensor:
+        return self.stats
+
+    @classmethod
+    def from_statistics(cls, call, inputs, index, mask, statistics):
+        return cls(inputs[0], inputs[1], statistics, _keep(mask))
+
+
+def _index_arg(call: Call, index: torch.Tensor | None) -> torch.Tensor | None:
+    """The index as the kernels read it: int64 ``[N]`` labels, ``[N, k]`` log-prob entries."""
+    if call.op == "cross_entropy":
+        return index.contiguous()
+    if call.op == "logprobs":
+        return (index if call.topk else index[:, None]).contiguous()
+    return None
+
+
+def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else mask.contiguous().view(torch.uint8)
+
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
     """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16."""
-    return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features))
+    return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features),
+                             compiled=True)
             for op, spec in OPS.items()}
 
 
@@ -197,16 +225,9 @@ class TritonBackend(Backend):
         kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]
         dev = z.device
-        n_idx = 0
-        if kind == layout.CE:
-            idx = index.contiguous()
-            n_idx = 1
-        elif kind == layout.LOGPROBS:
-            idx = (index if call.topk else index[:, None]).contiguous()
-            n_idx = idx.shape[1]
-        else:
-            idx = None
-        keep = mask.contiguous().view(torch.uint8) if mask is not None else None
+        idx = _index_arg(call, index)
+        n_idx = 0 if idx is None else 1 if kind == layout.CE else idx.shape[1]
+        keep = _keep(mask)
         n_fields = {layout.CE: layout.CE_FIELDS, layout.LOGPROBS: layout.LOGPROBS_FIELDS + n_idx,
                     layout.ENTROPY: layout.ENTROPY_FIELDS}[kind]
         n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY else layout.STATS
@@ -255,7 +276,7 @@ class TritonBackend(Backend):
         a, b = (student, teacher) if reverse else (teacher, student)
         n, v_local = _num_rows(a), a.shape[-1]
         dev = a.device
-        keep = mask.contiguous().view(torch.uint8) if mask is not None else None
+        keep = _keep(mask)
         values = torch.empty((n,), dtype=torch.float32, device=dev)
         stats = torch.empty((n, layout.KL_STATS), dtype=torch.float32, device=dev)
         state = PairState(student, teacher, stats, keep)
@@ -290,7 +311,7 @@ class TritonBackend(Backend):
         student, teacher = inputs
         n, v_local = _num_rows(student), student.shape[-1]
         dev = student.device
-        keep = mask.contiguous().view(torch.uint8) if mask is not None else None
+        keep = _keep(mask)
         values = torch.empty((n,), dtype=torch.float32, device=dev)
         stats = torch.empty((n, layout.JSD_STATS), dtype=torch.float32, device=dev)
         state = PairState(student, teacher, stats, keep)
