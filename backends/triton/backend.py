@@ -247,12 +247,8 @@ class TritonBackend(Backend):
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
         student, teacher = inputs
         a, b = (student, teacher) if reverse else (teacher, student)
-        n, v_local = _num_rows(a), a.shape[-1]
-        dev = a.device
-        keep = mask.contiguous().view(torch.uint8) if mask is not None else None
-        values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, layout.KL_STATS), dtype=torch.float32, device=dev)
-        state = PairState(student, teacher, stats, keep)
+        values, state = _pair_outputs(student, teacher, mask, layout.KL_STATS)
+        n, v_local, keep, stats, dev = values.shape[0], a.shape[-1], state.keep, state.stats, a.device
         if n == 0:
             return values, state
         k = _kernels()
@@ -278,12 +274,8 @@ class TritonBackend(Backend):
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
         student, teacher = inputs
-        n, v_local = _num_rows(student), student.shape[-1]
-        dev = student.device
-        keep = mask.contiguous().view(torch.uint8) if mask is not None else None
-        values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, layout.JSD_STATS), dtype=torch.float32, device=dev)
-        state = PairState(student, teacher, stats, keep)
+        values, state = _pair_outputs(student, teacher, mask, layout.JSD_STATS)
+        n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
         if n == 0:
             return values, state
         k = _kernels()
@@ -380,6 +372,16 @@ class TritonBackend(Backend):
         if kind == layout.KL and not reverse:
             return db, da
         return da, db
+
+
+def _pair_outputs(student: torch.Tensor, teacher: torch.Tensor, mask, n_stats: int) -> tuple[torch.Tensor, PairState]:
+    """kl/jsd: the values ``[N]`` to fill, and the state holding the ``[N, n_stats]`` statistics
+    to fill and the mask as uint8 (what the kernels read)."""
+    n, dev = _num_rows(student), student.device
+    keep = mask.contiguous().view(torch.uint8) if mask is not None else None
+    values = torch.empty((n,), dtype=torch.float32, device=dev)
+    stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
+    return values, PairState(student, teacher, stats, keep)
 
 
 def _num_rows(z: torch.Tensor) -> int:
