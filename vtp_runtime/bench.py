@@ -67,7 +67,7 @@ class Row:
 
 
 def model_bytes(op: str, n: int, v: int, itemsize: int) -> int:
-    """Bytes of the minimal passes, forward + backward, frozen teacher (issue 4's model):
+    """Bytes of the minimal passes, forward + backward, frozen teacher (DESIGN's model):
     JSD 3 reads of both inputs + 1 gradient write; KL 2 reads of both + 1 write;
     CE / log-probs / entropy 2 reads + 1 write."""
     passes = {"jsd": 7, "kl": 5}.get(op, 3)
