@@ -7,7 +7,7 @@ frozen (no teacher gradient), as in distillation.
 
 Timing: CUDA events around each call, median of ``--reps`` calls after ``--warmup``; and,
 where the arm can be captured, the median replay time of a CUDA graph of the same call (GPU
-time without the CPU launch cost). Bandwidth counts the bytes of the passes the issue's
+time without the CPU launch cost). Bandwidth counts the bytes of the passes the design's
 performance model allows (see ``model_bytes``) and is compared against a device-to-device
 copy measured in the same run. Peak memory is ``torch.cuda.max_memory_allocated`` during one
 call, inputs included.
