@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from . import dispatch, shards
-from .backend import Backend, Call, Request
+from .backend import Backend, Call, Request, meets_layout
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
 from .registry import REGISTRY
@@ -172,16 +172,17 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
     return p
 
 
-def _rows(t: Tensor, n: int, backend: Backend) -> Tensor:
-    """``[..., V]`` as ``[N, V]`` rows, a view where strides allow. A backend that takes
-    strided rows gets a 3-D view (e.g. ``logits[:, :-1]``) instead of a copy."""
-    v = t.shape[-1]
+def _rows(t: Tensor, n: int, layout: str) -> Tensor:
+    """``[..., V]`` in the backend's declared ``input_layout``: a view of ``t`` (``[N, V]``,
+    or ``t`` itself as ``[A, B, V]`` where the layout allows it) when one fits, else a
+    contiguous ``[N, V]`` copy. The only copy of the inputs the core makes."""
     try:
-        return t.view(n, v)
-    except RuntimeError:
-        if backend.takes_strided_rows and t.dim() == 3 and t.stride(-1) == 1:
-            return t
-        return t.reshape(n, v)
+        rows = t.view(n, t.shape[-1])
+    except RuntimeError:  # the leading dims have no single stride, e.g. logits[:, :-1]
+        rows = t
+    if meets_layout(rows, layout):
+        return rows
+    return t.contiguous().view(n, t.shape[-1])
 
 
 class _VocabParallelFunction(torch.autograd.Function):
@@ -190,16 +191,18 @@ class _VocabParallelFunction(torch.autograd.Function):
         values, saved = backend.forward(call, inputs, index, mask)
         ctx.backend, ctx.call = backend, call
         ctx.save_for_backward(*saved)
+        ctx.links = _graph_links(inputs, saved)
         return values
 
     @staticmethod
     def backward(ctx, grad):
-        # With create_graph=True (grad mode on here) the gradient is not itself differentiable:
-        # once_differentiable makes a double backward raise instead of returning a wrong
-        # second-order term. It costs tens of µs, so the usual backward skips it.
-        if torch.is_grad_enabled():
-            return _backward_once(ctx, grad)
-        return _backward(ctx, grad)
+        if not torch.is_grad_enabled():
+            return _backward(ctx, grad)
+        # create_graph=True: the gradient is computed as usual, but it is not differentiable
+        # (no backend computes second order), so differentiating it must raise
+        with torch.no_grad():
+            grads = _backward(ctx, grad)
+        return _refuse_second_order(ctx, grads, grad)
 
 
 def _backward(ctx, grad):
@@ -207,14 +210,60 @@ def _backward(ctx, grad):
     return (None, None, None, None, *grads)
 
 
-_backward_once = torch.autograd.function.once_differentiable(_backward)
+SECOND_ORDER_ERROR = (
+    "second-order gradients through vtp_runtime ops are not supported: a gradient of {op} taken with "
+    "create_graph=True was differentiated (a gradient penalty, say). Detach that gradient (g.detach()) "
+    "where the penalty needs no gradient of its own, or compute the loss the penalty differentiates "
+    "with plain PyTorch ops (torch.nn.functional.log_softmax on logits gathered over the vocabulary).")
+
+
+class _SecondOrderError(torch.autograd.Function):
+    """The gradients an op returns under create_graph=True, unchanged; differentiating them
+    raises. Its inputs after the gradients link it to the graphs of the op's inputs and of
+    the upstream gradient, so every backward that would need the second-order term reaches
+    it (``autograd.grad(penalty, params)`` skips nodes that lead to no requested input)."""
+
+    @staticmethod
+    def forward(ctx, op: str, n: int, *tensors):
+        ctx.op = op
+        return tuple(g.detach() for g in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError(SECOND_ORDER_ERROR.format(op=ctx.op))
+
+
+def _graph_links(inputs, saved) -> tuple:
+    """For inputs that need a gradient but are not in ``saved``: an empty tensor computed
+    from each (no memory of the input kept), linking _SecondOrderError to its graph."""
+    links = []
+    for t in inputs:
+        if t.requires_grad and not any(s is t for s in saved):
+            with torch.enable_grad():  # forward runs without grad mode
+                links.append(t[..., :0].clone())
+    return tuple(links)
+
+
+def _refuse_second_order(ctx, grads: tuple, upstream: Tensor) -> tuple:
+    computed = [i for i, g in enumerate(grads) if g is not None]
+    if not computed:
+        return grads
+    # the gradients themselves as stand-in leaves: a plain .backward() reaches the error
+    # even where nothing else links to the graph
+    fakes = [grads[i].detach().requires_grad_() for i in computed]
+    links = [t for t in (*ctx.saved_tensors, *ctx.links, upstream) if t is not None and t.requires_grad]
+    wrapped = _SecondOrderError.apply(ctx.call.op, len(fakes), *fakes, *links)
+    out = list(grads)
+    for i, g in zip(computed, wrapped):
+        out[i] = g
+    return tuple(out)
 
 
 def _run(p: _Prepared) -> Tensor:
     spec, options, layout = p.spec, p.options, p.layout
     backend = dispatch.select(p.request, layout, p.forced, p.forced_by)
     n = layout.num_tokens
-    inputs = tuple(_rows(t, n, backend) for t in p.inputs)
+    inputs = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
     ignore_index = options.get("ignore_index", -100)
     index = mask = None
     if spec.index:

@@ -79,6 +79,7 @@ def _bad_index(index: Tensor, call: Call) -> Tensor:
 class EagerBackend(Backend):
     name = "eager"
     priority = 0
+    input_layout = "any"  # torch ops take any strides: never a copy of a viewable input
     _ANY = dict(device_types=None, dtypes=ALL_DTYPES)
     ops = {
         "cross_entropy": OpCapability(**_ANY, features=frozenset({"label_smoothing", "z_loss", "temperature"})),
