@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, shards
+from . import dispatch, second_order, shards
 from .backend import Backend, Call, Request, meets_layout
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
@@ -191,7 +191,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         values, saved = backend.forward(call, inputs, index, mask)
         ctx.backend, ctx.call = backend, call
         ctx.save_for_backward(*saved)
-        ctx.links = _graph_links(inputs, saved)
+        ctx.links = second_order.graph_links(inputs, saved)
         return values
 
     @staticmethod
@@ -202,61 +202,13 @@ class _VocabParallelFunction(torch.autograd.Function):
         # (no backend computes second order), so differentiating it must raise
         with torch.no_grad():
             grads = _backward(ctx, grad)
-        return _refuse_second_order(ctx, grads, grad)
+        links = (*ctx.saved_tensors, *ctx.links, grad)
+        return (None, None, None, None, *second_order.refuse(ctx.call.op, grads[4:], links))
 
 
 def _backward(ctx, grad):
     grads = ctx.backend.backward(ctx.call, ctx.saved_tensors, grad.contiguous())
     return (None, None, None, None, *grads)
-
-
-SECOND_ORDER_ERROR = (
-    "second-order gradients through vtp_runtime ops are not supported: a gradient of {op} taken with "
-    "create_graph=True was differentiated (a gradient penalty, say). Detach that gradient (g.detach()) "
-    "where the penalty needs no gradient of its own, or compute the loss the penalty differentiates "
-    "with plain PyTorch ops (torch.nn.functional.log_softmax on logits gathered over the vocabulary).")
-
-
-class _SecondOrderError(torch.autograd.Function):
-    """The gradients an op returns under create_graph=True, unchanged; differentiating them
-    raises. Its inputs after the gradients link it to the graphs of the op's inputs and of
-    the upstream gradient, so every backward that would need the second-order term reaches
-    it (``autograd.grad(penalty, params)`` skips nodes that lead to no requested input)."""
-
-    @staticmethod
-    def forward(ctx, op: str, n: int, *tensors):
-        ctx.op = op
-        return tuple(g.detach() for g in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *unused):
-        raise RuntimeError(SECOND_ORDER_ERROR.format(op=ctx.op))
-
-
-def _graph_links(inputs, saved) -> tuple:
-    """For inputs that need a gradient but are not in ``saved``: an empty tensor computed
-    from each (no memory of the input kept), linking _SecondOrderError to its graph."""
-    links = []
-    for t in inputs:
-        if t.requires_grad and not any(s is t for s in saved):
-            with torch.enable_grad():  # forward runs without grad mode
-                links.append(t[..., :0].clone())
-    return tuple(links)
-
-
-def _refuse_second_order(ctx, grads: tuple, upstream: Tensor) -> tuple:
-    computed = [i for i, g in enumerate(grads) if g is not None]
-    if not computed:
-        return grads
-    # the gradients themselves as stand-in leaves: a plain .backward() reaches the error
-    # even where nothing else links to the graph
-    fakes = [grads[i].detach().requires_grad_() for i in computed]
-    links = [t for t in (*ctx.saved_tensors, *ctx.links, upstream) if t is not None and t.requires_grad]
-    wrapped = _SecondOrderError.apply(ctx.call.op, len(fakes), *fakes, *links)
-    out = list(grads)
-    for i, g in zip(computed, wrapped):
-        out[i] = g
-    return tuple(out)
 
 
 def _run(p: _Prepared) -> Tensor:
