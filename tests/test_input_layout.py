@@ -13,7 +13,6 @@ import vtp_runtime as vtp
 from vtp_runtime.api import _rows
 from vtp_runtime.backend import INPUT_LAYOUTS, OpCapability, check_backend, meets_layout
 from vtp_runtime.backends.eager import EagerBackend
-from vtp_runtime.backends.triton import TritonBackend
 from vtp_runtime.registry import REGISTRY
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
