@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
+from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState, meets_layout
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import OPS, kl_direction
 
@@ -112,7 +112,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
-    """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``."""
+    """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``.
+    The kernels read columns at unit stride: anything else is refused here, never misread."""
+    if not meets_layout(z, TritonBackend.input_layout):
+        raise RuntimeError(f"triton kernels need inputs [N, V_local] or [A, B, V_local] with stride 1 on the "
+                           f"vocabulary dim; got shape {tuple(z.shape)} with strides {z.stride()}. The core "
+                           f"copies inputs into the declared input_layout; callers of forward() must too.")
     if z.dim() == 2:
         return max(z.shape[0], 1), 0, z.stride(0)
     a, b, _ = z.shape
@@ -142,7 +147,9 @@ class TritonBackend(Backend):
 
     name = "triton"
     priority = 20
-    takes_strided_rows = True
+    # a causal-shift view logits[:, :-1] reaches the kernels uncopied; a vocabulary stride
+    # other than 1 is copied by the core (strided column loads would not coalesce anyway)
+    input_layout = "unit_vocab_stride_3d"
     ops = capabilities(frozenset({"cuda", "cpu"}))
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
