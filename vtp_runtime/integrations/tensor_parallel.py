@@ -6,18 +6,11 @@ Nothing here computes a loss; the adapters pass the results to ``vtp_runtime``'s
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-
-try:  # public since torch 2.5; torch 2.4 has the same classes under _tensor
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - old torch or torch without distributed
-    try:
-        from torch.distributed._tensor import DTensor
-    except ImportError:
-        DTensor = None
 
 
 def _group_size(group) -> int:
@@ -80,7 +73,13 @@ class VocabShard(NamedTuple):
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    """Whether ``t`` is a DTensor, without importing DTensor (a second of import time): none
+    exists before its module is imported (``torch.distributed._tensor`` on torch 2.4)."""
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        module = sys.modules.get(name)
+        if module is not None and isinstance(t, getattr(module, "DTensor", ())):
+            return True
+    return False
 
 
 def dtensor_vocab_layout(t, dim: int) -> tuple[object, int, int, int]:
