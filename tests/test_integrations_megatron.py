@@ -49,6 +49,7 @@ def _step(head, hidden, loss_fn, upstream):
 
 def _megatron_job(rank, world, group):
     import warnings
+    from functools import partial
 
     warnings.simplefilter("ignore")  # Megatron warns about missing Apex / Transformer Engine
     from megatron.core import parallel_state
@@ -68,9 +69,10 @@ def _megatron_job(rank, world, group):
             head = _head(tp)
             assert head.weight.shape == (V // tp, H)
             eps = smoothing * V / (V - 1)  # Megatron's alpha spreads over the V-1 other classes
-            want = _step(head, hidden, lambda z: vocab_parallel_cross_entropy(z, target, smoothing), upstream)
-            got = _step(head, hidden, lambda z: vtp.cross_entropy(z, target, label_smoothing=eps,
-                                                                  tp_group=tp_group), upstream)
+            want = _step(head, hidden, partial(vocab_parallel_cross_entropy, target=target,
+                                               label_smoothing=smoothing), upstream)
+            got = _step(head, hidden, partial(vtp.cross_entropy, labels=target, label_smoothing=eps,
+                                              tp_group=tp_group), upstream)
             for name, w, h in zip(("loss", "hidden grad", "weight grad"), want, got):
                 torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-6, msg=f"TP={tp}: {name}")
             out[tp] = tuple(want)

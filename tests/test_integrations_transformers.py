@@ -9,15 +9,17 @@ the eager backend: the adapters are under test here, not the kernels (which woul
 through Triton's slow CPU interpreter on these 32000-entry rows).
 """
 
+import importlib.util
+
 import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[integrations]')")
+from vtp_runtime.testing.distributed import RankPool
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from vtp_runtime.testing.distributed import RankPool  # noqa: E402
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="transformers is not installed (pip install -e '.[integrations]')")
 
 V, WORLD = 32000, 2
 SPLIT = 12345  # the hand-split head's uneven boundary

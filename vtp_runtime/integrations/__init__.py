@@ -12,4 +12,4 @@ Importing them does not import the frameworks.
 
 from .tensor_parallel import VocabShard, copy_to_tp_region, vocab_shard
 
-__all__ = ["copy_to_tp_region", "vocab_shard", "VocabShard"]
+__all__ = ["VocabShard", "copy_to_tp_region", "vocab_shard"]
