@@ -338,12 +338,12 @@ def check_inputs(rank, world, group, check_on):
                _outcome(lambda: vtp.jsd(s, t, labels=labels, reduction="sum", tp_group=group,
                                         normalizer=torch.tensor(2.0 + rank))),
                _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group))]
-        return out, _healthy(rank, world, group)
     finally:
         if saved is None:
             os.environ.pop("VTP_CHECK")
         else:
             os.environ["VTP_CHECK"] = saved
+    return out, _healthy(rank, world, group)
 
 
 def test_check_catches_inputs_that_differ_between_ranks(ranks):
