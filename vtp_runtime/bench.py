@@ -7,7 +7,7 @@ frozen (no teacher gradient), as in distillation.
 
 Timing: CUDA events around each call, median of ``--reps`` calls after ``--warmup``; and,
 where the arm can be captured, the median replay time of a CUDA graph of the same call (GPU
-time without the CPU launch cost). Bandwidth counts the bytes of the passes the issue's
+time without the CPU launch cost). Bandwidth counts the bytes of the passes the
 performance model allows (see ``model_bytes``) and is compared against a device-to-device
 copy measured in the same run. Peak memory is ``torch.cuda.max_memory_allocated`` during one
 call, inputs included.
@@ -39,10 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size V")
     parser.add_argument("--tp", default="1,2,4,8", help="TP sizes: per-rank shard V/TP on one GPU")
     parser.add_argument("--tokens", default="1024,8192", help="token counts N")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="logits dtype (default: bfloat16)")
     parser.add_argument("--beta", type=float, default=0.5, help="JSD beta")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
+    parser.add_argument("--reps", type=int, default=30, help="timed calls; the median is reported (default 30)")
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
     parser.add_argument("--overhead", action="store_true", help="also measure CPU dispatch overhead per call")
     parser.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
