@@ -400,3 +400,38 @@ def test_every_bench_option_has_help():
     bench.add_arguments(parser)
     missing = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert missing == []
+
+
+# -- the same on a GPU: two gloo ranks sharing one CUDA device --------------------------------
+
+def on_gpu(rank, world, group, device="cuda"):
+    """A failure on one rank, VTP_CHECK, a zero tensor normalizer and 1-D logits, with CUDA
+    fp32 tensors (the triton backend where it is available), then a valid call."""
+    student, _, labels = (t.to(device) for t in _inputs(world))
+    z = _shard(student, rank, world).float()
+    out = [_outcome(lambda: _one_rank_call("misspelled_option", rank == 1, group, z, None, labels))]
+    os.environ["VTP_CHECK"] = "1"
+    try:
+        out.append(_outcome(lambda: vtp.cross_entropy(z, labels + rank, tp_group=group)))
+    finally:
+        os.environ.pop("VTP_CHECK")
+    nan = vtp.cross_entropy(z, labels, reduction="sum", normalizer=torch.tensor(0, device=device),
+                            tp_group=group)
+    one = vtp.cross_entropy(z[0], labels[0], tp_group=group)
+    want = reference("cross_entropy", (student,), labels)
+    err = max((vtp.cross_entropy(z, labels, tp_group=group) - want).abs().max().item(),
+              (one - want[0]).abs().item())
+    return out, bool(nan.isnan()), tuple(one.shape), err
+
+
+@pytest.mark.gpu
+def test_misuse_on_gpu(ranks):
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; run on the GPU machine: TRITON_INTERPRET=0 pytest -m gpu")
+    results = ranks(2, on_gpu, timeout=120)
+    (fail0, check0), nan0, shape0, err0 = results[0]
+    (fail1, check1), _, _, _ = results[1]
+    assert fail1[0] == "TypeError" and fail0[0] == "ShardError" and fail1[1] in fail0[1]
+    assert check0 == check1 and check0[0] == "ShardError" and "VTP_CHECK" in check0[1]
+    assert all(r[1] for r in results) and shape0 == ()
+    assert max(r[3] for r in results) < 1e-4
