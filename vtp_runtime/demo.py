@@ -72,7 +72,8 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
         s_logits = h @ student.T  # [n, V_local]
         args = (s_logits, h @ teacher.T) if op == "jsd" else (s_logits, y)
         if op not in backend_of:
-            backend_of[op] = vtp.explain(op, *args, tp_group=group, reduction="mean", **opts).backend
+            backend_of[op] = vtp.explain(op, *args, tp_group=group, reduction="mean", gather=True,
+                                         **opts).backend
         loss = vtp.loss(op, *args, tp_group=group, reduction="mean", **opts)
         (grad,) = torch.autograd.grad(loss, [student])
 

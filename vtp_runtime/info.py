@@ -278,5 +278,6 @@ def _explain(args) -> int:
         print(json.dumps(explain_data(ex), indent=2))
     else:
         print(ex)
-        print("(every rank assumed to be like this machine; on a cluster, vtp.explain(...) checks the real ranks)")
+        print("(every rank assumed to be like this machine; on a cluster, vtp.explain(..., gather=True) "
+              "on every rank checks the real ranks)")
     return 0 if ex.backend else 1

@@ -286,7 +286,7 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
         # a second backward through the retained graph gives the same gradient, or -- where
         # the backend declares it cannot (repeat_backward=False) -- a RuntimeError, never a
         # different gradient
-        name = case.backend or vtp.explain(case.op, *tensors, **kwargs).backend
+        name = case.backend or vtp.explain(case.op, *tensors, gather=True, **kwargs).backend
         repeat = REGISTRY.get(name).ops[case.op].repeat_backward
         try:
             again = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted)
