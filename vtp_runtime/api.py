@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, inputs, second_order, shards
+from . import dispatch, head, inputs, second_order, shards
 from .backend import Backend, Call, Request, SavedState, meets_layout
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
@@ -25,7 +25,7 @@ class _Prepared:
     """A call after local validation and the metadata gather: what selection and the run need."""
 
     __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
-                 "forced", "forced_by")
+                 "forced", "forced_by", "heads")
 
 
 def _local_checks(spec: OpSpec, inputs, index, options) -> None:
@@ -121,7 +121,10 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
     p = _Prepared()
     p.spec, p.options = spec, options
     error, detail = 0, ""
+    heads = None
     try:
+        # Head inputs (vtp_runtime/head.py) are checked and validated through logits stand-ins
+        heads, inputs = head.stand_ins(inputs, spec.inputs)
         _local_checks(spec, inputs, index, options)
     except (TypeError, ValueError) as exc:
         error, detail = (3 if isinstance(exc, TypeError) else 1), str(exc)
@@ -153,7 +156,8 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
             num_tokens=math.prod(p.lead) if ok else 0,
             dtype=logits.dtype if ok else torch.float32,
             device_type=device.type,
-            options_fingerprint=_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead)) if ok else "",
+            options_fingerprint=(_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead))
+                                 + head.fingerprint(heads)) if ok else "",
             forced=forced,
             available=dispatch.local_availability(device.type),
             error=error,
@@ -161,13 +165,14 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
         )
         layout = shards.validate(shards.gather(local, group, device), local, group)
     p.layout = layout
-    p.inputs, p.index = inputs, index
+    p.inputs, p.index, p.heads = inputs, index, heads
     p.request = Request(
         op=spec.name, device_type=device.type, dtype=logits.dtype, tp_size=layout.tp_size,
         vocab_size=layout.vocab_size, num_tokens=layout.num_tokens, even_shards=layout.even_shards,
         empty_shard=0 in layout.sizes,
         features=features_of(spec.name, options, topk=p.topk,
-                             teacher_grad=len(inputs) == 2 and p.needs_grad[1]))
+                             teacher_grad=len(inputs) == 2 and p.needs_grad[1]),
+        head_inputs=heads is not None, head_per_token=heads is not None and options["reduction"] == "none")
     p.forced, p.forced_by = forced, forced_by
     return p
 
@@ -226,7 +231,6 @@ def _run(p: _Prepared) -> Tensor:
     spec, options, layout = p.spec, p.options, p.layout
     backend = dispatch.select(p.request, layout, p.forced, p.forced_by)
     n = layout.num_tokens
-    inputs = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
     ignore_index = options.get("ignore_index", -100)
     index = mask = None
     if spec.index:
@@ -243,7 +247,11 @@ def _run(p: _Prepared) -> Tensor:
     call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
                 vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
                 needs_grad=p.needs_grad, topk=p.topk)
-    values = _VocabParallelFunction.apply(backend, call, index, mask, *inputs)
+    if p.heads is not None:
+        values = head.run_call(backend, call, p.heads, p.inputs, index, mask, options["reduction"], max(layout.sizes))
+    else:
+        rows = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
+        values = _VocabParallelFunction.apply(backend, call, index, mask, *rows)
     values = values.view(*p.lead, *values.shape[1:])
     return _reduce(values, options, index, mask, ignore_index)
 
@@ -274,10 +282,11 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     """Compute ``op`` on vocabulary-sharded logits; see the typed helpers for each op.
 
     ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
-    each rank passing its local ``[..., V_local]`` shard. The result is fp32 (fp64 for fp64
-    inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for top-k log-probs) or a scalar when
-    reduced, and identical on every rank of ``tp_group``. DTensor logits give a DTensor
-    result on their mesh (see ``vtp_runtime.inputs``).
+    each rank passing its local ``[..., V_local]`` shard, or a ``vtp.Head`` standing for it
+    (``hidden @ weight_shard.T + bias``, never formed in full; see ``vtp_runtime/head.py``).
+    The result is fp32 (fp64 for fp64 inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for
+    top-k log-probs) or a scalar when reduced, and identical on every rank of ``tp_group``.
+    DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
     """
     tensors, options, wrap = inputs.normalize(op, tensors, options)
     out = _run(_prepare(op, tensors, options))

@@ -178,7 +178,7 @@ def validate(table: list[list[int]], local: LocalCall, group) -> Layout:
               show=lambda v: str(DTYPES[v]).replace("torch.", "") if v < len(DTYPES) else v)
     _disagree(table, "device_type", "the device type",
               show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
-    _disagree(table, "options", "op options (values, index shape, mask, which inputs require grad)")
+    _disagree(table, "options", "op options (values, index shape, mask, which inputs require grad, Head or logits inputs)")
     _disagree(table, "forced", "the forced backend (backend=, use_backend, VTP_BACKEND*)")
     _disagree(table, "global_vocab_size", "global_vocab_size")
 
