@@ -157,3 +157,16 @@ def test_debug_off_logs_nothing(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="vtp_runtime"):
         vtp.entropy(torch.randn(3, 31 + len(dispatch._LOGGED)))
     assert not [r for r in caplog.records if "[VTP_DEBUG]" in r.getMessage()]
+
+
+def test_explain_head_inputs(capsys, picky):
+    rc, out, _ = main(capsys, "--explain", "entropy", "--dtype", "fp32", "--vocab", "1000", "--head")
+    assert rc == 0 and "inputs=head" in out
+    block = out.split("`info_picky` is not supported because:")[1].split("`")[0]
+    assert "head inputs not supported" in block
+    rc, out, _ = main(capsys, "--explain", "cross_entropy", "--vocab", "1000", "--head", "per-token", "--json")
+    data = json.loads(out)
+    assert data["request"]["head_inputs"] and data["request"]["head_per_token"]
+    assert any("per-token result not supported" in r for r in data["reasons"]["liger"])
+    r = info.simulated_request("jsd", torch.bfloat16, 1000, 2, head="scalar")
+    assert r.head_inputs and not r.head_per_token

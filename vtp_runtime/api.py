@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, inputs, second_order, shards
+from . import dispatch, head, inputs, second_order, shards
 from .backend import Backend, Call, Request, SavedState, meets_layout
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec, normalize_options
@@ -26,7 +26,7 @@ class _Prepared:
     """A call after local validation and the metadata gather: what selection and the run need."""
 
     __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
-                 "forced", "forced_by")
+                 "forced", "forced_by", "heads")
 
 
 def _local_checks(spec: OpSpec, inputs, index, options) -> None:
@@ -121,10 +121,13 @@ def _local(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
     normalize_options(options, given)
     inputs = tuple(tensors[: len(spec.inputs)])
     index = tensors[len(spec.inputs)] if spec.index else None
-    _local_checks(spec, inputs, index, options)
 
     p = _Prepared()
-    p.spec, p.options, p.inputs, p.index = spec, options, inputs, index
+    p.spec, p.options, p.index = spec, options, index
+    # Head inputs (vtp_runtime/head.py) are checked and validated through logits stand-ins
+    p.heads, inputs = head.stand_ins(inputs, spec.inputs)
+    _local_checks(spec, inputs, index, options)
+    p.inputs = inputs
     p.lead = tuple(inputs[0].shape[:-1])
     p.topk = spec.name == "logprobs" and index.dim() == len(p.lead) + 1
     grad_on = torch.is_grad_enabled()
@@ -150,7 +153,8 @@ def _local_call(p: _Prepared) -> shards.LocalCall:
         op=p.spec.name, v_local=logits.shape[-1], vocab_start=options["vocab_start"],
         vocab_end=options["vocab_end"], global_vocab_size=options["global_vocab_size"],
         num_tokens=math.prod(p.lead), dtype=logits.dtype, device_type=device.type,
-        options_fingerprint=_fingerprint(p.spec, options, p.index, p.topk, p.needs_grad, len(p.lead)),
+        options_fingerprint=(_fingerprint(p.spec, options, p.index, p.topk, p.needs_grad, len(p.lead))
+                             + head.fingerprint(p.heads)),
         forced=p.forced, forced_by=p.forced_by, available=dispatch.local_availability(device.type),
         checksums=checksums)
 
@@ -183,7 +187,8 @@ def _request(p: _Prepared, tp_size: int, vocab_size: int, num_tokens: int, even_
         op=p.spec.name, device_type=logits.device.type, dtype=logits.dtype, tp_size=tp_size,
         vocab_size=vocab_size, num_tokens=num_tokens, even_shards=even_shards, empty_shard=empty_shard,
         features=features_of(p.spec.name, p.options, topk=p.topk,
-                             teacher_grad=len(p.inputs) == 2 and p.needs_grad[1]))
+                             teacher_grad=len(p.inputs) == 2 and p.needs_grad[1]),
+        head_inputs=p.heads is not None, head_per_token=p.heads is not None and p.options["reduction"] == "none")
 
 
 def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
@@ -254,7 +259,6 @@ def _run(p: _Prepared) -> Tensor:
     spec, options, layout = p.spec, p.options, p.layout
     backend = dispatch.select(p.request, layout, p.forced, p.forced_by)
     n = layout.num_tokens
-    inputs = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
     ignore_index = options.get("ignore_index", -100)
     index = mask = None
     if spec.index:
@@ -271,7 +275,11 @@ def _run(p: _Prepared) -> Tensor:
     call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
                 vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
                 needs_grad=p.needs_grad, topk=p.topk)
-    values = _VocabParallelFunction.apply(backend, call, index, mask, *inputs)
+    if p.heads is not None:
+        values = head.run_call(backend, call, p.heads, p.inputs, index, mask, options["reduction"], max(layout.sizes))
+    else:
+        rows = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
+        values = _VocabParallelFunction.apply(backend, call, index, mask, *rows)
     values = values.view(p.lead + tuple(values.shape[1:]))  # lead is () for 1-D logits: one token
     return _reduce(values, options, index, mask, ignore_index)
 
@@ -304,10 +312,11 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     """Compute ``op`` on vocabulary-sharded logits; see the typed helpers for each op.
 
     ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
-    each rank passing its local ``[..., V_local]`` shard. The result is fp32 (fp64 for fp64
-    inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for top-k log-probs) or a scalar when
-    reduced, and identical on every rank of ``tp_group``. DTensor logits give a DTensor
-    result on their mesh (see ``vtp_runtime.inputs``).
+    each rank passing its local ``[..., V_local]`` shard, or a ``vtp.Head`` standing for it
+    (``hidden @ weight_shard.T + bias``, never formed in full; see ``vtp_runtime/head.py``).
+    The result is fp32 (fp64 for fp64 inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for
+    top-k log-probs) or a scalar when reduced, and identical on every rank of ``tp_group``.
+    DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
     """
     tensors, options, wrap = inputs.normalize(op, tensors, options)
     out = _run(_prepare(op, tensors, options))

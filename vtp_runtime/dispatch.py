@@ -82,7 +82,8 @@ class Explanation:
         lines = [f"vtp_runtime: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
                  f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
                  f"shards={'even' if r.even_shards else 'uneven'}{', one empty' if r.empty_shard else ''} "
-                 f"features={','.join(sorted(r.features)) or '-'}"]
+                 f"features={','.join(sorted(r.features)) or '-'}"
+                 + (" inputs=head" if r.head_inputs else "")]
         if self.view:
             lines.append(f"({self.view})")
         if self.forced:

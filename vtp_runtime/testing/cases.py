@@ -221,42 +221,13 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     tensors = local + ([index] if index is not None else [])
     out = vtp.loss(case.op, *tensors, **kwargs)
 
-    reduction = opts.get("reduction", "none")
-    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer")}
     # the reference runs on the case's device (float64 is quick on a GPU at real sizes);
     # its results come back to the CPU for the comparisons
     flat_logits = tuple(z.reshape(n, full_vocab).to(dev) for z in logits)
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
     flat_extra = {k: v.reshape(n).to(dev) for k, v in extra.items()}
-    g = torch.Generator().manual_seed(case.seed + 7)
-    grad_shape = out.shape
-    upstream = torch.randn(grad_shape, generator=g, dtype=torch.float64) if out.dim() else torch.tensor(1.5,
-                                                                                            dtype=torch.float64)
-    ref_vals, _ = values_and_grads(case.op, flat_logits, flat_index, **ref_opts, **flat_extra)
-    ref_vals = ref_vals.cpu()
-    ref_rows = ref_vals if ref_vals.dim() == 1 else ref_vals.sum(-1)  # per token
-    ref_vals = ref_vals.view(out.shape) if reduction == "none" else ref_vals
-    # the reference of the reduction, and the upstream gradient it sends to every token
-    if reduction == "none":
-        per_token_grad = upstream.reshape(ref_vals.shape).reshape(n, -1) if case.topk else upstream.reshape(n)
-        ref_out = ref_vals
-    else:
-        ii = opts.get("ignore_index", -100)
-        if flat_index is not None:
-            count = (flat_index != ii).sum()
-        elif flat_extra:
-            keep = flat_extra.get("mask", torch.ones(n, dtype=torch.bool, device=dev))
-            if "labels" in flat_extra:
-                keep = keep & (flat_extra["labels"] != ii)
-            count = keep.sum()
-        else:
-            count = torch.tensor(n)
-        div = opts.get("normalizer") or (1 if reduction == "sum" else max(int(count), 1))
-        ref_out = ref_vals.sum() / div
-        per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
-    _, ref_grads = values_and_grads(case.op, flat_logits, flat_index, per_token_grad.to(dev),
-                                    needs_grad=case.grads[: len(flat_logits)], **ref_opts, **flat_extra)
-    ref_grads = tuple(None if rg is None else rg.cpu() for rg in ref_grads)
+    ref_out, upstream, ref_rows, ref_grads = reference(case, flat_logits, flat_index, flat_extra, out.shape,
+                                                       case.grads[: len(flat_logits)])
     del flat_logits
     errors = {}
     # values: fp32 accumulation against float64
@@ -313,6 +284,45 @@ def _check_no_second_order(op: str, grads, inputs) -> None:
     else:
         raise AssertionError(f"{op}: differentiating the gradient (create_graph=True) gave a number; it must "
                              f"raise, since the second-order term is not computed")
+
+
+def reference(case: Case, flat_logits, flat_index, flat_extra: dict, out_shape, needs_grad: tuple[bool, ...]):
+    """The float64 reference of ``case`` on the full ``[N, V]`` logits (on their device):
+    ``(value of the call (shaped like its output, or reduced), the upstream gradient to
+    back-propagate from the output, per-token values, float64 gradient of each logits input
+    or None)``, on the CPU."""
+    opts = dict(case.options)
+    n, dev = flat_logits[0].shape[0], flat_logits[0].device
+    reduction = opts.get("reduction", "none")
+    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer")}
+    g = torch.Generator().manual_seed(case.seed + 7)
+    upstream = (torch.randn(out_shape, generator=g, dtype=torch.float64) if len(out_shape)
+                else torch.tensor(1.5, dtype=torch.float64))
+    ref_vals, _ = values_and_grads(case.op, flat_logits, flat_index, **ref_opts, **flat_extra)
+    ref_vals = ref_vals.cpu()
+    ref_rows = ref_vals if ref_vals.dim() == 1 else ref_vals.sum(-1)  # per token
+    ref_vals = ref_vals.view(out_shape) if reduction == "none" else ref_vals
+    # the reference of the reduction, and the upstream gradient it sends to every token
+    if reduction == "none":
+        per_token_grad = upstream.reshape(ref_vals.shape).reshape(n, -1) if case.topk else upstream.reshape(n)
+        ref_out = ref_vals
+    else:
+        ii = opts.get("ignore_index", -100)
+        if flat_index is not None:
+            count = (flat_index != ii).sum()
+        elif flat_extra:
+            keep = flat_extra.get("mask", torch.ones(n, dtype=torch.bool, device=dev))
+            if "labels" in flat_extra:
+                keep = keep & (flat_extra["labels"] != ii)
+            count = keep.sum()
+        else:
+            count = torch.tensor(n)
+        div = opts.get("normalizer") or (1 if reduction == "sum" else max(int(count), 1))
+        ref_out = ref_vals.sum() / div
+        per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
+    _, ref_grads = values_and_grads(case.op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad,
+                                    **ref_opts, **flat_extra)
+    return ref_out, upstream, ref_rows, tuple(None if rg is None else rg.cpu() for rg in ref_grads)
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:
