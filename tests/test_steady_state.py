@@ -1,5 +1,5 @@
 """Plans: after the first call of a signature, later calls skip the checks, the dispatch and
-(on a device-only group, or with VTP_CHECK=0) the metadata gather; every rank of a group
+(on a device-only group, or with VTP_CHECK=once) the metadata gather; every rank of a group
 plans and reuses together, through sequences of calls that repeat, change shapes on every
 rank, alternate ops, and overflow the plan cache. Values are checked against float64.
 The device side (no device-to-host copy, CUDA graph capture) is in test_native_gpu.py."""
@@ -133,9 +133,9 @@ def test_tp1_plans_once_per_signature():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_device_only_mode_gathers_once_per_signature(ranks, world):
-    """VTP_CHECK=0 (the default on a device-only group such as NCCL): a planned call gathers
-    nothing; every rank plans on the same calls."""
-    results = ranks(world, _sequence, "0", timeout=180)
+    """VTP_CHECK=once (the default on a device-only group such as NCCL): a planned call
+    gathers nothing; every rank plans on the same calls."""
+    results = ranks(world, _sequence, "once", timeout=180)
     for counts, worst in results:
         assert worst < 1e-10
         assert counts == [(1, 1) if first else (0, 0) for first in FIRST]
@@ -159,7 +159,7 @@ def test_plan_cache_turns_over_on_every_rank_together(ranks):
     """With room for two plans per generation, the sequence's four signatures evict each
     other; the ranks still plan on the same calls (the count decides, the same on every
     rank), and no call waits for a collective another rank skipped."""
-    results = ranks(2, _sequence, "0", max_plans=2, timeout=180)
+    results = ranks(2, _sequence, "once", max_plans=2, timeout=180)
     assert results[0] == results[1]
     counts, worst = results[0]
     assert worst < 1e-10
@@ -206,7 +206,7 @@ def _error_after_planning(rank, world, group, check):
 @pytest.mark.parametrize("check", [None, "1"])
 def test_one_rank_error_after_planning_raises_on_every_rank(ranks, check):
     """With a gather per call a one-rank change after the plan was made is still raised on
-    every rank, and the next call runs. (With VTP_CHECK=0 it is not seen: the ranks would
+    every rank, and the next call runs. (With VTP_CHECK=once it is not seen: the ranks would
     issue different collectives; see docs/guide.md, "No host sync".)"""
     results = ranks(2, _error_after_planning, check, timeout=120)
     for raised, worst, prepared in results:

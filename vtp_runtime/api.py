@@ -1,21 +1,25 @@
 """The public API: ``loss`` and the typed helpers, ``explain``.
 
-Every call: validate locally (errors become codes, not exceptions, until after the gather),
-gather the metadata of every rank in one collective, validate the gathered table, pick the
-backend, run it under one autograd Function, reduce. Outputs are replicated on every rank.
+Every call: validate locally (with a TP group, a local error is held until after the gather,
+so that no rank is left waiting in it), gather the metadata of every rank in one collective,
+validate the gathered table, pick the backend, run it under one autograd Function, reduce.
+Outputs are replicated on every rank. All but the last two steps are made once per call
+signature and kept as a plan (``vtp_runtime.plan``); inside ``torch.compile`` a call is one
+custom op (``vtp_runtime.library``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 
-from . import dispatch, inputs, plan, shards
-from .backend import Backend, Call, Request, SavedState
+from . import dispatch, head, inputs, plan, second_order, shards
+from .backend import Backend, Call, Request, SavedState, meets_layout
 from .errors import UnknownBackend
-from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
+from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec, normalize_options
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
@@ -25,7 +29,7 @@ class _Prepared:
     """A call after local validation and the metadata gather: what selection and the run need."""
 
     __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
-                 "forced", "forced_by", "metadata")
+                 "forced", "forced_by", "heads", "metadata")
 
 
 def _local_checks(spec: OpSpec, inputs, index, options) -> None:
@@ -87,9 +91,11 @@ def _local_checks(spec: OpSpec, inputs, index, options) -> None:
 
 
 def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim: int) -> str:
-    parts = [spec.name, f"topk={int(topk)}", f"k={index.shape[-1] if topk else 0}",
-             f"grad={needs_grad}", f"mask={options.get('mask') is not None}",
-             f"labels={options.get('labels') is not None}", f"ndim={lead_ndim}"]
+    """``name=value|...`` of everything about a call that every rank must agree on (beyond the
+    shapes and dtypes gathered on their own); shown per option when ranks disagree."""
+    parts = [f"op={spec.name}", f"top-k size={index.shape[-1] if topk else 0}",
+             f"requires_grad={needs_grad}", f"mask={options.get('mask') is not None}",
+             f"labels={options.get('labels') is not None}", f"leading dims={lead_ndim}"]
     for name in sorted(options):
         if name in ("tp_group", "mask", "labels", "backend", "vocab_start", "vocab_end", "global_vocab_size"):
             continue  # compared elsewhere, or per rank by nature
@@ -127,93 +133,122 @@ class Traced:
         self.needs_grad, self.forced, self.forced_by = needs_grad, forced, forced_by
 
 
-def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None,
-             traced: Traced | None = None) -> _Prepared:
-    """Local checks, the metadata gather (skipped when ``table`` is this call's gathered
-    table already) and the checks of the gathered table."""
+def _local(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | None = None) -> _Prepared:
+    """Everything this rank can check and look up on its own; raises on a bad call."""
     spec = get_spec(op)
     _check_arguments(op, tensors, given)
     options = {**_DEFAULTS[spec.name], **given}
+    normalize_options(options, given)
     inputs = tuple(tensors[: len(spec.inputs)])
     index = tensors[len(spec.inputs)] if spec.index else None
-    group = options["tp_group"]
 
     p = _Prepared()
-    p.spec, p.options = spec, options
-    error, detail = 0, ""
-    try:
-        _local_checks(spec, inputs, index, options)
-    except (TypeError, ValueError) as exc:
-        error, detail = (3 if isinstance(exc, TypeError) else 1), str(exc)
-    ok = error == 0
-    logits = inputs[0] if ok else None
-    p.lead = tuple(logits.shape[:-1]) if ok else ()
-    p.topk = bool(ok and spec.name == "logprobs" and index.dim() == len(p.lead) + 1)
+    p.spec, p.options, p.index = spec, options, index
+    # Head inputs (vtp_runtime/head.py) are checked and validated through logits stand-ins
+    p.heads, inputs = head.stand_ins(inputs, spec.inputs)
+    _local_checks(spec, inputs, index, options)
+    p.inputs = inputs
+    p.lead = tuple(inputs[0].shape[:-1])
+    p.topk = spec.name == "logprobs" and index.dim() == len(p.lead) + 1
     grad_on = torch.is_grad_enabled()
-    p.needs_grad = tuple(bool(grad_on and t.requires_grad) for t in inputs) if ok else ()
-    if traced is not None and ok:
-        p.needs_grad = traced.needs_grad
-
-    if traced is None:
-        forced, forced_by = dispatch.forced_backend(spec.name, options["backend"])
-    else:
-        forced, forced_by = traced.forced, traced.forced_by
-    registered = REGISTRY.backends()
-    if forced is not None and forced not in registered and not error:
-        error, detail = 5, (f"unknown backend {forced!r} (from {forced_by}); registered backends: "
-                            f"{', '.join(sorted(registered))}")
-    device = logits.device if ok else torch.device("cpu")
-    p.metadata = None
-    if shards.group_size(group) == 1:  # the hot path of single-device training: no gather
-        if error:
-            raise {3: TypeError, 5: UnknownBackend}.get(error, ValueError)(detail)
-        layout = shards.single_rank_layout(logits.shape[-1], options["vocab_start"],
-                                           options["global_vocab_size"], math.prod(p.lead))
-    else:
-        local = shards.LocalCall(
-            op=spec.name,
-            v_local=logits.shape[-1] if ok else 0,
-            vocab_start=options["vocab_start"] if ok else None,
-            vocab_end=options["vocab_end"] if ok else None,
-            global_vocab_size=options["global_vocab_size"] if ok else None,
-            num_tokens=math.prod(p.lead) if ok else 0,
-            dtype=logits.dtype if ok else torch.float32,
-            device_type=device.type,
-            options_fingerprint=(_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead))
-                                 + ("|compiled" if traced is not None else "")) if ok else "",
-            forced=forced,
-            available=dispatch.local_availability(device.type),
-            error=error,
-            error_detail=detail,
-        )
-        row = shards.pack(local, group, device)
-        if table is None:
-            table = shards.gather(row, group)
-        layout = shards.validate(table, local, group)
-        p.metadata = (row, table, local)
-    p.layout = layout
-    p.inputs, p.index = inputs, index
-    p.request = Request(
-        op=spec.name, device_type=device.type, dtype=logits.dtype, tp_size=layout.tp_size,
-        vocab_size=layout.vocab_size, num_tokens=layout.num_tokens, even_shards=layout.even_shards,
-        empty_shard=0 in layout.sizes,
-        features=features_of(spec.name, options, topk=p.topk,
-                             teacher_grad=len(inputs) == 2 and p.needs_grad[1]),
-        compiled=traced is not None)
-    p.forced, p.forced_by = forced, forced_by
+    p.needs_grad = tuple(grad_on and t.requires_grad for t in inputs)
+    p.forced, p.forced_by = dispatch.forced_backend(spec.name, options["backend"])
+    if traced is not None:
+        p.needs_grad, p.forced, p.forced_by = traced.needs_grad, traced.forced, traced.forced_by
+    registered = REGISTRY.backends()  # under VTP_STRICT_PLUGINS=1, a plugin that failed raises here
+    if p.forced is not None and p.forced not in registered:
+        raise UnknownBackend(f"unknown backend {p.forced!r} (from {p.forced_by}); registered backends: "
+                             f"{', '.join(sorted(registered))}")
     return p
 
 
-def _rows(t: Tensor, n: int, backend: Backend) -> Tensor:
-    """``[..., V]`` as ``[N, V]`` rows, a view where strides allow. A backend that takes
-    strided rows gets a 3-D view (e.g. ``logits[:, :-1]``) instead of a copy."""
-    v = t.shape[-1]
+def _local_call(p: _Prepared, compiled: bool) -> shards.LocalCall:
+    """This rank's part of the metadata gather."""
+    logits, options = p.inputs[0], p.options
+    device = logits.device
+    checksums = None
+    if shards.check_enabled():
+        normalizer = options["normalizer"]
+        checksums = shards.checksums(p.index if p.spec.index else options["labels"], options.get("mask"),
+                                     normalizer if isinstance(normalizer, Tensor) else None, device)
+    return shards.LocalCall(
+        op=p.spec.name, v_local=logits.shape[-1], vocab_start=options["vocab_start"],
+        vocab_end=options["vocab_end"], global_vocab_size=options["global_vocab_size"],
+        num_tokens=math.prod(p.lead), dtype=logits.dtype, device_type=device.type,
+        options_fingerprint=(_fingerprint(p.spec, options, p.index, p.topk, p.needs_grad, len(p.lead))
+                             + head.fingerprint(p.heads) + ("|torch.compile=True" if compiled else "")),
+        forced=p.forced, forced_by=p.forced_by, available=dispatch.local_availability(device.type),
+        checksums=checksums)
+
+
+def _device_of(tensors: tuple) -> torch.device | None:
+    first = tensors[0] if tensors else None
+    return first.device if isinstance(first, Tensor) else None
+
+
+def _gather(op: str, tensors: tuple, given: dict[str, Any], group, table: list[list[int]] | None,
+            traced: Traced | None) -> tuple[_Prepared, shards.Layout]:
+    """``_local``, then the metadata gather and its checks. Any local failure, of any type,
+    travels through the gather as a flag instead of being raised before it (which would leave
+    the other ranks waiting in the gather forever); then every rank raises, this one its own
+    exception. ``table``: this call's table, gathered already (by a planned call whose
+    gathered table was not the planned one)."""
+    p = local = failure = None
     try:
-        return t.view(n, v)
-    except RuntimeError:
-        if backend.takes_strided_rows and t.dim() == 3 and t.stride(-1) == 1:
-            return t
-        return t.reshape(n, v)
+        p = _local(op, tensors, given, traced)
+        local = _local_call(p, traced is not None)
+        row = shards.pack(local, group, p.inputs[0].device)
+    except Exception as exc:  # whatever it is, every rank must still reach the gather
+        failure, row = exc, shards.pack_failure(group, _device_of(tensors))
+    if table is None:
+        table = shards.gather(row, group)
+    layout = shards.validate(table, local, group, row.device, failure)
+    if local.checksums is None:
+        p.metadata = (row, table)
+    else:  # a plan gathers again without this call's checksums (see _planned); no table matches it
+        p.metadata = (shards.pack(dataclasses.replace(local, checksums=None), group, row.device), None)
+    return p, layout
+
+
+def _request(p: _Prepared, tp_size: int, vocab_size: int, num_tokens: int, even_shards: bool,
+             empty_shard: bool, compiled: bool = False) -> Request:
+    logits = p.inputs[0]
+    return Request(
+        op=p.spec.name, device_type=logits.device.type, dtype=logits.dtype, tp_size=tp_size,
+        vocab_size=vocab_size, num_tokens=num_tokens, even_shards=even_shards, empty_shard=empty_shard,
+        features=features_of(p.spec.name, p.options, topk=p.topk,
+                             teacher_grad=len(p.inputs) == 2 and p.needs_grad[1]),
+        head_inputs=p.heads is not None, head_per_token=p.heads is not None and p.options["reduction"] == "none",
+        compiled=compiled)
+
+
+def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None,
+             traced: Traced | None = None) -> _Prepared:
+    group = given.get("tp_group")
+    if shards.group_size(group) == 1:  # the hot path of single-device training: no gather
+        p = _local(op, tensors, given, traced)
+        layout = shards.single_rank_layout(p.inputs[0].shape[-1], p.options["vocab_start"],
+                                           p.options["global_vocab_size"], math.prod(p.lead))
+        p.metadata = None
+    else:
+        p, layout = _gather(op, tensors, given, group, table, traced)
+    p.layout = layout
+    p.request = _request(p, layout.tp_size, layout.vocab_size, layout.num_tokens, layout.even_shards,
+                         0 in layout.sizes, compiled=traced is not None)
+    return p
+
+
+def _rows(t: Tensor, n: int, layout: str) -> Tensor:
+    """``[..., V]`` in the backend's declared ``input_layout``: a view of ``t`` (``[N, V]``,
+    or ``t`` itself as ``[A, B, V]`` where the layout allows it) when one fits, else a
+    contiguous ``[N, V]`` copy. The only copy of the inputs the core makes."""
+    try:
+        rows = t.view(n, t.shape[-1])
+    except RuntimeError:  # the leading dims have no single stride, e.g. logits[:, :-1]
+        rows = t
+    if meets_layout(rows, layout):
+        return rows
+    return t.contiguous().view(n, t.shape[-1])
 
 
 class _VocabParallelFunction(torch.autograd.Function):
@@ -221,18 +256,21 @@ class _VocabParallelFunction(torch.autograd.Function):
     def forward(ctx, backend: Backend, call: Call, index, mask, *inputs):
         values, state = backend.forward(call, inputs, index, mask)
         ctx.backend, ctx.call, ctx.state_type = backend, call, _state_type(backend, state)
-        if state is not None:
-            ctx.save_for_backward(*state.tensors())
+        saved = () if state is None else state.tensors()
+        ctx.save_for_backward(*saved)
+        ctx.links = second_order.graph_links(inputs, saved)
         return values
 
     @staticmethod
     def backward(ctx, grad):
-        # With create_graph=True (grad mode on here) the gradient is not itself differentiable:
-        # once_differentiable makes a double backward raise instead of returning a wrong
-        # second-order term. It costs tens of µs, so the usual backward skips it.
-        if torch.is_grad_enabled():
-            return _backward_once(ctx, grad)
-        return _backward(ctx, grad)
+        if not torch.is_grad_enabled():
+            return _backward(ctx, grad)
+        # create_graph=True: the gradient is computed as usual, but it is not differentiable
+        # (no backend computes second order), so differentiating it must raise
+        with torch.no_grad():
+            grads = _backward(ctx, grad)
+        links = (*ctx.saved_tensors, *ctx.links, grad)
+        return (None, None, None, None, *second_order.refuse(ctx.call.op, grads[4:], links))
 
 
 def _backward(ctx, grad):
@@ -250,15 +288,12 @@ def _state_type(backend: Backend, state) -> type[SavedState] | None:
     return type(state)
 
 
-_backward_once = torch.autograd.function.once_differentiable(_backward)
-
-
 class _Plan:
     """What every call with one signature shares (see ``vtp_runtime.plan``): the backend,
     the ``Call`` it gets, and how the per-call tensors are shaped around it."""
 
     __slots__ = ("spec", "backend", "call", "n", "n_inputs", "out_shape", "topk", "ignore_index", "metadata",
-                 "state_type")
+                 "state_type", "heads", "stand_ins", "max_v_local")
 
 
 def _make_plan(p: _Prepared) -> _Plan:
@@ -273,15 +308,17 @@ def _make_plan(p: _Prepared) -> _Plan:
                      needs_grad=p.needs_grad, topk=p.topk)
     made.topk, made.metadata, made.state_type = p.topk, p.metadata, None
     made.ignore_index = options.get("ignore_index", -100)
-    # the backend returns [N] (or [N, k]); a view back to the leading dims only where they differ
+    # the backend returns [N] (or [N, k]); a view back to the leading dims only where they
+    # differ (lead is () for 1-D logits: one token)
     made.out_shape = None if len(p.lead) == 1 else p.lead + ((p.index.shape[-1],) if p.topk else ())
+    # Head inputs (never planned: see plan.signature) run through head.run_call
+    made.heads, made.stand_ins, made.max_v_local = p.heads, p.inputs, max(layout.sizes)
     return made
 
 
 def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor:
     """Run a planned call on this call's tensors; ``options`` as given (defaults may be absent)."""
     spec, n, backend = made.spec, made.n, made.backend
-    inputs = tuple(_rows(t, n, backend) for t in tensors[:made.n_inputs])
     index = mask = None
     if spec.index:
         index = tensors[made.n_inputs]
@@ -294,7 +331,12 @@ def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor:
         if labels is not None:
             keep = labels.reshape(n) != made.ignore_index
             mask = keep if mask is None else mask & keep
-    values = _VocabParallelFunction.apply(backend, made.call, index, mask, *inputs)
+    if made.heads is not None:
+        values = head.run_call(backend, made.call, made.heads, made.stand_ins, index, mask,
+                               options.get("reduction", "none"), made.max_v_local)
+    else:
+        rows = tuple(_rows(t, n, backend.input_layout) for t in tensors[:made.n_inputs])
+        values = _VocabParallelFunction.apply(backend, made.call, index, mask, *rows)
     if made.out_shape is not None:
         values = values.view(made.out_shape)
     return _reduce(values, options, index, mask, made.ignore_index)
@@ -325,9 +367,9 @@ def _planned(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | No
     if found is not None:
         if found.metadata is None:  # a single rank: nothing to agree on
             return found
-        row, planned_table, _ = found.metadata
+        row, planned_table = found.metadata
         mode = plan.metadata_mode(row.device.type == "cpu")
-        if mode == "cached":
+        if mode == "once":
             return found
         if mode == "gather":  # on the host: every rank gathers once per call, whatever it holds
             table = shards.gather(row, found.call.group)
@@ -348,6 +390,8 @@ def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
     if normalizer is not None:
         if isinstance(normalizer, torch.Tensor):
             normalizer = normalizer.to(device=total.device, dtype=total.dtype).reshape(())
+            # not read on the host (no sync): a count that is not finite and > 0 gives NaN
+            normalizer = torch.where((normalizer > 0) & (normalizer < math.inf), normalizer, math.nan)
         elif not 0 < normalizer < math.inf:
             # a planned call reuses the checks of its signature; a number normalizer is per-call
             # data, checked here, after the backend's collectives, so that a rank raising alone
@@ -373,10 +417,11 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     """Compute ``op`` on vocabulary-sharded logits; see the typed helpers for each op.
 
     ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
-    each rank passing its local ``[..., V_local]`` shard. The result is fp32 (fp64 for fp64
-    inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for top-k log-probs) or a scalar when
-    reduced, and identical on every rank of ``tp_group``. DTensor logits give a DTensor
-    result on their mesh (see ``vtp_runtime.inputs``).
+    each rank passing its local ``[..., V_local]`` shard, or a ``vtp.Head`` standing for it
+    (``hidden @ weight_shard.T + bias``, never formed in full; see ``vtp_runtime/head.py``).
+    The result is fp32 (fp64 for fp64 inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for
+    top-k log-probs) or a scalar when reduced, and identical on every rank of ``tp_group``.
+    DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
     """
     if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
         from .library import traced_loss
@@ -386,12 +431,33 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     return out if wrap is None else wrap(out)
 
 
-def explain(op: str, *tensors: Tensor, **options: Any) -> dispatch.Explanation:
+def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> dispatch.Explanation:
     """Which backend ``loss(op, *tensors, **options)`` would use and why not the others.
-    A collective call like ``loss``: every rank of ``tp_group`` must call it."""
+
+    By default this rank's view, with no communication, so it may be called on one rank only
+    (``if rank == 0: print(vtp.explain(...))``): the other ranks' shards are assumed to be like
+    this one's (rank order, equal sizes) unless ``global_vocab_size`` or ``vocab_start`` say
+    otherwise, and their backends like this rank's. ``gather=True`` gathers the metadata as
+    ``loss`` does and gives the verdict of the real call, the same on every rank: then, like
+    ``loss``, every rank of ``tp_group`` must call it.
+    """
     tensors, options, _ = inputs.normalize(op, tensors, options)
-    p = _prepare(op, tensors, options)
-    return dispatch.explain_request(p.request, p.layout, p.forced, p.forced_by)
+    group = options.get("tp_group")
+    world = shards.group_size(group)
+    if gather or world == 1:
+        p = _prepare(op, tensors, options)
+        return dispatch.explain_request(p.request, p.layout, p.forced, p.forced_by)
+    p = _local(op, tensors, options)
+    v_local, rank = p.inputs[0].shape[-1], shards.group_rank(group)
+    start, given = p.options["vocab_start"], p.options["global_vocab_size"]
+    vocab_size = v_local * world if given is None else given
+    even = vocab_size == v_local * world and start in (None, rank * v_local)
+    request = _request(p, world, vocab_size, math.prod(p.lead), even, v_local == 0)
+    ex = dispatch.explain_request(request, None, p.forced, p.forced_by)
+    ex.view = (f"this rank's view: rank {rank} of {world}, other ranks assumed alike "
+               f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
+               f"checks them all")
+    return ex
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,

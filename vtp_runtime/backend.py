@@ -9,8 +9,9 @@ the local vocabulary size (uneven shards would deadlock otherwise).
 Contract of ``forward(call, inputs, index, mask)``:
 
 - ``inputs``: one (``cross_entropy``, ``logprobs``, ``entropy``) or two (``kl``, ``jsd``:
-  student, teacher) floating tensors of shape ``[N, V_local]`` (the last dim has stride 1;
-  rows may be strided). ``V_local`` may be 0 and ``N`` may be 0.
+  student, teacher) floating tensors of shape ``[N, V_local]``, in the memory layout the
+  backend declares with ``Backend.input_layout`` (``INPUT_LAYOUTS``; the core copies an
+  input only when it is not in that layout). ``V_local`` may be 0 and ``N`` may be 0.
 - ``index``: int64 ``[N]`` labels (``cross_entropy``), ``[N]`` or ``[N, k]`` (``logprobs``)
   holding **global** vocabulary ids or ``call.options["ignore_index"]``; else None.
 - ``mask``: bool ``[N]`` (True = keep) for ``entropy``/``kl``/``jsd``, already combined with
@@ -28,6 +29,13 @@ return one gradient per input (shape and dtype of that input) or None where
 ``call.needs_grad`` is False. No collectives: every rank back-propagates the same values.
 ``state``'s tensors must not be modified, so a second backward through a retained graph is
 right.
+Backward runs without building a graph: the core makes differentiating its result (a
+gradient penalty after ``create_graph=True``) raise, so no backend computes second order.
+
+Head inputs (``vtp.Head``, ``OpCapability(head_inputs=True)``): the core's driver in
+``vtp_runtime/head.py`` calls ``forward``/``head_backward`` once per token chunk on logits it
+computes into a reused buffer, so ``state`` must refer to the input tensors themselves (the
+driver refills the buffer before backward); ``head_driver`` may take over the whole call.
 """
 
 from __future__ import annotations
@@ -44,6 +52,30 @@ from .ops import FEATURES, OPS
 ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
 LOW_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
+# The memory layouts a backend can declare for its inputs (``Backend.input_layout``).
+INPUT_LAYOUTS = {
+    "contiguous": "[N, V_local], contiguous",
+    "unit_vocab_stride": "[N, V_local], stride 1 on the vocabulary dim, rows of any stride (0 too)",
+    "unit_vocab_stride_3d": "as unit_vocab_stride, or a 3-D [A, B, V_local] view whose rows have no single "
+                            "stride (e.g. logits[:, :-1]), stride 1 on the vocabulary dim",
+    "any": "[N, V_local] of any strides",
+}
+
+
+def meets_layout(t: torch.Tensor, layout: str) -> bool:
+    """Whether ``t`` is in ``layout`` (a key of ``INPUT_LAYOUTS``). A tensor with no elements,
+    or at most one vocabulary column, has no vocabulary stride to get wrong."""
+    if layout == "any":
+        return t.dim() == 2
+    if layout == "contiguous":
+        return t.dim() == 2 and t.is_contiguous()
+    unit = t.shape[-1] <= 1 or t.stride(-1) == 1 or t.numel() == 0
+    if layout == "unit_vocab_stride":
+        return t.dim() == 2 and unit
+    if layout == "unit_vocab_stride_3d":
+        return t.dim() in (2, 3) and unit
+    raise ValueError(f"unknown input layout {layout!r}; the layouts: {', '.join(INPUT_LAYOUTS)}")
+
 
 @dataclass(frozen=True)
 class OpCapability:
@@ -59,6 +91,12 @@ class OpCapability:
     # a second backward through a retained graph gives the same gradient (True), or raises a
     # RuntimeError saying why (False: e.g. a kernel that overwrites what it saved)
     repeat_backward: bool = True
+    # takes ``vtp_runtime.Head`` inputs (the fused linear head, vtp_runtime/head.py); kept
+    # apart from ``features``: it is a form of input, not an option of the op
+    head_inputs: bool = False
+    # with Head inputs, also a per-token result (reduction="none"), whose gradients need the
+    # per-token upstream gradient in backward; False: only sum/mean (gradients in forward)
+    head_per_token: bool = True
     # runs inside a torch.compile'd graph: its SavedState implements statistics() and
     # from_statistics(), so the state is the op's inputs plus one [N, W] statistics tensor
     compiled: bool = False
@@ -82,6 +120,8 @@ class Request:
     even_shards: bool
     empty_shard: bool  # some rank holds V_local = 0
     features: frozenset[str] = frozenset()
+    head_inputs: bool = False  # some input is a vtp_runtime.Head
+    head_per_token: bool = False  # ... and the result is per token (reduction="none")
     compiled: bool = False  # called from a torch.compile'd graph (vtp_runtime.library)
 
 
@@ -185,14 +225,15 @@ class Backend:
     """Base class of every backend. Subclasses set ``name``, ``priority`` and ``ops``.
 
     Higher priority wins. The built-in ones: eager 0, liger 10, triton 20, triton_xpu 20.
-    ``takes_strided_rows``: if True the core may pass inputs whose rows are not evenly
-    strided as ``[A, B, V_local]`` views instead of copying them to ``[N, V_local]``.
+    ``input_layout`` (a key of ``INPUT_LAYOUTS``) is the memory layout ``forward`` accepts
+    for its inputs: the core passes a view of the caller's tensor when one is in that
+    layout, and a contiguous ``[N, V_local]`` copy otherwise.
     """
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     ops: ClassVar[Mapping[str, OpCapability]]
-    takes_strided_rows: ClassVar[bool] = False
+    input_layout: ClassVar[str] = "unit_vocab_stride"
 
     # -- environment -------------------------------------------------------------------
     def probe(self, device_type: str) -> list[str]:
@@ -234,6 +275,10 @@ class Backend:
             out.append("cannot handle zero tokens")
         for feature in sorted(request.features - cap.features):
             out.append(f"does not support {feature}")
+        if request.head_inputs and not cap.head_inputs:
+            out.append("head inputs not supported (pass logits, or force a backend that takes vtp.Head)")
+        elif request.head_per_token and not cap.head_per_token:
+            out.append("head inputs with a per-token result not supported (use reduction='sum' or 'mean')")
         if request.compiled and not cap.compiled:
             out.append("cannot run inside torch.compile (its saved state is not the op's inputs plus "
                        "fixed-width statistics: OpCapability(compiled=False))")
@@ -252,6 +297,21 @@ class Backend:
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
 
+    # -- the fused head (vtp_runtime/head.py), for backends declaring head_inputs --------
+    def head_driver(self, call: Call):
+        """A ``vtp_runtime.head.HeadDriver`` that runs a call with Head inputs its own way
+        (e.g. a library's fused linear cross entropy), or None for the generic token-chunk
+        driver, which calls ``forward``/``head_backward`` on each chunk's logits."""
+        return None
+
+    def head_backward(self, call: Call, state: SavedState | None, grad: torch.Tensor,
+                      scratch: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        """``backward`` of one token chunk under the generic head driver. ``scratch[i]``:
+        input i is a logits buffer the driver owns and refills before any later use, so
+        its gradient may be written into it in place (one ``[rows, V_local]`` buffer less).
+        The default calls ``backward``."""
+        return self.backward(call, state, grad)
+
 
 def check_backend(backend: Backend) -> None:
     """Validate a backend at registration time (fail early, not at call time)."""
@@ -260,6 +320,9 @@ def check_backend(backend: Backend) -> None:
         raise ValueError(f"backend name must be a lowercase identifier, got {name!r}")
     if not isinstance(backend.priority, int):
         raise ValueError(f"backend {name!r}: priority must be an int")
+    if not isinstance(backend.input_layout, str) or backend.input_layout not in INPUT_LAYOUTS:
+        raise ValueError(f"backend {name!r}: input_layout must be one of {', '.join(INPUT_LAYOUTS)}, "
+                         f"got {backend.input_layout!r}")
     ops = getattr(backend, "ops", None)
     if not isinstance(ops, Mapping) or not ops:
         raise ValueError(f"backend {name!r}: ops must be a non-empty mapping op -> OpCapability")

@@ -15,9 +15,9 @@ and the two would wait for each other forever. Every rank holds the same number 
 and drops them at the same moments (on a count, never on time or memory), so the ranks hit
 and miss together as long as their signatures change together: in a program where every
 rank makes the same calls, each rank's signature changes exactly when the call does. What
-this mode cannot see is a change on some ranks only after a signature was planned (see
-``docs/guide.md``, "No host sync"); ``VTP_CHECK=1`` gathers and checks on every call
-instead.
+this cannot see is a change on some ranks only after a signature was planned (see
+``docs/guide.md``, "No host sync"); on a group with a CPU transport every call still
+gathers on the host (no device sync), and ``VTP_CHECK=1`` checks every call in full.
 """
 
 from __future__ import annotations
@@ -48,15 +48,17 @@ def metadata_mode(host_transport: bool) -> str:
       ``cpu:gloo,cuda:nccl``): every call gathers the planned metadata row on the host --
       no device sync -- and runs the plan only if the gathered table is the planned one;
       anything else is checked in full. Every rank gathers exactly once per call.
-    - ``"cached"`` (the default on a device-only group such as plain NCCL, or
-      ``VTP_CHECK=0``): no gather; the plan is reused as it is.
+    - ``"once"`` (the default on a device-only group such as plain NCCL, or
+      ``VTP_CHECK=once``): no gather; the plan is reused as it is.
+
+    Every rank of a group must run in the same mode (set ``VTP_CHECK`` alike everywhere).
     """
     value = os.environ.get("VTP_CHECK", "").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return "check"
-    if value in ("0", "false", "no", "off"):
-        return "cached"
-    return "gather" if host_transport else "cached"
+    if value == "once":
+        return "once"
+    return "gather" if host_transport else "once"
 
 
 def signature(op: str, tensors: tuple, given: dict[str, Any], forced: tuple, registry_version: int,

@@ -132,8 +132,12 @@ class PairState(SavedState):
 class EagerBackend(Backend):
     name = "eager"
     priority = 0
-    # every op with every feature that applies to it, on any device, in every dtype
-    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features), compiled=True)
+    input_layout = "any"  # torch ops take any strides: never a copy of a viewable input
+    # every op with every feature that applies to it, on any device, in every dtype, from logits
+    # or from vtp.Head inputs (the core's token-chunk driver computes each chunk's logits), and
+    # inside torch.compile
+    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features),
+                            head_inputs=True, compiled=True)
            for op, spec in OPS.items()}
 
     def forward(self, call, inputs, index, mask):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
+from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState, meets_layout
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import OPS, kl_direction
 
@@ -124,9 +124,10 @@ def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
-    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16."""
+    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16,
+    from logits or from ``vtp.Head`` inputs."""
     return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features),
-                             compiled=True)
+                             head_inputs=True, compiled=True)
             for op, spec in OPS.items()}
 
 
@@ -140,7 +141,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
-    """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``."""
+    """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``.
+    The kernels read columns at unit stride: anything else is refused here, never misread."""
+    if not meets_layout(z, TritonBackend.input_layout):
+        raise RuntimeError(f"triton kernels need inputs [N, V_local] or [A, B, V_local] with stride 1 on the "
+                           f"vocabulary dim; got shape {tuple(z.shape)} with strides {z.stride()}. The core "
+                           f"copies inputs into the declared input_layout; callers of forward() must too.")
     if z.dim() == 2:
         return max(z.shape[0], 1), 0, z.stride(0)
     a, b, _ = z.shape
@@ -170,7 +176,9 @@ class TritonBackend(Backend):
 
     name = "triton"
     priority = 20
-    takes_strided_rows = True
+    # a causal-shift view logits[:, :-1] reaches the kernels uncopied; a vocabulary stride
+    # other than 1 is copied by the core (strided column loads would not coalesce anyway)
+    input_layout = "unit_vocab_stride_3d"
     ops = capabilities(frozenset({"cuda", "cpu"}))
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
@@ -213,12 +221,18 @@ class TritonBackend(Backend):
         return self._forward_jsd(call, inputs, mask, call.options["beta"])
 
     def backward(self, call, state, grad):
+        return self.head_backward(call, state, grad, (False, False))
+
+    def head_backward(self, call, state, grad, scratch):
+        """Under the fused head the kernels write each gradient over its logits buffer: every
+        program reads a tile of the inputs before it writes that tile, and nothing else reads
+        it later (the statistics are saved apart)."""
         if call.op in _ONE_INPUT_KIND:
-            return self._backward1(call, state, grad)
+            return self._backward1(call, state, grad, in_place=scratch[0])
         reverse = kl_direction(call.op, call.options)
         if reverse is not None:
-            return self._backward2(call, state, grad, layout.KL, reverse)
-        return self._backward2(call, state, grad, layout.JSD, False)
+            return self._backward2(call, state, grad, layout.KL, reverse, scratch)
+        return self._backward2(call, state, grad, layout.JSD, False, scratch)
 
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
         opts = call.options
@@ -274,12 +288,8 @@ class TritonBackend(Backend):
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
         student, teacher = inputs
         a, b = (student, teacher) if reverse else (teacher, student)
-        n, v_local = _num_rows(a), a.shape[-1]
-        dev = a.device
-        keep = _keep(mask)
-        values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, layout.KL_STATS), dtype=torch.float32, device=dev)
-        state = PairState(student, teacher, stats, keep)
+        values, state = _pair_outputs(student, teacher, mask, layout.KL_STATS)
+        n, v_local, keep, stats, dev = values.shape[0], a.shape[-1], state.keep, state.stats, a.device
         if n == 0:
             return values, state
         k = _kernels()
@@ -309,12 +319,8 @@ class TritonBackend(Backend):
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
         student, teacher = inputs
-        n, v_local = _num_rows(student), student.shape[-1]
-        dev = student.device
-        keep = _keep(mask)
-        values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, layout.JSD_STATS), dtype=torch.float32, device=dev)
-        state = PairState(student, teacher, stats, keep)
+        values, state = _pair_outputs(student, teacher, mask, layout.JSD_STATS)
+        n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
         if n == 0:
             return values, state
         k = _kernels()
@@ -361,14 +367,14 @@ class TritonBackend(Backend):
         splits = max(1, min(_cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
         return splits, _chunk(v_local, splits, cfg.block_bwd)
 
-    def _backward1(self, call: Call, state: OneInputState, grad):
+    def _backward1(self, call: Call, state: OneInputState, grad, in_place: bool = False):
         opts = call.options
         kind = _ONE_INPUT_KIND[call.op]
         z, idx, stats, keep = state.logits, state.index, state.stats, state.keep
         if not call.needs_grad[0]:
             return (None,)
         n, v_local = _num_rows(z), z.shape[-1]
-        dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        dz = z if in_place else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         if n == 0 or v_local == 0:
             return (dz,)
         k = _kernels()
@@ -389,16 +395,19 @@ class TritonBackend(Backend):
             num_warps=cfg.warps_bwd)
         return (dz,)
 
-    def _backward2(self, call: Call, state: PairState, grad, kind: int, reverse: bool):
+    def _backward2(self, call: Call, state: PairState, grad, kind: int, reverse: bool,
+                   scratch: tuple[bool, bool] = (False, False)):
         student, teacher, stats, keep = state.student, state.teacher, state.stats, state.keep
         need_s, need_t = call.needs_grad
         # KL(A || B): forward A = teacher, reverse A = student; JSD: a = student, b = teacher
         if kind == layout.KL and not reverse:
             a, b, need_a, need_b = teacher, student, need_t, need_s
+            in_place_a, in_place_b = scratch[1], scratch[0]
         else:
             a, b, need_a, need_b = student, teacher, need_s, need_t
-        da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
-        db = torch.empty(b.shape, dtype=b.dtype, device=b.device) if need_b else None
+            in_place_a, in_place_b = scratch
+        da = (a if in_place_a else torch.empty(a.shape, dtype=a.dtype, device=a.device)) if need_a else None
+        db = (b if in_place_b else torch.empty(b.shape, dtype=b.dtype, device=b.device)) if need_b else None
         n, v_local = _num_rows(a), a.shape[-1]
         if (need_a or need_b) and n > 0 and v_local > 0:
             k = _kernels()
@@ -419,6 +428,16 @@ class TritonBackend(Backend):
         if kind == layout.KL and not reverse:
             return db, da
         return da, db
+
+
+def _pair_outputs(student: torch.Tensor, teacher: torch.Tensor, mask, n_stats: int) -> tuple[torch.Tensor, PairState]:
+    """kl/jsd: the values ``[N]`` to fill, and the state holding the ``[N, n_stats]`` statistics
+    to fill and the mask as uint8 (what the kernels read)."""
+    n, dev = _num_rows(student), student.device
+    keep = _keep(mask)
+    values = torch.empty((n,), dtype=torch.float32, device=dev)
+    stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
+    return values, PairState(student, teacher, stats, keep)
 
 
 def _num_rows(z: torch.Tensor) -> int:
