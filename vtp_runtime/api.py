@@ -243,8 +243,22 @@ def _run(p: _Prepared) -> Tensor:
                 vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
                 needs_grad=p.needs_grad, topk=p.topk)
     values = _VocabParallelFunction.apply(backend, call, index, mask, *inputs)
+    if options.get("return_entropy"):
+        return _logprobs_and_entropy(values, p.lead, p.topk, index, options, ignore_index)
     values = values.view(*p.lead, *values.shape[1:])
     return _reduce(values, options, index, mask, ignore_index)
+
+
+def _logprobs_and_entropy(values: Tensor, lead: tuple, topk: bool, index: Tensor, options,
+                          ignore_index: int) -> tuple[Tensor, Tensor]:
+    """``logprobs`` with ``return_entropy``: the backend's ``[N, k + 1]`` values split into the
+    log-probs and the entropy, each reduced by the same rules. For ``reduction="mean"`` an
+    entropy counts where some entry of its token's index is not ``ignore_index``."""
+    lp, h = values[:, :-1], values[:, -1]
+    lp = lp.reshape(*lead, lp.shape[1]) if topk else lp.reshape(lead)
+    kept = (index != ignore_index).any(1) if topk else index != ignore_index
+    return (_reduce(lp, options, index, None, ignore_index),
+            _reduce(h.reshape(lead), options, None, kept, ignore_index))
 
 
 def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
@@ -276,11 +290,14 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     each rank passing its local ``[..., V_local]`` shard. The result is fp32 (fp64 for fp64
     inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for top-k log-probs) or a scalar when
     reduced, and identical on every rank of ``tp_group``. DTensor logits give a DTensor
-    result on their mesh (see ``vtp_runtime.inputs``).
+    result on their mesh (see ``vtp_runtime.inputs``). ``logprobs`` with
+    ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
     """
     tensors, options, wrap = inputs.normalize(op, tensors, options)
     out = _run(_prepare(op, tensors, options))
-    return out if wrap is None else wrap(out)
+    if wrap is None:
+        return out
+    return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
 
 def explain(op: str, *tensors: Tensor, **options: Any) -> dispatch.Explanation:
@@ -302,10 +319,21 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
                 label_smoothing=label_smoothing, z_loss=z_loss, **options)
 
 
-def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, **options: Any) -> Tensor:
-    """``log softmax(logits / T)`` at global vocabulary ids ``index``: shaped like
-    ``logits.shape[:-1]`` or with a trailing top-k dimension."""
-    return loss("logprobs", logits, index, ignore_index=ignore_index, **options)
+def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, return_entropy: bool = False,
+             **options: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """``log softmax(logits / T)`` at global vocabulary ids ``index`` (int, ``[...]`` or
+    ``[..., k]``): shaped like ``logits.shape[:-1]`` or with a trailing top-k dimension;
+    entries equal to ``ignore_index`` give 0.
+
+    ``return_entropy=True`` returns ``(logprobs, entropy)`` from one read of the logits,
+    ``entropy = -sum p log p`` of ``softmax(logits / T)`` shaped ``logits.shape[:-1]``, both
+    differentiable (e.g. ``(lp * adv).sum() + c * ent.sum()``). A token's entropy is 0 when
+    every entry of its index is ``ignore_index`` (the one entry of an ``[...]`` index, all k
+    of an ``[..., k]`` one). ``reduction`` and ``normalizer`` apply to both outputs alike:
+    ``"sum"`` sums each, ``normalizer`` divides each; ``"mean"`` divides the log-probs by
+    their count of non-ignored entries and the entropy by its count of unmasked tokens.
+    Both are replicated on every rank of ``tp_group``."""
+    return loss("logprobs", logits, index, ignore_index=ignore_index, return_entropy=return_entropy, **options)
 
 
 def entropy(logits: Tensor, **options: Any) -> Tensor:

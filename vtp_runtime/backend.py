@@ -16,14 +16,18 @@ Contract of ``forward(call, inputs, index, mask)``:
 - ``mask``: bool ``[N]`` (True = keep) for ``entropy``/``kl``/``jsd``, already combined with
   their ``labels``; None when every token counts.
 - returns ``(values, state)``: values fp32 (fp64 for fp64 inputs) ``[N]`` (``[N, k]`` for
-  top-k log-probs), replicated on every rank, exactly 0 on masked tokens; ``state`` a
+  top-k log-probs), replicated on every rank, exactly 0 on masked tokens. ``logprobs``
+  with ``call.options["return_entropy"]`` (the ``return_entropy`` feature) returns
+  ``[N, k + 1]`` (``k = 1`` for an ``[N]`` index): the log-probs, then each token's entropy
+  in the last column (0 where every index entry is ``ignore_index``); ``state`` a
   ``SavedState`` (a dataclass of tensors) holding what backward needs, or None. Keep it to
   the inputs and O(N) statistics where the math allows: the core holds it until backward
   (the ``liger`` backend is the exception: Liger's kernels keep an fp32 ``[N, V_local]``
   buffer).
 
 Contract of ``backward(call, state, grad)``: ``state`` is an equal ``SavedState`` rebuilt
-from the tensors forward saved; ``grad`` is the upstream gradient shaped like ``values``;
+from the tensors forward saved; ``grad`` is the upstream gradient shaped like ``values``
+(with ``return_entropy``: the log-probs' gradients, then the entropy's in the last column);
 return one gradient per input (shape and dtype of that input) or None where
 ``call.needs_grad`` is False. No collectives: every rank back-propagates the same values.
 ``state``'s tensors must not be modified, so a second backward through a retained graph is

@@ -177,24 +177,86 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     tensors = local + ([index] if index is not None else [])
     out = vtp.loss(case.op, *tensors, **kwargs)
 
-    reduction = opts.get("reduction", "none")
-    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer")}
+    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer", "return_entropy")}
     flat_logits = tuple(z.reshape(n, full_vocab) for z in logits)
     index = None if index is None else index.cpu()
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
     flat_extra = {k: v.reshape(n) for k, v in extra.items()}
+    # (op, index, extra) of the reference of each output: with return_entropy the log-probs,
+    # then the entropy of the tokens whose index is not entirely ignore_index
+    outs = out if isinstance(out, tuple) else (out,)
+    parts = [(case.op, flat_index, flat_extra)]
+    if opts.get("return_entropy"):
+        ii = opts.get("ignore_index", -100)
+        kept = (flat_index if case.topk else flat_index[:, None]) != ii
+        parts.append(("entropy", None, {"mask": kept.any(-1)}))
+    assert len(outs) == len(parts), f"{len(outs)} outputs, expected {len(parts)}"
     g = torch.Generator().manual_seed(case.seed + 7)
-    grad_shape = out.shape
-    upstream = torch.randn(grad_shape, generator=g, dtype=torch.float64) if out.dim() else torch.tensor(1.5,
-                                                                                            dtype=torch.float64)
-    ref_vals, _ = values_and_grads(case.op, flat_logits, flat_index, **ref_opts, **flat_extra)
+    upstreams, ref_grads, undefined_rows = [], None, torch.zeros(n, dtype=torch.bool)
+    errors = {}
+    for i, (o, (op, part_index, part_extra)) in enumerate(zip(outs, parts)):
+        upstream = (torch.randn(o.shape, generator=g, dtype=torch.float64) if o.dim()
+                    else torch.tensor(1.5, dtype=torch.float64))
+        ref_out, ref_rows, grads = _expected(op, flat_logits, part_index, part_extra, ref_opts, opts, o.shape,
+                                             upstream, case.grads[: len(flat_logits)])
+        # values: fp32 accumulation against float64
+        _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
+               VALUE_RTOL[case.dtype], errors)
+        upstreams.append(upstream)
+        undefined_rows |= ~torch.isfinite(ref_rows)
+        ref_grads = grads if ref_grads is None else tuple(a if b is None else a + b for a, b in zip(ref_grads, grads))
+    if any(t.requires_grad for t in local):
+        wanted = [t for t in local if t.requires_grad]
+
+        def objective():
+            return sum((o.double() * u.to(o.device)).sum() for o, u in zip(outs, upstreams))
+
+        grads = torch.autograd.grad(objective(), wanted, retain_graph=True)
+        it = iter(grads)
+        for i, (t, rg) in enumerate(zip(local, ref_grads)):
+            if not t.requires_grad:
+                continue
+            got = next(it)
+            assert got.dtype == t.dtype, f"gradient dtype {got.dtype} != input dtype {t.dtype}"
+            want = rg.reshape(n, full_vocab)[:, start:end].reshape(t.shape)
+            # the gradient of a token whose value is inf or NaN is undefined: skip those rows,
+            # but every other row must still match (no NaN leaking across tokens)
+            got = got.cpu()
+            undefined = undefined_rows.reshape(*t.shape[:-1], 1).expand(t.shape)
+            got = torch.where(undefined, torch.zeros((), dtype=got.dtype), got)
+            want = torch.where(undefined, torch.zeros((), dtype=want.dtype), want)
+            _close(f"grad[{i}]", got.cpu().double(), want, GRAD_RTOL[case.dtype], errors)
+        # a second backward through the retained graph gives the same gradient, or -- where
+        # the backend declares it cannot (repeat_backward=False) -- a RuntimeError, never a
+        # different gradient
+        name = case.backend or vtp.explain(case.op, *tensors, **kwargs).backend
+        repeat = REGISTRY.get(name).ops[case.op].repeat_backward
+        try:
+            again = torch.autograd.grad(objective(), wanted)
+        except RuntimeError:
+            if repeat:
+                raise
+        else:
+            assert repeat, f"{name} declares repeat_backward=False for {case.op} but a second backward ran"
+            for a, b in zip(grads, again):
+                assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), "second backward differs from the first"
+    for t, b in zip(local, before):
+        assert torch.equal(torch.nan_to_num(t.detach()), torch.nan_to_num(b)), "an input was modified"
+    return errors
+
+
+def _expected(op: str, flat_logits: tuple, flat_index, flat_extra: dict, ref_opts: dict, opts: dict,
+              out_shape: torch.Size, upstream: torch.Tensor, needs_grad: tuple[bool, ...]):
+    """The float64 reference of one output, reduced as the call reduces it: ``(value,
+    per-token values [N], gradients of sum(value * upstream) w.r.t. each logits input)``."""
+    reduction = opts.get("reduction", "none")
+    ref_vals, _ = values_and_grads(op, flat_logits, flat_index, **ref_opts, **flat_extra)
     ref_rows = ref_vals if ref_vals.dim() == 1 else ref_vals.sum(-1)  # per token
-    ref_vals = ref_vals.view(out.shape) if reduction == "none" else ref_vals
-    # the reference of the reduction, and the upstream gradient it sends to every token
     if reduction == "none":
-        per_token_grad = upstream.reshape(ref_vals.shape).reshape(n, -1) if case.topk else upstream.reshape(n)
-        ref_out = ref_vals
+        ref_out = ref_vals.view(out_shape)
+        per_token_grad = upstream.reshape(ref_vals.shape)
     else:
+        n = ref_vals.shape[0]
         ii = opts.get("ignore_index", -100)
         if flat_index is not None:
             count = (flat_index != ii).sum()
@@ -207,46 +269,11 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
             count = torch.tensor(n)
         div = opts.get("normalizer") or (1 if reduction == "sum" else max(int(count), 1))
         ref_out = ref_vals.sum() / div
+        # the upstream gradient the reduction sends to every token
         per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
-    ref_out2, ref_grads = values_and_grads(case.op, flat_logits, flat_index, per_token_grad,
-                                           needs_grad=case.grads[: len(flat_logits)], **ref_opts, **flat_extra)
-    errors = {}
-    # values: fp32 accumulation against float64
-    _close("value", out.detach().cpu().double(), ref_out.double().reshape(out.shape), VALUE_RTOL[case.dtype], errors)
-    if any(t.requires_grad for t in local):
-        wanted = [t for t in local if t.requires_grad]
-        grads = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted, retain_graph=True)
-        it = iter(grads)
-        for i, (t, rg) in enumerate(zip(local, ref_grads)):
-            if not t.requires_grad:
-                continue
-            got = next(it)
-            assert got.dtype == t.dtype, f"gradient dtype {got.dtype} != input dtype {t.dtype}"
-            want = rg.reshape(n, full_vocab)[:, start:end].reshape(t.shape)
-            # the gradient of a token whose value is inf or NaN is undefined: skip those rows,
-            # but every other row must still match (no NaN leaking across tokens)
-            got = got.cpu()
-            undefined = ~torch.isfinite(ref_rows).reshape(*t.shape[:-1], 1).expand(t.shape)
-            got = torch.where(undefined, torch.zeros((), dtype=got.dtype), got)
-            want = torch.where(undefined, torch.zeros((), dtype=want.dtype), want)
-            _close(f"grad[{i}]", got.cpu().double(), want, GRAD_RTOL[case.dtype], errors)
-        # a second backward through the retained graph gives the same gradient, or -- where
-        # the backend declares it cannot (repeat_backward=False) -- a RuntimeError, never a
-        # different gradient
-        name = case.backend or vtp.explain(case.op, *tensors, **kwargs).backend
-        repeat = REGISTRY.get(name).ops[case.op].repeat_backward
-        try:
-            again = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted)
-        except RuntimeError:
-            if repeat:
-                raise
-        else:
-            assert repeat, f"{name} declares repeat_backward=False for {case.op} but a second backward ran"
-            for a, b in zip(grads, again):
-                assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)), "second backward differs from the first"
-    for t, b in zip(local, before):
-        assert torch.equal(torch.nan_to_num(t.detach()), torch.nan_to_num(b)), "an input was modified"
-    return errors
+    _, ref_grads = values_and_grads(op, flat_logits, flat_index, per_token_grad, needs_grad=needs_grad,
+                                    **ref_opts, **flat_extra)
+    return ref_out, ref_rows, ref_grads
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:

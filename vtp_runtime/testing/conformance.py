@@ -40,7 +40,8 @@ from .cases import DTYPES, Case, run_case
 
 # How a case turns on each feature (which features apply to an op: ops.OPS[op].features).
 _OPTION = {"label_smoothing": ("label_smoothing", 0.1), "z_loss": ("z_loss", 1e-3),
-           "temperature": ("temperature", 0.7), "reverse": ("reverse", True)}
+           "temperature": ("temperature", 0.7), "reverse": ("reverse", True),
+           "return_entropy": ("return_entropy", True)}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 Runner = Callable[..., list]  # runner(world, fn, *args, timeout=...) -> per-rank results
