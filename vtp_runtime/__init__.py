@@ -10,11 +10,12 @@ from .dispatch import Explanation, use_backend
 from .errors import BackendUnavailable, PluginError, ShardError, UnknownBackend, VtpError
 from .ops import FEATURES, OPS
 from .registry import hookimpl, register
+from .topk import TopK
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend",
+    "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend", "TopK",
     "Explanation", "Backend", "Call", "OpCapability", "Request", "SavedState", "FEATURES", "OPS", "hookimpl",
     "register", "VtpError", "ShardError", "BackendUnavailable", "UnknownBackend", "PluginError",
 ]

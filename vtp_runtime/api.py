@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, inputs, shards
+from . import dispatch, inputs, shards, topk
 from .backend import Backend, Call, Request, SavedState
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
@@ -293,6 +293,8 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     result on their mesh (see ``vtp_runtime.inputs``). ``logprobs`` with
     ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
     """
+    if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
+        return topk.kl(*tensors, **options)
     tensors, options, wrap = inputs.normalize(op, tensors, options)
     out = _run(_prepare(op, tensors, options))
     if wrap is None:
@@ -303,6 +305,8 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
 def explain(op: str, *tensors: Tensor, **options: Any) -> dispatch.Explanation:
     """Which backend ``loss(op, *tensors, **options)`` would use and why not the others.
     A collective call like ``loss``: every rank of ``tp_group`` must call it."""
+    if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
+        return topk.explain(*tensors, **options)  # the student's log-probs at the teacher's ids
     tensors, options, _ = inputs.normalize(op, tensors, options)
     p = _prepare(op, tensors, options)
     return dispatch.explain_request(p.request, p.layout, p.forced, p.forced_by)
@@ -342,8 +346,18 @@ def entropy(logits: Tensor, **options: Any) -> Tensor:
     return loss("entropy", logits, **options)
 
 
-def kl(student_logits: Tensor, teacher_logits: Tensor, *, reverse: bool = False, **options: Any) -> Tensor:
-    """Forward ``KL(p_teacher || p_student)``, or reverse ``KL(p_student || p_teacher)``."""
+def kl(student_logits: Tensor, teacher_logits: Tensor | topk.TopK, *, reverse: bool = False,
+       tail: bool = False, **options: Any) -> Tensor:
+    """Forward ``KL(p_teacher || p_student)``, or reverse ``KL(p_student || p_teacher)``.
+
+    A teacher given as ``vtp.TopK(logprobs, index)`` (its top-k log-probs and global ids,
+    ``[..., k]``, replicated) gives the KL over those k ids, with ``tail=True`` plus the
+    residual-mass term ``r_t log(r_t / r_s)``; see ``vtp_runtime.topk``."""
+    if isinstance(teacher_logits, topk.TopK):
+        return topk.kl(student_logits, teacher_logits, reverse=reverse, tail=tail, **options)
+    if tail is not False:
+        raise ValueError("tail= applies to a teacher given as vtp.TopK(logprobs, index); with dense "
+                         "teacher logits the KL already covers the whole vocabulary")
     return loss("kl", student_logits, teacher_logits, reverse=reverse, **options)
 
 

@@ -99,3 +99,36 @@ def values_and_grads(op: str, logits: tuple[Tensor, ...], index: Tensor | None =
         grads = torch.autograd.grad((out * g).sum(), wanted, allow_unused=True) if wanted else ()
     it = iter(grads)
     return out.detach(), tuple(next(it) if need else None for need in needs_grad)
+
+
+def topk_kl(student: Tensor, teacher_logprobs: Tensor, index: Tensor, *, temperature: float = 1.0,
+            reverse: bool = False, tail: bool = False, ignore_index: int = -100, mask: Tensor | None = None,
+            labels: Tensor | None = None) -> Tensor:
+    """Per-token float64 KL against a teacher given by its log-probs at ``index`` (``[N, k]``;
+    ``ignore_index`` entries are padding), on full student logits ``[N, V]``, differentiable
+    w.r.t. the student and the teacher's log-probs. The student's residual mass is summed over
+    the ids outside the k directly (no ``1 - sum`` cancellation); the teacher's is ``1 - sum``
+    of what it gives (there is nothing else to sum)."""
+    n, v = student.shape
+    keep = torch.ones(n, dtype=torch.bool, device=student.device)
+    if mask is not None:
+        keep &= mask
+    if labels is not None:
+        keep &= labels != ignore_index
+    valid = (index != ignore_index) & keep[:, None]
+    x = torch.where(keep[:, None], student.double() / temperature, torch.zeros((), dtype=torch.float64))
+    logp_all = torch.log_softmax(x, dim=-1)
+    ids = torch.where(valid, index, torch.zeros_like(index))
+    ls = logp_all.gather(-1, ids)
+    lt = torch.where(valid, teacher_logprobs.double(), torch.zeros((), dtype=torch.float64))
+    in_k = torch.zeros(n, v, dtype=torch.float64, device=student.device).scatter_add(1, ids, valid.double()) > 0
+    r_s = torch.where(in_k, torch.zeros_like(logp_all), logp_all.exp()).sum(-1)
+    r_t = 1 - torch.where(valid, lt.exp(), torch.zeros_like(lt)).sum(-1)
+    a, b, r_a, r_b = (ls, lt, r_s, r_t) if reverse else (lt, ls, r_t, r_s)
+    out = _safe_mul(torch.where(valid, a.exp(), torch.zeros_like(a)), a - b).sum(-1)
+    if tail:
+        log_ra = torch.where(r_a > 0, r_a, torch.ones_like(r_a)).log()
+        log_rb = torch.where(r_b > 0, r_b, torch.ones_like(r_b)).log()
+        log_rb = torch.where(r_b > 0, log_rb, torch.full_like(log_rb, -math.inf))
+        out = out + _safe_mul(r_a, log_ra - log_rb)
+    return torch.where(keep, out, torch.zeros_like(out))
