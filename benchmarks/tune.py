@@ -1,6 +1,6 @@
 """Launch-configuration sweep of the triton backend on the GPU (loop time, CUDA events).
 
-Replaces ``CUDA_CONFIG`` between runs and times JSD and cross entropy fwd+bwd at the issue's
+Replaces ``CUDA_CONFIG`` between runs and times JSD and cross entropy fwd+bwd at the
 target shapes; prints one line per (config, shape). Used to pick the defaults in
 ``backends/triton/backend.py``; see benchmarks/NOTES.md.
     python benchmarks/tune.py

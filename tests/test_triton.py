@@ -15,6 +15,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 import vtp_runtime as vtp
 from vtp_runtime.backends.triton import INTERPRETER_CONFIG, LaunchConfig, TritonBackend
 from vtp_runtime.registry import REGISTRY
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.cases import Case, run_case
 
 T = "triton"
@@ -106,7 +107,8 @@ def test_edges_tp2(ranks, case):
 
 def test_registered_with_every_op_and_feature():
     backend = REGISTRY.get(T)
-    assert isinstance(backend, TritonBackend) and backend.priority == 20 and backend.takes_strided_rows
+    assert isinstance(backend, TritonBackend) and backend.priority == 20
+    assert backend.input_layout == "unit_vocab_stride_3d"
     assert set(backend.ops) == {"cross_entropy", "logprobs", "entropy", "kl", "jsd"}
     features = set().union(*(cap.features for cap in backend.ops.values()))
     assert features == {"label_smoothing", "z_loss", "temperature", "topk", "mask", "reverse", "teacher_grad",
@@ -188,3 +190,12 @@ def test_launch_config_is_a_parameter():
                                    vtp.cross_entropy(z, y, backend=T), rtol=1e-5, atol=1e-6)
     finally:
         REGISTRY.unregister("triton_config_test")
+
+
+# -- the conformance kit's memory layouts and create_graph checks --------------------------
+KIT = [cc for cc in conformance.conformance_cases(T) if cc.case.view or cc.case.second_order]
+
+
+@pytest.mark.parametrize("cc", KIT, ids=str)
+def test_conformance_layouts_and_second_order(ranks, cc):
+    conformance.check(cc, runner=ranks, timeout=120)

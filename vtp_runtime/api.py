@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from . import dispatch, inputs, shards, topk
-from .backend import Backend, Call, Request, SavedState
+from . import dispatch, inputs, second_order, shards, topk
+from .backend import Backend, Call, Request, SavedState, meets_layout
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
 from .registry import REGISTRY
@@ -172,16 +172,17 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
     return p
 
 
-def _rows(t: Tensor, n: int, backend: Backend) -> Tensor:
-    """``[..., V]`` as ``[N, V]`` rows, a view where strides allow. A backend that takes
-    strided rows gets a 3-D view (e.g. ``logits[:, :-1]``) instead of a copy."""
-    v = t.shape[-1]
+def _rows(t: Tensor, n: int, layout: str) -> Tensor:
+    """``[..., V]`` in the backend's declared ``input_layout``: a view of ``t`` (``[N, V]``,
+    or ``t`` itself as ``[A, B, V]`` where the layout allows it) when one fits, else a
+    contiguous ``[N, V]`` copy. The only copy of the inputs the core makes."""
     try:
-        return t.view(n, v)
-    except RuntimeError:
-        if backend.takes_strided_rows and t.dim() == 3 and t.stride(-1) == 1:
-            return t
-        return t.reshape(n, v)
+        rows = t.view(n, t.shape[-1])
+    except RuntimeError:  # the leading dims have no single stride, e.g. logits[:, :-1]
+        rows = t
+    if meets_layout(rows, layout):
+        return rows
+    return t.contiguous().view(n, t.shape[-1])
 
 
 class _VocabParallelFunction(torch.autograd.Function):
@@ -189,18 +190,21 @@ class _VocabParallelFunction(torch.autograd.Function):
     def forward(ctx, backend: Backend, call: Call, index, mask, *inputs):
         values, state = backend.forward(call, inputs, index, mask)
         ctx.backend, ctx.call, ctx.state_type = backend, call, _state_type(backend, state)
-        if state is not None:
-            ctx.save_for_backward(*state.tensors())
+        saved = () if state is None else state.tensors()
+        ctx.save_for_backward(*saved)
+        ctx.links = second_order.graph_links(inputs, saved)
         return values
 
     @staticmethod
     def backward(ctx, grad):
-        # With create_graph=True (grad mode on here) the gradient is not itself differentiable:
-        # once_differentiable makes a double backward raise instead of returning a wrong
-        # second-order term. It costs tens of µs, so the usual backward skips it.
-        if torch.is_grad_enabled():
-            return _backward_once(ctx, grad)
-        return _backward(ctx, grad)
+        if not torch.is_grad_enabled():
+            return _backward(ctx, grad)
+        # create_graph=True: the gradient is computed as usual, but it is not differentiable
+        # (no backend computes second order), so differentiating it must raise
+        with torch.no_grad():
+            grads = _backward(ctx, grad)
+        links = (*ctx.saved_tensors, *ctx.links, grad)
+        return (None, None, None, None, *second_order.refuse(ctx.call.op, grads[4:], links))
 
 
 def _backward(ctx, grad):
@@ -218,14 +222,11 @@ def _state_type(backend: Backend, state) -> type[SavedState] | None:
     return type(state)
 
 
-_backward_once = torch.autograd.function.once_differentiable(_backward)
-
-
 def _run(p: _Prepared) -> Tensor:
     spec, options, layout = p.spec, p.options, p.layout
     backend = dispatch.select(p.request, layout, p.forced, p.forced_by)
     n = layout.num_tokens
-    inputs = tuple(_rows(t, n, backend) for t in p.inputs)
+    inputs = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
     ignore_index = options.get("ignore_index", -100)
     index = mask = None
     if spec.index:

@@ -9,8 +9,9 @@ the local vocabulary size (uneven shards would deadlock otherwise).
 Contract of ``forward(call, inputs, index, mask)``:
 
 - ``inputs``: one (``cross_entropy``, ``logprobs``, ``entropy``) or two (``kl``, ``jsd``:
-  student, teacher) floating tensors of shape ``[N, V_local]`` (the last dim has stride 1;
-  rows may be strided). ``V_local`` may be 0 and ``N`` may be 0.
+  student, teacher) floating tensors of shape ``[N, V_local]``, in the memory layout the
+  backend declares with ``Backend.input_layout`` (``INPUT_LAYOUTS``; the core copies an
+  input only when it is not in that layout). ``V_local`` may be 0 and ``N`` may be 0.
 - ``index``: int64 ``[N]`` labels (``cross_entropy``), ``[N]`` or ``[N, k]`` (``logprobs``)
   holding **global** vocabulary ids or ``call.options["ignore_index"]``; else None.
 - ``mask``: bool ``[N]`` (True = keep) for ``entropy``/``kl``/``jsd``, already combined with
@@ -32,6 +33,8 @@ return one gradient per input (shape and dtype of that input) or None where
 ``call.needs_grad`` is False. No collectives: every rank back-propagates the same values.
 ``state``'s tensors must not be modified, so a second backward through a retained graph is
 right.
+Backward runs without building a graph: the core makes differentiating its result (a
+gradient penalty after ``create_graph=True``) raise, so no backend computes second order.
 """
 
 from __future__ import annotations
@@ -47,6 +50,30 @@ from .ops import FEATURES, OPS
 
 ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
 LOW_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+# The memory layouts a backend can declare for its inputs (``Backend.input_layout``).
+INPUT_LAYOUTS = {
+    "contiguous": "[N, V_local], contiguous",
+    "unit_vocab_stride": "[N, V_local], stride 1 on the vocabulary dim, rows of any stride (0 too)",
+    "unit_vocab_stride_3d": "as unit_vocab_stride, or a 3-D [A, B, V_local] view whose rows have no single "
+                            "stride (e.g. logits[:, :-1]), stride 1 on the vocabulary dim",
+    "any": "[N, V_local] of any strides",
+}
+
+
+def meets_layout(t: torch.Tensor, layout: str) -> bool:
+    """Whether ``t`` is in ``layout`` (a key of ``INPUT_LAYOUTS``). A tensor with no elements,
+    or at most one vocabulary column, has no vocabulary stride to get wrong."""
+    if layout == "any":
+        return t.dim() == 2
+    if layout == "contiguous":
+        return t.dim() == 2 and t.is_contiguous()
+    unit = t.shape[-1] <= 1 or t.stride(-1) == 1 or t.numel() == 0
+    if layout == "unit_vocab_stride":
+        return t.dim() == 2 and unit
+    if layout == "unit_vocab_stride_3d":
+        return t.dim() in (2, 3) and unit
+    raise ValueError(f"unknown input layout {layout!r}; the layouts: {', '.join(INPUT_LAYOUTS)}")
 
 
 @dataclass(frozen=True)
@@ -155,14 +182,15 @@ class Backend:
     """Base class of every backend. Subclasses set ``name``, ``priority`` and ``ops``.
 
     Higher priority wins. The built-in ones: eager 0, liger 10, triton 20, triton_xpu 20.
-    ``takes_strided_rows``: if True the core may pass inputs whose rows are not evenly
-    strided as ``[A, B, V_local]`` views instead of copying them to ``[N, V_local]``.
+    ``input_layout`` (a key of ``INPUT_LAYOUTS``) is the memory layout ``forward`` accepts
+    for its inputs: the core passes a view of the caller's tensor when one is in that
+    layout, and a contiguous ``[N, V_local]`` copy otherwise.
     """
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     ops: ClassVar[Mapping[str, OpCapability]]
-    takes_strided_rows: ClassVar[bool] = False
+    input_layout: ClassVar[str] = "unit_vocab_stride"
 
     # -- environment -------------------------------------------------------------------
     def probe(self, device_type: str) -> list[str]:
@@ -227,6 +255,9 @@ def check_backend(backend: Backend) -> None:
         raise ValueError(f"backend name must be a lowercase identifier, got {name!r}")
     if not isinstance(backend.priority, int):
         raise ValueError(f"backend {name!r}: priority must be an int")
+    if not isinstance(backend.input_layout, str) or backend.input_layout not in INPUT_LAYOUTS:
+        raise ValueError(f"backend {name!r}: input_layout must be one of {', '.join(INPUT_LAYOUTS)}, "
+                         f"got {backend.input_layout!r}")
     ops = getattr(backend, "ops", None)
     if not isinstance(ops, Mapping) or not ops:
         raise ValueError(f"backend {name!r}: ops must be a non-empty mapping op -> OpCapability")

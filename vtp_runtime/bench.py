@@ -7,7 +7,7 @@ frozen (no teacher gradient), as in distillation.
 
 Timing: CUDA events around each call, median of ``--reps`` calls after ``--warmup``; and,
 where the arm can be captured, the median replay time of a CUDA graph of the same call (GPU
-time without the CPU launch cost). Bandwidth counts the bytes of the passes the issue's
+time without the CPU launch cost). Bandwidth counts the bytes of the passes the design's
 performance model allows (see ``model_bytes``) and is compared against a device-to-device
 copy measured in the same run. Peak memory is ``torch.cuda.max_memory_allocated`` during one
 call, inputs included.
@@ -68,7 +68,7 @@ class Row:
 
 
 def model_bytes(op: str, n: int, v: int, itemsize: int) -> int:
-    """Bytes of the minimal passes, forward + backward, frozen teacher (issue 4's model):
+    """Bytes of the minimal passes, forward + backward, frozen teacher (DESIGN's model):
     JSD 3 reads of both inputs + 1 gradient write; KL 2 reads of both + 1 write;
     CE / log-probs (with or without the entropy) / entropy 2 reads + 1 write."""
     passes = {"jsd": 7, "kl": 5}.get(op, 3)

@@ -112,6 +112,7 @@ class PairState(SavedState):
 class EagerBackend(Backend):
     name = "eager"
     priority = 0
+    input_layout = "any"  # torch ops take any strides: never a copy of a viewable input
     # every op with every feature that applies to it, on any device, in every dtype
     ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
            for op, spec in OPS.items()}

@@ -107,6 +107,10 @@ _CAP = dict(device_types=DEVICE_TYPES, dtypes=LOW_DTYPES, empty_shards=False, em
 class LigerBackend(Backend):
     name = "liger"
     priority = 10
+    # Liger's kernels step through rows by their stride and read columns at stride 1; the
+    # log-probs handed to its JSD kernel are computed from the input and keep its memory
+    # layout (a transposed input gives transposed log-probs), so inputs come contiguous
+    input_layout = "contiguous"
     ops = {
         "cross_entropy": OpCapability(**_CAP, even_shards_only=True, repeat_backward=False),
         "kl": OpCapability(**_CAP, tp_sizes=frozenset({1}),
@@ -147,6 +151,10 @@ class LigerBackend(Backend):
         return []
 
     def forward(self, call, inputs, index, mask):
+        for t in inputs:
+            if not t.is_contiguous():
+                raise RuntimeError(f"liger: inputs must be contiguous [N, V_local] (input_layout = "
+                                   f"'contiguous'); got strides {t.stride()} for shape {tuple(t.shape)}")
         if call.op == "cross_entropy":
             return _ce_forward(call, inputs[0], index)
         return _div_forward(call, inputs, mask)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
+from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState, meets_layout
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import OPS, kl_direction
 
@@ -112,7 +112,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
-    """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``."""
+    """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``.
+    The kernels read columns at unit stride: anything else is refused here, never misread."""
+    if not meets_layout(z, TritonBackend.input_layout):
+        raise RuntimeError(f"triton kernels need inputs [N, V_local] or [A, B, V_local] with stride 1 on the "
+                           f"vocabulary dim; got shape {tuple(z.shape)} with strides {z.stride()}. The core "
+                           f"copies inputs into the declared input_layout; callers of forward() must too.")
     if z.dim() == 2:
         return max(z.shape[0], 1), 0, z.stride(0)
     a, b, _ = z.shape
@@ -142,7 +147,9 @@ class TritonBackend(Backend):
 
     name = "triton"
     priority = 20
-    takes_strided_rows = True
+    # a causal-shift view logits[:, :-1] reaches the kernels uncopied; a vocabulary stride
+    # other than 1 is copied by the core (strided column loads would not coalesce anyway)
+    input_layout = "unit_vocab_stride_3d"
     ops = capabilities(frozenset({"cuda", "cpu"}))
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
@@ -253,12 +260,8 @@ class TritonBackend(Backend):
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
         student, teacher = inputs
         a, b = (student, teacher) if reverse else (teacher, student)
-        n, v_local = _num_rows(a), a.shape[-1]
-        dev = a.device
-        keep = mask.contiguous().view(torch.uint8) if mask is not None else None
-        values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, layout.KL_STATS), dtype=torch.float32, device=dev)
-        state = PairState(student, teacher, stats, keep)
+        values, state = _pair_outputs(student, teacher, mask, layout.KL_STATS)
+        n, v_local, keep, stats, dev = values.shape[0], a.shape[-1], state.keep, state.stats, a.device
         if n == 0:
             return values, state
         k = _kernels()
@@ -284,12 +287,8 @@ class TritonBackend(Backend):
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
         student, teacher = inputs
-        n, v_local = _num_rows(student), student.shape[-1]
-        dev = student.device
-        keep = mask.contiguous().view(torch.uint8) if mask is not None else None
-        values = torch.empty((n,), dtype=torch.float32, device=dev)
-        stats = torch.empty((n, layout.JSD_STATS), dtype=torch.float32, device=dev)
-        state = PairState(student, teacher, stats, keep)
+        values, state = _pair_outputs(student, teacher, mask, layout.JSD_STATS)
+        n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
         if n == 0:
             return values, state
         k = _kernels()
@@ -387,6 +386,16 @@ class TritonBackend(Backend):
         if kind == layout.KL and not reverse:
             return db, da
         return da, db
+
+
+def _pair_outputs(student: torch.Tensor, teacher: torch.Tensor, mask, n_stats: int) -> tuple[torch.Tensor, PairState]:
+    """kl/jsd: the values ``[N]`` to fill, and the state holding the ``[N, n_stats]`` statistics
+    to fill and the mask as uint8 (what the kernels read)."""
+    n, dev = _num_rows(student), student.device
+    keep = mask.contiguous().view(torch.uint8) if mask is not None else None
+    values = torch.empty((n,), dtype=torch.float32, device=dev)
+    stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
+    return values, PairState(student, teacher, stats, keep)
 
 
 def _num_rows(z: torch.Tensor) -> int:

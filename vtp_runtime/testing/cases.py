@@ -27,6 +27,14 @@ GRAD_RTOL = {"float32": 2e-4, "bfloat16": 2e-2, "float16": 4e-3, "float64": 1e-7
 VALUE_RTOL = {"float32": 2e-5, "bfloat16": 2e-5, "float16": 2e-5, "float64": 1e-9}
 # the edge inputs make_inputs knows (see there); any other name is refused, not ignored
 EDGES = ("", "neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked", "bad_index")
+# Memory layouts of the local inputs (``Case.view``); each holds the same values as the
+# contiguous shard. Padding the views skip holds NaN, so reading it shows.
+VIEWS = {
+    "transposed": "vocabulary-major storage, sliced, like (W @ h.T).T[..., a:b] (vocabulary stride != 1)",
+    "every_other": "every other column of a wider tensor, x[..., ::2] (vocabulary stride 2)",
+    "permuted": "[batch, seq] stored seq-major with padded rows (3-D, rows without a single stride)",
+    "expanded_teacher": "one teacher row broadcast to every token with expand (row stride 0)",
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,8 @@ class Case:
     grads: tuple[bool, bool] = (True, True)  # (student/logits, teacher) require grad
     edge: str = ""  # one of EDGES
     strided: bool = False  # pass a causal-shift view logits[:, :-1]
+    view: str = ""  # another memory layout of the local inputs, one of VIEWS
+    second_order: bool = False  # take the gradient with create_graph=True; differentiating it must raise
     backend: str | None = "eager"
     device: str = "cpu"  # "cuda": each rank's current CUDA device
     seed: int = 0
@@ -58,7 +68,8 @@ class Case:
     def id(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         parts = [self.op, self.dtype, self.layout, opts, f"k{self.topk}" if self.topk else "",
-                 self.masked, self.edge, "strided" if self.strided else "",
+                 self.masked, self.edge, "strided" if self.strided else "", self.view,
+                 "second_order" if self.second_order else "",
                  "" if self.grads == (True, True) else f"grads{int(self.grads[0])}{int(self.grads[1])}"]
         return "-".join(p for p in parts if p)
 
@@ -110,6 +121,9 @@ def make_inputs(case: Case, vocab: int):
     if case.edge in ("all_neg_inf_masked", "all_neg_inf"):
         for z in logits:
             z.view(n, vocab)[0] = -math.inf
+    if case.view == "expanded_teacher":  # every token's teacher row is the first one's
+        assert len(logits) == 2, "expanded_teacher needs a two-input op"
+        logits[1] = logits[1].reshape(n, vocab)[:1].expand(n, vocab).reshape(shape).clone()
     logits = [z.to(DTYPES[case.dtype]) for z in logits]
     index = None
     if spec.index:
@@ -139,6 +153,33 @@ def make_inputs(case: Case, vocab: int):
     return logits, index, extra
 
 
+def laid_out(local: torch.Tensor, view: str, need: bool) -> torch.Tensor:
+    """The values of ``local`` ``[..., V_local]`` in the memory layout ``view`` (see VIEWS):
+    a view of a new base tensor, which requires grad when ``need`` (so the gradient reaches
+    the view through autograd's view functions, as it does for a user's tensor)."""
+    v = local.shape[-1]
+    nan = torch.tensor(math.nan, dtype=local.dtype, device=local.device)
+    if view == "transposed":  # [V + 2, ...] storage, a NaN column each side
+        base = nan.expand(v + 2, *local.shape[:-1]).clone()
+        base[1:-1] = local.movedim(-1, 0)
+        return base.requires_grad_(need).movedim(0, -1)[..., 1:v + 1]
+    if view == "every_other":
+        base = nan.expand(*local.shape[:-1], 2 * v).clone()
+        base[..., ::2] = local
+        return base.requires_grad_(need)[..., ::2]
+    if view == "permuted":  # [A, B, V] as a transposed [B, A, V + 1]
+        assert local.dim() == 3, "the permuted view needs a [batch, seq] token shape"
+        a, b = local.shape[:2]
+        base = nan.expand(b, a, v + 1).clone()
+        base[..., :v] = local.transpose(0, 1)
+        return base.requires_grad_(need).transpose(0, 1)[..., :v]
+    if view == "expanded_teacher":  # make_inputs gave every token the same teacher row
+        rows = local.reshape(-1, v)
+        base = rows[:1].clone()
+        return base.requires_grad_(need).expand(rows.shape).reshape(local.shape)
+    raise ValueError(f"unknown view {view!r}; known: {', '.join(VIEWS)}")
+
+
 def run_case(rank: int, world: int, group, case: Case) -> dict:
     """Run ``case`` on this rank and assert it matches the reference. Returns max errors."""
     torch.manual_seed(case.seed)
@@ -160,11 +201,14 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     index = None if index is None else index.to(dev)
     extra_dev = {k: v.to(dev) for k, v in extra.items()}
     # local shards: slice a padded copy so that strided views stay strided views
+    assert not (case.strided and case.view), "strided and view are separate layouts"
     local = []
-    for z, need in zip(logits, case.grads):
+    for i, (z, need) in enumerate(zip(logits, case.grads)):
         if case.strided:  # the shard of the full [B, S, V] logits, then the view
             base = torch.cat([z, z[:, :1]], dim=1)[..., start:end].contiguous().to(dev)
             shard = base.requires_grad_(need)[:, :-1] if need else base[:, :-1]
+        elif case.view and not (case.view == "expanded_teacher" and i == 0):
+            shard = laid_out(z[..., start:end].to(dev), case.view, need)
         else:
             shard = z[..., start:end].contiguous().to(dev).requires_grad_(need)
         local.append(shard)
@@ -178,10 +222,11 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     out = vtp.loss(case.op, *tensors, **kwargs)
 
     ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer", "return_entropy")}
-    flat_logits = tuple(z.reshape(n, full_vocab) for z in logits)
-    index = None if index is None else index.cpu()
+    # the reference runs on the case's device (float64 is quick on a GPU at real sizes);
+    # its results come back to the CPU for the comparisons
+    flat_logits = tuple(z.reshape(n, full_vocab).to(dev) for z in logits)
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
-    flat_extra = {k: v.reshape(n) for k, v in extra.items()}
+    flat_extra = {k: v.reshape(n).to(dev) for k, v in extra.items()}
     # (op, index, extra) of the reference of each output: with return_entropy the log-probs,
     # then the entropy of the tokens whose index is not entirely ignore_index
     outs = out if isinstance(out, tuple) else (out,)
@@ -198,20 +243,25 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
         upstream = (torch.randn(o.shape, generator=g, dtype=torch.float64) if o.dim()
                     else torch.tensor(1.5, dtype=torch.float64))
         ref_out, ref_rows, grads = _expected(op, flat_logits, part_index, part_extra, ref_opts, opts, o.shape,
-                                             upstream, case.grads[: len(flat_logits)])
+                                             upstream, case.grads[: len(flat_logits)], dev)
         # values: fp32 accumulation against float64
         _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
                VALUE_RTOL[case.dtype], errors)
         upstreams.append(upstream)
         undefined_rows |= ~torch.isfinite(ref_rows)
         ref_grads = grads if ref_grads is None else tuple(a if b is None else a + b for a, b in zip(ref_grads, grads))
+    del flat_logits
     if any(t.requires_grad for t in local):
         wanted = [t for t in local if t.requires_grad]
 
         def objective():
             return sum((o.double() * u.to(o.device)).sum() for o, u in zip(outs, upstreams))
 
-        grads = torch.autograd.grad(objective(), wanted, retain_graph=True)
+        # with second_order, the first backward builds a graph of the gradient
+        grads = torch.autograd.grad(objective(), wanted, retain_graph=True, create_graph=case.second_order)
+        if case.second_order:
+            _check_no_second_order(case.op, grads, wanted)
+            grads = tuple(gr.detach() for gr in grads)
         it = iter(grads)
         for i, (t, rg) in enumerate(zip(local, ref_grads)):
             if not t.requires_grad:
@@ -246,11 +296,13 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
 
 
 def _expected(op: str, flat_logits: tuple, flat_index, flat_extra: dict, ref_opts: dict, opts: dict,
-              out_shape: torch.Size, upstream: torch.Tensor, needs_grad: tuple[bool, ...]):
+              out_shape: torch.Size, upstream: torch.Tensor, needs_grad: tuple[bool, ...], dev: torch.device):
     """The float64 reference of one output, reduced as the call reduces it: ``(value,
-    per-token values [N], gradients of sum(value * upstream) w.r.t. each logits input)``."""
+    per-token values [N], gradients of sum(value * upstream) w.r.t. each logits input)``,
+    computed on ``dev`` and returned on the CPU."""
     reduction = opts.get("reduction", "none")
     ref_vals, _ = values_and_grads(op, flat_logits, flat_index, **ref_opts, **flat_extra)
+    ref_vals = ref_vals.cpu()
     ref_rows = ref_vals if ref_vals.dim() == 1 else ref_vals.sum(-1)  # per token
     if reduction == "none":
         ref_out = ref_vals.view(out_shape)
@@ -261,7 +313,7 @@ def _expected(op: str, flat_logits: tuple, flat_index, flat_extra: dict, ref_opt
         if flat_index is not None:
             count = (flat_index != ii).sum()
         elif flat_extra:
-            keep = flat_extra.get("mask", torch.ones(n, dtype=torch.bool))
+            keep = flat_extra.get("mask", torch.ones(n, dtype=torch.bool, device=dev))
             if "labels" in flat_extra:
                 keep = keep & (flat_extra["labels"] != ii)
             count = keep.sum()
@@ -271,9 +323,22 @@ def _expected(op: str, flat_logits: tuple, flat_index, flat_extra: dict, ref_opt
         ref_out = ref_vals.sum() / div
         # the upstream gradient the reduction sends to every token
         per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
-    _, ref_grads = values_and_grads(op, flat_logits, flat_index, per_token_grad, needs_grad=needs_grad,
+    _, ref_grads = values_and_grads(op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad,
                                     **ref_opts, **flat_extra)
-    return ref_out, ref_rows, ref_grads
+    return ref_out, ref_rows, tuple(None if rg is None else rg.cpu() for rg in ref_grads)
+
+
+def _check_no_second_order(op: str, grads, inputs) -> None:
+    """Differentiating a gradient of a vtp_runtime op (a gradient penalty) must raise, never
+    give a second-order term that is silently missing."""
+    penalty = sum(gr.double().nan_to_num().pow(2).sum() for gr in grads)
+    try:
+        torch.autograd.grad(penalty, inputs, retain_graph=True)
+    except RuntimeError as exc:
+        assert "second-order gradients" in str(exc), f"{op}: differentiating the gradient raised {exc!r}"
+    else:
+        raise AssertionError(f"{op}: differentiating the gradient (create_graph=True) gave a number; it must "
+                             f"raise, since the second-order term is not computed")
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:

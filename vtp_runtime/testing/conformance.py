@@ -5,10 +5,13 @@ Cases are derived from what the backend **declares** (its ``ops`` and their
 
 - ``match`` cases: every claimed op, feature and dtype, on 1 and 2 gloo ranks (even,
   uneven, empty and explicit shards as the capability allows), with masking, edge values
-  (``-inf``, large offsets, all ``-inf`` rows), a strided input, a reduction and a
-  vocabulary wider than a typical block. Each runs ``run_case`` on every rank: values and
-  the local gradient of every input that requires grad against the float64 reference, a
-  second backward through the retained graph, inputs left unmodified.
+  (``-inf``, large offsets, all ``-inf`` rows), inputs in every memory layout users pass
+  (a causal-shift view, a transposed-then-sliced tensor, ``x[..., ::2]``, a permuted 3-D
+  tensor, a broadcast teacher; see ``cases.VIEWS``), a reduction and a vocabulary wider
+  than a typical block. Each runs ``run_case`` on every rank: values and the local
+  gradient of every input that requires grad against the float64 reference, a second
+  backward through the retained graph, inputs left unmodified; and one case per op takes
+  the gradient with ``create_graph=True`` and checks that differentiating it raises.
 - ``refused`` cases: every op, feature, dtype, TP size or shard layout the backend does
   **not** claim must make a forced call raise ``BackendUnavailable`` — never run.
 
@@ -36,7 +39,7 @@ from ..backend import Backend, OpCapability
 from ..errors import BackendUnavailable
 from ..ops import OPS
 from ..registry import REGISTRY, registered
-from .cases import DTYPES, Case, run_case
+from .cases import DTYPES, VIEWS, Case, run_case
 
 # How a case turns on each feature (which features apply to an op: ops.OPS[op].features).
 _OPTION = {"label_smoothing": ("label_smoothing", 0.1), "z_loss": ("z_loss", 1e-3),
@@ -128,6 +131,20 @@ def _match_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, 
     return out
 
 
+def _layout_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, str]]:
+    """Inputs in every memory layout users pass (whatever input_layout the backend declares,
+    the core must hand them over in it), and a gradient taken with create_graph=True."""
+    main = base.with_(layout="even" if world == 1 or cap.even_shards_only else "uneven")
+    views = ["transposed", "every_other", "permuted"] + (["expanded_teacher"] if len(OPS[base.op].inputs) == 2 else [])
+    out = [(main.with_(view=v, shape=(2, 3)), f"input layout: {VIEWS[v]}") for v in views]
+    if world > 1 and cap.empty_shards and not cap.even_shards_only:
+        out.append((main.with_(layout="empty", view="transposed", shape=(2, 3)), "transposed input, an empty shard"))
+    if cap.empty_tokens:
+        out.append((main.with_(shape=(0,), view="every_other"), "zero tokens, every other column"))
+    out.append((main.with_(second_order=True), "create_graph=True: right gradient, differentiating it raises"))
+    return out
+
+
 def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2),
                       plugin: str | None = None) -> list[ConformanceCase]:
     """Every check for ``backend`` (a registered name, or a Backend instance), derived from
@@ -138,6 +155,7 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
     name = b.name
     probe = "; ".join(b.probe_reasons("cpu"))
     out: list[ConformanceCase] = []
+    later: list[tuple[int, Case, OpCapability]] = []
 
     def add(world: int, case: Case, expect: str, why: str) -> None:
         case = case.with_(seed=len(out))
@@ -170,6 +188,10 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
                 add(world, base.with_(layout="empty"), "refused", "does not claim empty shards")
             for case, why in _match_cases(base, cap, world):
                 add(world, case, "match", why)
+            later.append((world, base, cap))
+    for world, base, cap in later:  # after the others, so that adding cases here moves no seed
+        for case, why in _layout_cases(base, cap, world):
+            add(world, case, "match", why)
     return out
 
 

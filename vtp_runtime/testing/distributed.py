@@ -61,7 +61,8 @@ def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout:
 
 class RankPool:
     """``world_size`` spawned processes in one process group (gloo on CPU; "nccl" puts rank r
-    on GPU r), running jobs in lockstep."""
+    on GPU r), running jobs in lockstep. With gloo, jobs may also use CUDA tensors: every rank
+    is then on cuda:0 (a fresh process's current device), so TP > 1 runs on a single GPU."""
 
     def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict[str, str] | None = None,
                  backend: str = "gloo"):

@@ -208,6 +208,10 @@ class BlockwiseBackend(Backend):
     """
 
     name = "example_blockwise"
+    # The memory layout forward() accepts (vtp_runtime.backend.INPUT_LAYOUTS): plain torch
+    # ops take any strides. A kernel that reads columns at unit stride declares
+    # "unit_vocab_stride" (the default) and the core copies anything else.
+    input_layout = "any"
     # Below eager (0): an example must never win auto-selection by being installed.
     # Use it with VTP_BACKEND=example_blockwise, use_backend(...) or backend=...
     priority = -10
