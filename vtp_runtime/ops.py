@@ -9,10 +9,13 @@ op                  value per token                                  gradient w.
 ==================  ===============================================  ==========================================
 cross_entropy       (1-e)(lse - x[y]) + e(lse - mean_j x_j) + l*lse^2   p - (1-e) onehot(y) - e/V + 2 l lse p
 logprobs            x[i] - lse  (i is [N] or [N, k])                 sum_k g_k onehot(i_k) - (sum_k g_k) p
-logprobs with       (x[i] - lse, H) from one read of the logits      the two gradients above, summed:
+logprobs with       (x[i] - lse, H) from one read of the logits      the logprobs and entropy gradients, summed:
 return_entropy                                                       g . (onehot - p) + g_H (-p (log p + H))
 entropy             H = -sum p log p                                 -p (log p + H)
 kl (A || B)         sum p_A (log p_A - log p_B)                      dA = p_A (log p_A - log p_B - KL), dB = p_B - p_A
+kl with a TopK      sum_k p_t,k (log p_t,k - log p_s,k) over the     autograd through the student's top-k
+teacher             teacher's k ids; tail: + r_t log(r_t / r_s),     log-probs (vtp_runtime/topk.py; backends
+                    r = 1 - sum_k p_k                                run only its top-k logprobs)
 jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b) p_s (log p_s - log M - KL(p_s||M))
                     M = b p_t + (1-b) p_s                            dz_t = b p_t (log p_t - log M - KL(p_t||M))
 ==================  ===============================================  ==========================================
