@@ -240,10 +240,11 @@ def _logprobs_backward(call, state, grad):
     out = torch.empty_like(z)
     for lo, hi in _row_chunks(n, v):
         logp = _scaled(z, lo, hi, call).sub_(m[lo:hi, None]).sub_(log_s[lo:hi, None])
-        p = logp.exp()
+        p = logp.exp() if g_h is not None else logp.exp_()  # log p is needed only for the entropy
         d = torch.where(g_total[lo:hi, None] != 0, -p * g_total[lo:hi, None], torch.zeros_like(p))
         if g_h is not None:
-            # masked tokens have g_h = 0; their (never read) statistics may make logp +inf
+            # masked tokens have g_h = 0: their rows stay exactly 0 even where log p is NaN
+            # (a masked row of all -inf)
             term = -_xlogy_rel(p, logp + h[lo:hi, None]) * g_h[lo:hi, None]
             d = d + torch.where(g_h[lo:hi, None] != 0, term, torch.zeros_like(term))
         if v:
