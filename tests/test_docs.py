@@ -1,7 +1,9 @@
-"""The docs against the code: every Python example in the README and the user guide runs
-(each file's blocks in order, in one namespace, as a reader would paste them), and every
-environment variable, `vtp-runtime` command line and op option the docs name exists."""
+"""The docs against the code: every Python example in the README, the user guide and the
+integrations page runs (each file's ```python blocks in order, in one namespace, as a reader
+would paste them; ```py blocks need a launcher and several ranks and are shown, not run),
+and every environment variable, `vtp-runtime` command line and op option the docs name exists."""
 
+import importlib.util
 import pathlib
 import re
 
@@ -10,11 +12,15 @@ import pytest
 import vtp_runtime as vtp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DOCS = ["README.md", "docs/guide.md"]
+DOCS = ["README.md", "docs/guide.md", "docs/integrations.md"]
+NEEDS = {"docs/integrations.md": ("transformers", "trl")}
 
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_examples_run(doc):
+    missing = [m for m in NEEDS.get(doc, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{doc}'s examples need {', '.join(missing)} (pip install -e '.[integrations]')")
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
     assert blocks, f"{doc} has no python examples"
     namespace = {"__name__": "__doc_example__"}
