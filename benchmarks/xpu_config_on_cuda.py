@@ -95,7 +95,7 @@ def check(op, options, teacher_grad, masked, n, vocab, dtype, rank, world, group
     elif masked:
         extra["mask"] = torch.rand(n, generator=g, device=device) >= 0.25
     tensors = local + ([index] if index is not None else [])
-    if vtp.explain(op, *tensors, tp_group=group, **options, **extra).reasons.get(backend):
+    if vtp.explain(op, *tensors, tp_group=group, gather=True, **options, **extra).reasons.get(backend):
         return None  # the backend refuses this call (identical verdict on every rank)
     out = vtp.loss(op, *tensors, tp_group=group, backend=backend, **options, **extra)
     upstream = torch.randn(out.shape, generator=g, device=device, dtype=torch.float64)

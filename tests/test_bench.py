@@ -55,3 +55,34 @@ def test_entropy_overhead_compares_with_logprobs_alone(capsys):
     assert bench.entropy_overhead(rows) == {("triton", 1, 1024): 0.42 / 0.40}
     bench.print_table(rows, 4000.0, None)
     assert "logprobs_entropy / logprobs" in capsys.readouterr().out
+
+
+def test_head_mode_refuses_without_a_gpu():
+    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--head", "64"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "needs a CUDA GPU" in run.stderr and "--device cpu" in run.stderr
+
+
+def test_head_mode_runs_on_cpu_at_tiny_sizes(tmp_path):
+    """`bench --head` end to end on the CPU: every arm, JSON rows and the plot of time and
+    memory against N (memory is a CUDA measurement: absent on the CPU)."""
+    out, png = tmp_path / "head.json", tmp_path / "head.png"
+    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--head", "16", "--tokens", "24,48",
+                          "--vocab", "101", "--tp", "1,2", "--device", "cpu", "--backends", "eager",
+                          "--peers", "torch", "--warmup", "1", "--reps", "2", "--json", str(out), "--plot", str(png)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(out.read_text())
+    assert data["mode"] == "head" and data["hidden"] == 16
+    arms = {(r["op"], r["arm"]) for r in data["rows"]}
+    assert arms == {("cross_entropy", "materialized:eager"), ("cross_entropy", "fused:eager"),
+                    ("cross_entropy", "torch"), ("jsd", "materialized:eager"), ("jsd", "fused:eager")}
+    assert len(data["rows"]) == 5 * 2 * 2  # arms x TP sizes x token counts
+    for r in data["rows"]:
+        assert not r["error"] and r["ms"] > 0 and r["temp_gib"] is None
+        assert r["v_local"] == 101 // r["tp"]
+        if r["arm"].startswith("materialized"):
+            assert r["vs_mat"] == 1.0
+    assert "fused:eager" in run.stdout and "vs_mat" in run.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

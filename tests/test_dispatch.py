@@ -138,7 +138,7 @@ def hetero_auto(rank, world, group):
         vtp.register(_Plugin(_fake(name, 1000)), name="rank0-fakes")
     try:
         logits, labels = torch.randn(4, 5), torch.zeros(4, dtype=torch.long)
-        ex = vtp.explain("cross_entropy", logits, labels, tp_group=group)
+        ex = vtp.explain("cross_entropy", logits, labels, tp_group=group, gather=True)
         vtp.cross_entropy(logits, labels, tp_group=group).sum()
         return ex.backend, list(ex.reasons.get(name, ["not registered here"]))
     finally:
@@ -167,7 +167,9 @@ def hetero_forced(rank, world, group, probe_fails_on_1):
 
 def test_forced_backend_missing_on_one_rank(ranks):
     (e0, _), (e1, _) = ranks(2, hetero_forced, False, timeout=60)
-    assert e0 == e1 == "ShardError: invalid call on rank 1: unknown backend name"
+    assert e1.startswith("UnknownBackend: unknown backend 'forced_fake' (from the backend= argument)")
+    assert e0 == f"ShardError: the call failed on rank 1 of tp_group before the metadata gather, so every " \
+                 f"rank raises; fix it there:\n  rank 1: {e1}"
 
 
 def test_forced_backend_unavailable_on_one_rank(ranks):

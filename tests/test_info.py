@@ -48,7 +48,7 @@ def test_plain_text(capsys, picky):
     assert rc == 0
     for section in ("versions:", "devices:", "plugins:", "backends on cpu", "why not:"):
         assert section in out
-    assert "torch" in out and torch.__version__ in out and "liger-kernel" in out
+    assert "torch" in out and torch.__version__.split("+")[0] in out and "liger-kernel" in out
     assert "intel-extension-for-pytorch" in out
     rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.startswith("  ") and len(ln.split()) == 7}
     assert rows["eager"] == ["0", "yes", "yes", "yes", "yes", "yes"]
@@ -60,7 +60,8 @@ def test_plain_text(capsys, picky):
 def test_json(capsys, picky):
     rc, out, _ = main(capsys, "--json")
     data = json.loads(out)
-    assert rc == 0 and data["versions"]["torch"] == torch.__version__
+    # the distribution's version: "2.13.0+cpu" for the CPU build, "2.13.0" for the CUDA one
+    assert rc == 0 and data["versions"]["torch"] in (torch.__version__, torch.__version__.split("+")[0])
     assert data["device_type"] == "cpu" and data["devices"][0]["type"] == "cpu"
     assert set(data["backends"]) == set(REGISTRY.backends())
     eager = data["backends"]["eager"]
@@ -156,3 +157,16 @@ def test_debug_off_logs_nothing(monkeypatch, caplog):
     with caplog.at_level(logging.DEBUG, logger="vtp_runtime"):
         vtp.entropy(torch.randn(3, 31 + len(dispatch._LOGGED)))
     assert not [r for r in caplog.records if "[VTP_DEBUG]" in r.getMessage()]
+
+
+def test_explain_head_inputs(capsys, picky):
+    rc, out, _ = main(capsys, "--explain", "entropy", "--dtype", "fp32", "--vocab", "1000", "--head")
+    assert rc == 0 and "inputs=head" in out
+    block = out.split("`info_picky` is not supported because:")[1].split("`")[0]
+    assert "head inputs not supported" in block
+    rc, out, _ = main(capsys, "--explain", "cross_entropy", "--vocab", "1000", "--head", "per-token", "--json")
+    data = json.loads(out)
+    assert data["request"]["head_inputs"] and data["request"]["head_per_token"]
+    assert any("per-token result not supported" in r for r in data["reasons"]["liger"])
+    r = info.simulated_request("jsd", torch.bfloat16, 1000, 2, head="scalar")
+    assert r.head_inputs and not r.head_per_token

@@ -51,16 +51,23 @@ def ce_call(rank, world, group, variant):
 CASES = {
     "tokens": "ShardError: the ranks of the TP group disagree on the number of tokens (rank 0: 4; rank 1: 3)",
     "dtype": "ShardError: the ranks of the TP group disagree on the logits dtype (rank 0: float32; rank 1: bfloat16)",
-    "options": "ShardError: the ranks of the TP group disagree on op options",
-    "forced": "ShardError: the ranks of the TP group disagree on the forced backend",
+    "options": "ShardError: the ranks of the TP group disagree on op options: label_smoothing: "
+               "rank 0 = 0.0, rank 1 = 0.1; every rank",
+    "forced": "ShardError: the ranks of the TP group disagree on the forced backend (backend=, use_backend, "
+              "VTP_BACKEND*): rank 0 = 'eager' (the backend= argument), rank 1 = none; every rank",
     "gap": "ShardError: the vocabulary shards do not tile [0, V): a gap at id 5",
     "overlap": "ShardError: the vocabulary shards do not tile [0, V): an overlap at id 5",
     "explicit_on_one": "ShardError: vocab_start/vocab_end given on rank 0 but not on the others",
     "global_vocab": "ShardError: global_vocab_size=11 but the shards add up to V=10",
-    "bad_shape": "ShardError: invalid call on rank 1: invalid argument value or shape",
-    "bad_option": "ShardError: label_smoothing must be in [0, 1], got 2.0 (ranks 0, 1)",
-    "bad_option_one": "ShardError: invalid call on rank 1: invalid argument value or shape",
-    "unknown_backend": "ShardError: invalid call on rank 1: unknown backend name",
+    "bad_option": "ValueError: label_smoothing must be in [0, 1], got 2.0",  # every rank's own error
+}
+
+# a call that fails on one rank before the gather: that rank raises its own error, the others
+# a ShardError that names it and repeats the error
+LOCAL_FAILURES = {
+    "bad_shape": "ValueError: labels has shape (5,); expected logits.shape[:-1] = (4,)",
+    "bad_option_one": "ValueError: temperature must be a finite number > 0, got 0.0",
+    "unknown_backend": "UnknownBackend: unknown backend 'no_such_backend' (from the backend= argument)",
 }
 
 
@@ -71,24 +78,34 @@ def test_disagreement_raises_the_same_error_on_every_rank(ranks, variant):
     assert errors[0].startswith(CASES[variant]), errors[0]
 
 
+@pytest.mark.parametrize("variant", list(LOCAL_FAILURES))
+def test_a_local_failure_raises_on_every_rank(ranks, variant):
+    errors = ranks(2, ce_call, variant, timeout=60)
+    assert errors[1].startswith(LOCAL_FAILURES[variant]), errors[1]
+    assert errors[0].startswith("ShardError: the call failed on rank 1 of tp_group before the metadata "
+                                "gather") and f"\n  rank 1: {errors[1]}" in errors[0], errors[0]
+
+
 def test_valid_call_after_errors_still_works(ranks):
     """A failed call leaves no rank behind in a collective: the next call runs normally."""
     assert ranks(2, ce_call, "tokens", timeout=60)[0] != "no error"
     assert ranks(2, ce_call, "none", timeout=60) == ["no error", "no error"]
 
 
-def test_local_detail_is_attached_as_a_note(ranks):
-    def_note = ranks(2, note_call, timeout=60)
-    assert def_note[0][0] == def_note[1][0]
-    assert "labels has shape (5,)" in def_note[1][1] and def_note[0][1] == ""
+def test_a_failing_rank_is_told_of_the_others(ranks):
+    (e0, n0), (e1, n1) = ranks(2, note_call, timeout=60)
+    assert e0.startswith("ValueError: labels has shape (5,)") and e1.startswith("ValueError: temperature")
+    assert n0 == "the call failed on other ranks too: rank 1: " + e1
+    assert n1 == "the call failed on other ranks too: rank 0: " + e0
 
 
 def note_call(rank, world, group):
-    labels = torch.zeros(5 if rank == 1 else 4, dtype=torch.long)
+    """Both ranks fail, differently: each raises its own error, with the other's as a note."""
+    labels = torch.zeros(5 if rank == 0 else 4, dtype=torch.long)
     try:
-        vtp.cross_entropy(torch.randn(4, 3), labels, tp_group=group)
-    except vtp.ShardError as exc:
-        return str(exc), "\n".join(getattr(exc, "__notes__", []))
+        vtp.cross_entropy(torch.randn(4, 3), labels, tp_group=group, temperature=[1.0, -1.0][rank])
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}", "\n".join(getattr(exc, "__notes__", []))
     return "no error", ""
 
 

@@ -2,12 +2,15 @@
 
     import vtp_runtime as vtp
     loss = vtp.loss("jsd", student_logits, teacher_logits, beta=0.3, tp_group=group)
+    loss = vtp.cross_entropy(vtp.Head(hidden, weight_shard), labels, reduction="mean", tp_group=group)
 """
 
 from .api import cross_entropy, entropy, explain, jsd, kl, logprobs, loss
 from .backend import Backend, Call, OpCapability, Request, SavedState
 from .dispatch import Explanation, use_backend
 from .errors import BackendUnavailable, PluginError, ShardError, UnknownBackend, VtpError
+from .head import Head
+from .nn import VocabParallelHead
 from .ops import FEATURES, OPS
 from .registry import hookimpl, register
 from .topk import TopK
@@ -15,7 +18,8 @@ from .topk import TopK
 __version__ = "0.1.0"
 
 __all__ = [
-    "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend", "TopK",
+    "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend", "Head",
+    "VocabParallelHead", "TopK",
     "Explanation", "Backend", "Call", "OpCapability", "Request", "SavedState", "FEATURES", "OPS", "hookimpl",
     "register", "VtpError", "ShardError", "BackendUnavailable", "UnknownBackend", "PluginError",
 ]

@@ -1,8 +1,9 @@
 """The public API: ``loss`` and the typed helpers, ``explain``.
 
-Every call: validate locally (errors become codes, not exceptions, until after the gather),
-gather the metadata of every rank in one collective, validate the gathered table, pick the
-backend, run it under one autograd Function, reduce. Outputs are replicated on every rank.
+Every call: validate locally (with a TP group, a local error is held until after the gather,
+so that no rank is left waiting in it), gather the metadata of every rank in one collective,
+validate the gathered table, pick the backend, run it under one autograd Function, reduce.
+Outputs are replicated on every rank.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from typing import Any
 
 import torch
 
-from . import dispatch, inputs, second_order, shards, topk
+from . import dispatch, head, inputs, second_order, shards, topk
 from .backend import Backend, Call, Request, SavedState, meets_layout
 from .errors import UnknownBackend
-from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec
+from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec, normalize_options
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
@@ -25,7 +26,7 @@ class _Prepared:
     """A call after local validation and the metadata gather: what selection and the run need."""
 
     __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
-                 "forced", "forced_by")
+                 "forced", "forced_by", "heads")
 
 
 def _local_checks(spec: OpSpec, inputs, index, options) -> None:
@@ -87,9 +88,11 @@ def _local_checks(spec: OpSpec, inputs, index, options) -> None:
 
 
 def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim: int) -> str:
-    parts = [spec.name, f"topk={int(topk)}", f"k={index.shape[-1] if topk else 0}",
-             f"grad={needs_grad}", f"mask={options.get('mask') is not None}",
-             f"labels={options.get('labels') is not None}", f"ndim={lead_ndim}"]
+    """``name=value|...`` of everything about a call that every rank must agree on (beyond the
+    shapes and dtypes gathered on their own); shown per option when ranks disagree."""
+    parts = [f"op={spec.name}", f"top-k size={index.shape[-1] if topk else 0}",
+             f"requires_grad={needs_grad}", f"mask={options.get('mask') is not None}",
+             f"labels={options.get('labels') is not None}", f"leading dims={lead_ndim}"]
     for name in sorted(options):
         if name in ("tp_group", "mask", "labels", "backend", "vocab_start", "vocab_end", "global_vocab_size"):
             continue  # compared elsewhere, or per rank by nature
@@ -103,7 +106,8 @@ def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim
 _DEFAULTS = {name: {**COMMON_OPTIONS, **spec.options} for name, spec in OPS.items()}
 
 
-def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
+def _local(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
+    """Everything this rank can check and look up on its own; raises on a bad call."""
     spec = get_spec(op)
     n_expected = len(spec.inputs) + (1 if spec.index else 0)
     if len(tensors) != n_expected:
@@ -114,61 +118,97 @@ def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
     if unknown:
         raise TypeError(f"{op} got unknown option(s) {', '.join(unknown)}; it takes: {', '.join(allowed)}")
     options = {**allowed, **given}
+    normalize_options(options, given)
     inputs = tuple(tensors[: len(spec.inputs)])
     index = tensors[len(spec.inputs)] if spec.index else None
-    group = options["tp_group"]
 
     p = _Prepared()
-    p.spec, p.options = spec, options
-    error, detail = 0, ""
-    try:
-        _local_checks(spec, inputs, index, options)
-    except (TypeError, ValueError) as exc:
-        error, detail = (3 if isinstance(exc, TypeError) else 1), str(exc)
-    ok = error == 0
-    logits = inputs[0] if ok else None
-    p.lead = tuple(logits.shape[:-1]) if ok else ()
-    p.topk = bool(ok and spec.name == "logprobs" and index.dim() == len(p.lead) + 1)
+    p.spec, p.options, p.index = spec, options, index
+    # Head inputs (vtp_runtime/head.py) are checked and validated through logits stand-ins
+    p.heads, inputs = head.stand_ins(inputs, spec.inputs)
+    _local_checks(spec, inputs, index, options)
+    p.inputs = inputs
+    p.lead = tuple(inputs[0].shape[:-1])
+    p.topk = spec.name == "logprobs" and index.dim() == len(p.lead) + 1
     grad_on = torch.is_grad_enabled()
-    p.needs_grad = tuple(bool(grad_on and t.requires_grad) for t in inputs) if ok else ()
+    p.needs_grad = tuple(grad_on and t.requires_grad for t in inputs)
+    p.forced, p.forced_by = dispatch.forced_backend(spec.name, options["backend"])
+    registered = REGISTRY.backends()  # under VTP_STRICT_PLUGINS=1, a plugin that failed raises here
+    if p.forced is not None and p.forced not in registered:
+        raise UnknownBackend(f"unknown backend {p.forced!r} (from {p.forced_by}); registered backends: "
+                             f"{', '.join(sorted(registered))}")
+    return p
 
-    forced, forced_by = dispatch.forced_backend(spec.name, options["backend"])
-    registered = REGISTRY.backends()
-    if forced is not None and forced not in registered and not error:
-        error, detail = 5, (f"unknown backend {forced!r} (from {forced_by}); registered backends: "
-                            f"{', '.join(sorted(registered))}")
-    device = logits.device if ok else torch.device("cpu")
+
+def _local_call(p: _Prepared) -> shards.LocalCall:
+    """This rank's part of the metadata gather."""
+    logits, options = p.inputs[0], p.options
+    device = logits.device
+    checksums = None
+    if shards.check_enabled():
+        normalizer = options["normalizer"]
+        checksums = shards.checksums(p.index if p.spec.index else options["labels"], options.get("mask"),
+                                     normalizer if isinstance(normalizer, Tensor) else None, device)
+    return shards.LocalCall(
+        op=p.spec.name, v_local=logits.shape[-1], vocab_start=options["vocab_start"],
+        vocab_end=options["vocab_end"], global_vocab_size=options["global_vocab_size"],
+        num_tokens=math.prod(p.lead), dtype=logits.dtype, device_type=device.type,
+        options_fingerprint=(_fingerprint(p.spec, options, p.index, p.topk, p.needs_grad, len(p.lead))
+                             + head.fingerprint(p.heads)),
+        forced=p.forced, forced_by=p.forced_by, available=dispatch.local_availability(device.type),
+        checksums=checksums)
+
+
+def _device_of(tensors: tuple) -> torch.device | None:
+    first = tensors[0] if tensors else None
+    return first.device if isinstance(first, Tensor) else None
+
+
+def _gather(op: str, tensors: tuple, given: dict[str, Any], group) -> tuple[_Prepared, shards.Layout]:
+    """``_local``, then the metadata gather and its checks. Any local failure, of any type,
+    travels through the gather as a flag instead of being raised before it (which would leave
+    the other ranks waiting in the gather forever); then every rank raises, this one its own
+    exception."""
+    p = local = failure = None
+    try:
+        p = _local(op, tensors, given)
+        local = _local_call(p)
+        row = shards.pack(local, group, p.inputs[0].device)
+    except Exception as exc:  # whatever it is, every rank must still reach the gather
+        failure, row = exc, shards.pack_failure(group, _device_of(tensors))
+    table = shards.gather(row, group)
+    return p, shards.validate(table, local, group, row.device, failure)
+
+
+def _request(p: _Prepared, tp_size: int, vocab_size: int, num_tokens: int, even_shards: bool,
+             empty_shard: bool) -> Request:
+    logits = p.inputs[0]
+    return Request(
+        op=p.spec.name, device_type=logits.device.type, dtype=logits.dtype, tp_size=tp_size,
+        vocab_size=vocab_size, num_tokens=num_tokens, even_shards=even_shards, empty_shard=empty_shard,
+        features=features_of(p.spec.name, p.options, topk=p.topk,
+                             teacher_grad=len(p.inputs) == 2 and p.needs_grad[1]),
+        head_inputs=p.heads is not None, head_per_token=p.heads is not None and _head_reduction(p.options) == "none")
+
+
+def _head_reduction(options) -> str:
+    """How a call with Head inputs runs: per token (``"none"``: gradients in backward) or as a
+    scalar (gradients during forward, for one upstream number). ``return_entropy`` gives two
+    outputs reduced apart, so its upstream gradient is not one number: per token."""
+    return "none" if options.get("return_entropy") else options["reduction"]
+
+
+def _prepare(op: str, tensors: tuple, given: dict[str, Any]) -> _Prepared:
+    group = given.get("tp_group")
     if shards.group_size(group) == 1:  # the hot path of single-device training: no gather
-        if error:
-            raise {3: TypeError, 5: UnknownBackend}.get(error, ValueError)(detail)
-        layout = shards.single_rank_layout(logits.shape[-1], options["vocab_start"],
-                                           options["global_vocab_size"], math.prod(p.lead))
+        p = _local(op, tensors, given)
+        layout = shards.single_rank_layout(p.inputs[0].shape[-1], p.options["vocab_start"],
+                                           p.options["global_vocab_size"], math.prod(p.lead))
     else:
-        local = shards.LocalCall(
-            op=spec.name,
-            v_local=logits.shape[-1] if ok else 0,
-            vocab_start=options["vocab_start"] if ok else None,
-            vocab_end=options["vocab_end"] if ok else None,
-            global_vocab_size=options["global_vocab_size"] if ok else None,
-            num_tokens=math.prod(p.lead) if ok else 0,
-            dtype=logits.dtype if ok else torch.float32,
-            device_type=device.type,
-            options_fingerprint=_fingerprint(spec, options, index, p.topk, p.needs_grad, len(p.lead)) if ok else "",
-            forced=forced,
-            available=dispatch.local_availability(device.type),
-            error=error,
-            error_detail=detail,
-        )
-        layout = shards.validate(shards.gather(local, group, device), local, group)
+        p, layout = _gather(op, tensors, given, group)
     p.layout = layout
-    p.inputs, p.index = inputs, index
-    p.request = Request(
-        op=spec.name, device_type=device.type, dtype=logits.dtype, tp_size=layout.tp_size,
-        vocab_size=layout.vocab_size, num_tokens=layout.num_tokens, even_shards=layout.even_shards,
-        empty_shard=0 in layout.sizes,
-        features=features_of(spec.name, options, topk=p.topk,
-                             teacher_grad=len(inputs) == 2 and p.needs_grad[1]))
-    p.forced, p.forced_by = forced, forced_by
+    p.request = _request(p, layout.tp_size, layout.vocab_size, layout.num_tokens, layout.even_shards,
+                         0 in layout.sizes)
     return p
 
 
@@ -226,7 +266,6 @@ def _run(p: _Prepared) -> Tensor:
     spec, options, layout = p.spec, p.options, p.layout
     backend = dispatch.select(p.request, layout, p.forced, p.forced_by)
     n = layout.num_tokens
-    inputs = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
     ignore_index = options.get("ignore_index", -100)
     index = mask = None
     if spec.index:
@@ -243,10 +282,15 @@ def _run(p: _Prepared) -> Tensor:
     call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
                 vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
                 needs_grad=p.needs_grad, topk=p.topk)
-    values = _VocabParallelFunction.apply(backend, call, index, mask, *inputs)
+    if p.heads is not None:
+        values = head.run_call(backend, call, p.heads, p.inputs, index, mask, _head_reduction(options),
+                               max(layout.sizes))
+    else:
+        rows = tuple(_rows(t, n, backend.input_layout) for t in p.inputs)
+        values = _VocabParallelFunction.apply(backend, call, index, mask, *rows)
     if options.get("return_entropy"):
         return _logprobs_and_entropy(values, p.lead, p.topk, index, options, ignore_index)
-    values = values.view(*p.lead, *values.shape[1:])
+    values = values.view(p.lead + tuple(values.shape[1:]))  # lead is () for 1-D logits: one token
     return _reduce(values, options, index, mask, ignore_index)
 
 
@@ -268,6 +312,8 @@ def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
     if normalizer is not None:
         if isinstance(normalizer, torch.Tensor):
             normalizer = normalizer.to(device=total.device, dtype=total.dtype).reshape(())
+            # not read on the host (no sync): a count that is not finite and > 0 gives NaN
+            normalizer = torch.where((normalizer > 0) & (normalizer < math.inf), normalizer, math.nan)
         return total / normalizer
     if reduction != "mean":
         return total
@@ -288,11 +334,12 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     """Compute ``op`` on vocabulary-sharded logits; see the typed helpers for each op.
 
     ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
-    each rank passing its local ``[..., V_local]`` shard. The result is fp32 (fp64 for fp64
-    inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for top-k log-probs) or a scalar when
-    reduced, and identical on every rank of ``tp_group``. DTensor logits give a DTensor
-    result on their mesh (see ``vtp_runtime.inputs``). ``logprobs`` with
-    ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
+    each rank passing its local ``[..., V_local]`` shard, or a ``vtp.Head`` standing for it
+    (``hidden @ weight_shard.T + bias``, never formed in full; see ``vtp_runtime/head.py``).
+    The result is fp32 (fp64 for fp64 inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for
+    top-k log-probs) or a scalar when reduced, and identical on every rank of ``tp_group``.
+    DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
+    ``logprobs`` with ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
     """
     if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
         return topk.kl(*tensors, **options)
@@ -303,14 +350,36 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
 
-def explain(op: str, *tensors: Tensor, **options: Any) -> dispatch.Explanation:
+def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> dispatch.Explanation:
     """Which backend ``loss(op, *tensors, **options)`` would use and why not the others.
-    A collective call like ``loss``: every rank of ``tp_group`` must call it."""
+
+    By default this rank's view, with no communication, so it may be called on one rank only
+    (``if rank == 0: print(vtp.explain(...))``): the other ranks' shards are assumed to be like
+    this one's (rank order, equal sizes) unless ``global_vocab_size`` or ``vocab_start`` say
+    otherwise, and their backends like this rank's. ``gather=True`` gathers the metadata as
+    ``loss`` does and gives the verdict of the real call, the same on every rank: then, like
+    ``loss``, every rank of ``tp_group`` must call it. With a ``vtp.TopK`` teacher, ``kl``'s
+    verdict is that of the student's top-k log-probs, the one op it runs.
+    """
     if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
-        return topk.explain(*tensors, **options)  # the student's log-probs at the teacher's ids
+        return topk.explain(*tensors, gather=gather, **options)
     tensors, options, _ = inputs.normalize(op, tensors, options)
-    p = _prepare(op, tensors, options)
-    return dispatch.explain_request(p.request, p.layout, p.forced, p.forced_by)
+    group = options.get("tp_group")
+    world = shards.group_size(group)
+    if gather or world == 1:
+        p = _prepare(op, tensors, options)
+        return dispatch.explain_request(p.request, p.layout, p.forced, p.forced_by)
+    p = _local(op, tensors, options)
+    v_local, rank = p.inputs[0].shape[-1], shards.group_rank(group)
+    start, given = p.options["vocab_start"], p.options["global_vocab_size"]
+    vocab_size = v_local * world if given is None else given
+    even = vocab_size == v_local * world and start in (None, rank * v_local)
+    request = _request(p, world, vocab_size, math.prod(p.lead), even, v_local == 0)
+    ex = dispatch.explain_request(request, None, p.forced, p.forced_by)
+    ex.view = (f"this rank's view: rank {rank} of {world}, other ranks assumed alike "
+               f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
+               f"checks them all")
+    return ex
 
 
 def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,

@@ -35,6 +35,11 @@ return one gradient per input (shape and dtype of that input) or None where
 right.
 Backward runs without building a graph: the core makes differentiating its result (a
 gradient penalty after ``create_graph=True``) raise, so no backend computes second order.
+
+Head inputs (``vtp.Head``, ``OpCapability(head_inputs=True)``): the core's driver in
+``vtp_runtime/head.py`` calls ``forward``/``head_backward`` once per token chunk on logits it
+computes into a reused buffer, so ``state`` must refer to the input tensors themselves (the
+driver refills the buffer before backward); ``head_driver`` may take over the whole call.
 """
 
 from __future__ import annotations
@@ -90,6 +95,12 @@ class OpCapability:
     # a second backward through a retained graph gives the same gradient (True), or raises a
     # RuntimeError saying why (False: e.g. a kernel that overwrites what it saved)
     repeat_backward: bool = True
+    # takes ``vtp_runtime.Head`` inputs (the fused linear head, vtp_runtime/head.py); kept
+    # apart from ``features``: it is a form of input, not an option of the op
+    head_inputs: bool = False
+    # with Head inputs, also a per-token result (reduction="none"), whose gradients need the
+    # per-token upstream gradient in backward; False: only sum/mean (gradients in forward)
+    head_per_token: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.features) - set(FEATURES)
@@ -110,6 +121,8 @@ class Request:
     even_shards: bool
     empty_shard: bool  # some rank holds V_local = 0
     features: frozenset[str] = frozenset()
+    head_inputs: bool = False  # some input is a vtp_runtime.Head
+    head_per_token: bool = False  # ... and the result is per token (reduction="none")
 
 
 @dataclass(frozen=True, eq=False)
@@ -232,6 +245,10 @@ class Backend:
             out.append("cannot handle zero tokens")
         for feature in sorted(request.features - cap.features):
             out.append(f"does not support {feature}")
+        if request.head_inputs and not cap.head_inputs:
+            out.append("head inputs not supported (pass logits, or force a backend that takes vtp.Head)")
+        elif request.head_per_token and not cap.head_per_token:
+            out.append("head inputs with a per-token result not supported (use reduction='sum' or 'mean')")
         return out
 
     def reasons(self, request: Request) -> list[str]:
@@ -246,6 +263,21 @@ class Backend:
     def backward(self, call: Call, state: SavedState | None,
                  grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
+
+    # -- the fused head (vtp_runtime/head.py), for backends declaring head_inputs --------
+    def head_driver(self, call: Call):
+        """A ``vtp_runtime.head.HeadDriver`` that runs a call with Head inputs its own way
+        (e.g. a library's fused linear cross entropy), or None for the generic token-chunk
+        driver, which calls ``forward``/``head_backward`` on each chunk's logits."""
+        return None
+
+    def head_backward(self, call: Call, state: SavedState | None, grad: torch.Tensor,
+                      scratch: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+        """``backward`` of one token chunk under the generic head driver. ``scratch[i]``:
+        input i is a logits buffer the driver owns and refills before any later use, so
+        its gradient may be written into it in place (one ``[rows, V_local]`` buffer less).
+        The default calls ``backward``."""
+        return self.backward(call, state, grad)
 
 
 def check_backend(backend: Backend) -> None:

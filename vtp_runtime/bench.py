@@ -32,22 +32,30 @@ OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: all)")
+    parser.add_argument("--ops", default=None,
+                        help="comma-separated ops (default: all; with --head: cross_entropy,jsd)")
     parser.add_argument("--backends", default="triton",
                         help="comma-separated vtp_runtime backends to time (default: triton; eager is slow)")
-    parser.add_argument("--peers", default="torch,liger",
-                        help="comma-separated peers: torch (dense PyTorch), liger; '' for none")
+    parser.add_argument("--peers", default=None,
+                        help="comma-separated peers: torch (dense PyTorch), liger, and with --head cce "
+                             "(cut-cross-entropy); '' for none (default: all of them that are installed)")
     parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size V")
     parser.add_argument("--tp", default="1,2,4,8", help="TP sizes: per-rank shard V/TP on one GPU")
     parser.add_argument("--tokens", default="1024,8192", help="token counts N")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="logits dtype (default: bfloat16)")
     parser.add_argument("--beta", type=float, default=0.5, help="JSD beta")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
+    parser.add_argument("--reps", type=int, default=30, help="timed calls; the median is reported (default 30)")
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
     parser.add_argument("--overhead", action="store_true", help="also measure CPU dispatch overhead per call")
     parser.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time against shard size (matplotlib)")
+    parser.add_argument("--head", type=int, metavar="H", default=None,
+                        help="time the fused linear head at hidden size H instead: vtp ops on vtp.Head(h, W) "
+                             "against h @ W.T then the op, and fused-linear peers (see vtp_runtime/bench_head.py)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="with --head: cpu tries it at tiny sizes (no memory figures); default cuda")
 
 
 @dataclass
@@ -328,6 +336,11 @@ def _arms(op, backends, peers, tp):
 
 def run(args) -> int:
     import torch
+    if args.head is not None:
+        from . import bench_head
+        return bench_head.run(args)
+    args.ops = args.ops or ",".join(OPS)
+    args.peers = "torch,liger" if args.peers is None else args.peers
     if not torch.cuda.is_available():
         print("vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2

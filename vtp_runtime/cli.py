@@ -1,4 +1,4 @@
-"""``vtp-runtime`` command line: ``demo``, ``info``, ``bench``.
+"""The vtp-runtime command line: demo, info, bench.
 
 Each subcommand lives in its own module with ``add_arguments(parser)`` and ``run(args) -> int``.
 """
@@ -16,8 +16,12 @@ COMMANDS = {
 }
 
 
+DESCRIPTION = ("Exact vocabulary-parallel losses on vocabulary-sharded logits. "
+               "Run 'vtp-runtime COMMAND --help' for a command's options.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vtp-runtime", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="vtp-runtime", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

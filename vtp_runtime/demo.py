@@ -1,11 +1,14 @@
 """``vtp-runtime demo``: distil, then fine-tune, a vocabulary-sharded student LM head.
 
-Spawns TP ranks (gloo on CPU; NCCL when there are at least as many GPUs), splits a small
-teacher and student output head **unevenly** over the vocabulary, trains the student with
-vocabulary-parallel JSD and then cross entropy (label smoothing, ignored labels), and checks
-every step's loss and weight gradient against a float64 dense computation on the full,
-unsharded head, and the weights against the same SGD run in float64. Exits non-zero when a
-deviation passes the tolerance.
+Spawns TP ranks (gloo on CPU; NCCL when there are at least as many GPUs), shards a small
+student output head over the vocabulary as a ``VocabParallelHead`` (torch.chunk's split:
+uneven when V is not a multiple of TP) and a frozen teacher head the same way, trains the
+student with vocabulary-parallel JSD and then cross entropy (label smoothing, ignored
+labels) straight from the hidden states through the fused head (``vtp.Head``: the logits
+never exist in full), and checks every step's loss, weight gradient and hidden gradient
+(complete on every rank) against a float64 dense computation on the full, unsharded head,
+and the weights against the same SGD run in float64. Exits non-zero when a deviation
+passes the tolerance.
 """
 
 from __future__ import annotations
@@ -30,12 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest relative deviation from float64 allowed (default 1e-4)")
 
 
-def uneven_sizes(vocab: int, world: int) -> list[int]:
-    """Shard sizes proportional to 2, 3, 4, ...: uneven on purpose."""
-    weights = [r + 2 for r in range(world)]
-    sizes = [vocab * w // sum(weights) for w in weights]
-    sizes[-1] += vocab - sum(sizes)
-    return sizes
+def shard_sizes(vocab: int, world: int) -> list[int]:
+    """V_local per rank under VocabParallelHead's split (torch.chunk's)."""
+    from .nn import shard_bounds
+    return [end - start for start, end in (shard_bounds(vocab, world, r) for r in range(world))]
 
 
 def _train(rank: int, world: int, group, cfg: dict) -> dict:
@@ -46,9 +47,7 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
     device = torch.device(f"cuda:{rank}") if cfg["nccl"] else torch.device("cpu")
     group = group if world > 1 else None
     vocab, d, n = cfg["vocab"], cfg["hidden"], cfg["tokens"]
-    sizes = uneven_sizes(vocab, world)
-    start = sum(sizes[:rank])
-    end = start + sizes[rank]
+    sizes = shard_sizes(vocab, world)
     g = torch.Generator().manual_seed(1234)  # same full tensors on every rank
     teacher_full = torch.randn(vocab, d, generator=g) * (3 / math.sqrt(d))
     student_full = torch.randn(vocab, d, generator=g) * (1 / math.sqrt(d))
@@ -59,9 +58,11 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
 
     dense = student_full.double().clone()  # the same training, float64, unsharded
     worst_weight = 0.0
+    lm_head = vtp.VocabParallelHead.from_full(student_full.to(device), tp_group=group)  # this rank's shard
+    start, end = lm_head.vocab_start, lm_head.vocab_end
+    student = lm_head.weight
     teacher = teacher_full[start:end].to(device)
-    student = student_full[start:end].clone().to(device).requires_grad_(True)
-    h, y = hidden.to(device), labels.to(device)
+    h, y = hidden.to(device, copy=True).requires_grad_(True), labels.to(device)
     steps = [("jsd", dict(beta=0.5))] * cfg["jsd_steps"] + \
             [("cross_entropy", dict(label_smoothing=0.1))] * cfg["ce_steps"]
     worst_loss = worst_grad = 0.0
@@ -69,12 +70,13 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
     last: dict[str, float] = {}
     backend_of: dict[str, str] = {}
     for step, (op, opts) in enumerate(steps, 1):
-        s_logits = h @ student.T  # [n, V_local]
-        args = (s_logits, h @ teacher.T) if op == "jsd" else (s_logits, y)
+        # the fused head: no [n, V_local] logits tensor; the teacher is a frozen Head
+        args = (lm_head(h), vtp.Head(h.detach(), teacher)) if op == "jsd" else (lm_head(h), y)
         if op not in backend_of:
-            backend_of[op] = vtp.explain(op, *args, tp_group=group, reduction="mean", **opts).backend
+            backend_of[op] = vtp.explain(op, *args, tp_group=group, reduction="mean", gather=True,
+                                         **opts).backend
         loss = vtp.loss(op, *args, tp_group=group, reduction="mean", **opts)
-        (grad,) = torch.autograd.grad(loss, [student])
+        grad, h_grad = torch.autograd.grad(loss, [student, h])
 
         # float64 dense reference on the full head, at the same weights
         rows = max(sizes)
@@ -91,8 +93,10 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
             needs_grad=(True,) + ((False,) if op == "jsd" else ()), **opts)
         ref_loss = ref_vals.sum() / count
         ref_grad = (ref_dlogits.T @ h64)[start:end]
+        ref_h_grad = ref_dlogits @ w_full  # over the whole vocabulary: complete on every rank
         dev_loss = abs(loss.item() - ref_loss.item()) / max(1.0, abs(ref_loss.item()))
-        dev_grad = ((grad.cpu().double() - ref_grad).abs().max() / ref_grad.abs().max().clamp(min=1e-30)).item()
+        dev_grad = max(((got.cpu().double() - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
+                       for got, want in ((grad, ref_grad), (h_grad, ref_h_grad)))
         dev = torch.tensor([dev_loss, dev_grad], dtype=torch.float64, device=device)
         if group is not None:
             torch.distributed.all_reduce(dev, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -123,13 +127,14 @@ def run(args: argparse.Namespace) -> int:
     from vtp_runtime.testing.distributed import RankPool
 
     nccl = args.tp > 1 and torch.cuda.is_available() and torch.cuda.device_count() >= args.tp
-    sizes = uneven_sizes(args.vocab, args.tp)
+    sizes = shard_sizes(args.vocab, args.tp)
     transport = "NCCL on GPUs" if nccl else "gloo on CPU"
-    print(f"vtp-runtime demo: {args.tp} ranks over {transport}; vocabulary {args.vocab} split unevenly as "
-          f"{sizes}; hidden {args.hidden}; {args.tokens} tokens per step")
-    print(f"{args.jsd_steps} steps of vocabulary-parallel JSD (beta=0.5) against a frozen teacher, then "
-          f"{args.ce_steps} of cross entropy (label smoothing 0.1, 10% ignored labels); each step checked "
-          f"against float64 on the unsharded head\n")
+    print(f"vtp-runtime demo: {args.tp} ranks over {transport}; vocabulary {args.vocab} split by VocabParallelHead "
+          f"(torch.chunk's split) as {sizes}; hidden {args.hidden}; {args.tokens} tokens per step")
+    print(f"{args.jsd_steps} steps of vocabulary-parallel JSD (beta=0.5) against a frozen teacher head, then "
+          f"{args.ce_steps} of cross entropy (label smoothing 0.1, 10% ignored labels), straight from the hidden "
+          f"states (vtp.Head); each step's loss and weight and hidden gradients checked against float64 on the "
+          f"unsharded head\n")
     print(f"{'step':>5s}  {'op':14s} {'loss':>10s}  {'backend':8s} {'dev loss':>10s} {'dev grad':>10s}", flush=True)
     cfg = dict(vocab=args.vocab, hidden=args.hidden, tokens=args.tokens, jsd_steps=args.jsd_steps,
                ce_steps=args.ce_steps, lr_jsd=args.lr_jsd, lr_ce=args.lr_ce, nccl=nccl)
@@ -146,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{op}: loss {r['first'][op]:.4f} -> {r['last'][op]:.4f} (backend {r['backends'][op]})")
     verdict = "PASS" if worst <= args.tolerance else "FAIL"
     print(f"largest deviation from the float64 dense reference over all steps and ranks: loss {r['loss']:.2e}, "
-          f"weight gradient {r['grad']:.2e}; weights after SGD vs the same training in float64 on the "
+          f"weight and hidden gradients {r['grad']:.2e}; weights after SGD vs the same training in float64 on the "
           f"unsharded head {r['weight']:.2e} (relative; tolerance {args.tolerance:g}) -> {verdict} "
           f"in {time.perf_counter() - started:.1f} s")
     return 0 if verdict == "PASS" else 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping
 
 from .backend import Backend, Request
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, add_note
 from .registry import REGISTRY
 from .shards import Layout, backend_key
 
@@ -75,13 +75,17 @@ class Explanation:
     forced_by: str = ""
     reasons: Mapping[str, list[str]] = field(default_factory=dict)
     local_notes: Mapping[str, list[str]] = field(default_factory=dict)
+    view: str = ""  # set when only this rank was consulted (explain without gather=True)
 
     def __str__(self) -> str:
         r = self.request
         lines = [f"vtp_runtime: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
                  f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
                  f"shards={'even' if r.even_shards else 'uneven'}{', one empty' if r.empty_shard else ''} "
-                 f"features={','.join(sorted(r.features)) or '-'}"]
+                 f"features={','.join(sorted(r.features)) or '-'}"
+                 + (" inputs=head" if r.head_inputs else "")]
+        if self.view:
+            lines.append(f"({self.view})")
         if self.forced:
             lines.append(f"forced: {self.forced} (by {self.forced_by})")
         lines.append(f"selected: {self.backend or 'none'}")
@@ -141,7 +145,7 @@ def select(request: Request, layout: Layout | None, forced: str | None, forced_b
     if ex.backend is None:
         err = BackendUnavailable(_unavailable_message(ex))
         for name, local in ex.local_notes.items():
-            err.add_note(f"on this rank, `{name}`: " + "; ".join(local))
+            add_note(err, f"on this rank, `{name}`: " + "; ".join(local))
         raise err
     _debug_log(ex, layout)
     backend = REGISTRY.get(ex.backend)

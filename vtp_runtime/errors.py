@@ -26,3 +26,13 @@ class UnknownBackend(VtpError, ValueError):
 
 class PluginError(VtpError, RuntimeError):
     """A backend plugin failed to load or registered something invalid."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``: a rank-local detail under the message every rank shares.
+    Python 3.10 has no ``add_note``: the note goes to ``__notes__`` all the same, which
+    tracebacks print from 3.11 on."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]

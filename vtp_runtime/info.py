@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a feature the call uses, e.g. temperature (repeatable; --explain)")
     parser.add_argument("--device", default=None, help="device type (--explain; default: this machine's)")
     parser.add_argument("--backend", default=None, help="explain a call forced to this backend (--explain)")
+    parser.add_argument("--head", nargs="?", const="scalar", default=None, choices=("scalar", "per-token"),
+                        help="inputs are vtp.Head (--explain): scalar = reduction sum/mean (default), "
+                             "per-token = reduction none")
 
 
 # -- facts ---------------------------------------------------------------------------------
@@ -96,15 +99,17 @@ def op_reasons(backend: Backend, op: str, device_type: str) -> list[str] | None:
 
 def simulated_request(op: str, dtype: torch.dtype, vocab: int, tp: int, tokens: int = 1024,
                       uneven: bool = False, device_type: str = "cpu", empty_shard: bool = False,
-                      features: frozenset[str] = frozenset()) -> Request:
-    """The Request every rank of a ``tp``-way call would build, without a process group."""
+                      features: frozenset[str] = frozenset(), head: str | None = None) -> Request:
+    """The Request every rank of a ``tp``-way call would build, without a process group.
+    ``head``: None (logits), "scalar" (vtp.Head inputs, sum/mean) or "per-token" (Head, "none")."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(OPS)}")
     if vocab < 1 or tp < 1 or tokens < 0:
         raise ValueError("vocab and tp must be >= 1 and tokens >= 0")
     even = not uneven and not empty_shard and vocab % tp == 0
     return Request(op=op, device_type=device_type, dtype=dtype, tp_size=tp, vocab_size=vocab,
-                   num_tokens=tokens, even_shards=even, empty_shard=empty_shard, features=frozenset(features))
+                   num_tokens=tokens, even_shards=even, empty_shard=empty_shard, features=frozenset(features),
+                   head_inputs=head is not None, head_per_token=head == "per-token")
 
 
 def collect() -> dict[str, Any]:
@@ -129,7 +134,8 @@ def collect() -> dict[str, Any]:
                         "features": sorted(cap.features),
                         "devices": None if cap.device_types is None else sorted(cap.device_types),
                         "tp_sizes": None if cap.tp_sizes is None else sorted(cap.tp_sizes),
-                        "even_shards_only": cap.even_shards_only})
+                        "even_shards_only": cap.even_shards_only, "head_inputs": cap.head_inputs,
+                        "head_per_token": cap.head_per_token})
         backends[name] = {"priority": b.priority, "plugin": owner.name if owner else "",
                           "source": owner.source if owner else "", "ops": ops}
     plugins = [{"name": r.name, "distribution": r.dist, "version": r.version, "status": r.status,
@@ -225,7 +231,8 @@ def explain_data(ex: dispatch.Explanation) -> dict[str, Any]:
     r = ex.request
     return {"request": {"op": r.op, "device_type": r.device_type, "dtype": str(r.dtype).replace("torch.", ""),
                         "tp_size": r.tp_size, "vocab_size": r.vocab_size, "num_tokens": r.num_tokens,
-                        "even_shards": r.even_shards, "empty_shard": r.empty_shard, "features": sorted(r.features)},
+                        "even_shards": r.even_shards, "empty_shard": r.empty_shard, "features": sorted(r.features),
+                        "head_inputs": r.head_inputs, "head_per_token": r.head_per_token},
             "selected": ex.backend, "forced": ex.forced, "forced_by": ex.forced_by,
             "reasons": {name: list(why) for name, why in ex.reasons.items()}}
 
@@ -268,7 +275,7 @@ def _explain(args) -> int:
         REGISTRY.ensure_loaded()
         request = simulated_request(args.explain, DTYPES[args.dtype], args.vocab, args.tp, args.tokens,
                                     args.uneven, args.device or default_device(), args.empty_shard,
-                                    frozenset(args.feature))
+                                    frozenset(args.feature), args.head)
         forced, forced_by = dispatch.forced_backend(args.explain, args.backend)
         ex = dispatch.explain_request(request, layout=None, forced=forced, forced_by=forced_by or "--backend")
     except (VtpError, ValueError) as exc:
@@ -278,5 +285,6 @@ def _explain(args) -> int:
         print(json.dumps(explain_data(ex), indent=2))
     else:
         print(ex)
-        print("(every rank assumed to be like this machine; on a cluster, vtp.explain(...) checks the real ranks)")
+        print("(every rank assumed to be like this machine; on a cluster, vtp.explain(..., gather=True) "
+              "on every rank checks the real ranks)")
     return 0 if ex.backend else 1

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -103,6 +103,44 @@ COMMON_OPTIONS: dict[str, Any] = {
 }
 
 
+# Scalar options are given one Python type before they are checked and compared across ranks,
+# so that equal values agree: temperature=2 on one rank and 2.0, np.float32(2) or
+# torch.tensor(2.) on another.
+FLOAT_OPTIONS = frozenset({"temperature", "label_smoothing", "z_loss", "beta", "normalizer"})
+SCALAR_OPTIONS = FLOAT_OPTIONS | {"ignore_index", "vocab_start", "vocab_end", "global_vocab_size", "reverse",
+                                   "return_entropy"}
+
+
+def _python_scalar(name: str, value: Any) -> Any:
+    """A numpy scalar or a 0-d CPU tensor as the Python number it holds; anything else as is."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            return value
+        if value.device.type != "cpu":
+            raise ValueError(f"{name} is a tensor on {value.device}; pass a Python number (reading a "
+                             f"device tensor would wait for the device)")
+        return value.item()
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()
+    return value
+
+
+def normalize_options(options: dict[str, Any], given: Iterable[str]) -> None:
+    """Give the scalar options among ``given`` one Python type each, in place: numpy scalars
+    and 0-d CPU tensors become Python numbers, and ints of float options floats. A tensor
+    ``normalizer`` stays a tensor (it is never read on the host)."""
+    for name in given:
+        if name not in SCALAR_OPTIONS:
+            continue
+        value = options[name]
+        if type(value) not in (int, float, bool) and value is not None and not (
+                name == "normalizer" and isinstance(value, torch.Tensor)):
+            value = _python_scalar(name, value)
+        if type(value) is int and name in FLOAT_OPTIONS:
+            value = float(value)
+        options[name] = value
+
+
 def get_spec(op: str) -> OpSpec:
     try:
         return OPS[op]
@@ -118,11 +156,12 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
     if options["reduction"] not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {options['reduction']!r}")
     n = options["normalizer"]
-    if isinstance(n, torch.Tensor):  # e.g. HF Trainer's num_items_in_batch; not read (no host sync)
-        if n.numel() != 1 or n.is_complex():
+    if isinstance(n, torch.Tensor):  # e.g. HF Trainer's num_items_in_batch; not read (no host sync):
+        if n.numel() != 1 or n.is_complex():  # a value that is not finite and > 0 gives NaN instead
             raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(n.shape)}")
-    elif n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0):
-        raise ValueError(f"normalizer must be a number > 0 (e.g. num_items_in_batch), got {n!r}")
+    elif n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n)
+                                and n > 0):
+        raise ValueError(f"normalizer must be a finite number > 0 (e.g. num_items_in_batch), got {n!r}")
     if not isinstance(options.get("ignore_index", -100), int):
         raise ValueError(f"ignore_index must be an int, got {options['ignore_index']!r}")
     if spec.name == "cross_entropy":

@@ -1,43 +1,46 @@
 """Cross-rank metadata: one fixed-size int64 all-gather per call, then checks every rank
 runs identically on the gathered table, so every rank raises the same error or none.
 
-Each rank describes its call in a vector of ``META_SIZE`` int64 (no pickling): local vocab
-size, explicit bounds, token count, dtype, device type, op and options fingerprint, forced
-backend, local validation error, and the backends that can run here. Nothing here may
-raise before the gather: a rank that raised early would leave the others waiting in it.
+Each rank describes its call in a vector of ``META_SIZE`` int64 (no pickling): whether the
+call failed locally, local vocab size, explicit bounds, token count, dtype, device type, op
+and options fingerprint, forced backend, optional checksums of the integer inputs
+(``VTP_CHECK=1``), and the backends that can run here. A rank whose call fails before the
+gather still takes part in it, with the error flag set: a rank that raised early would leave
+the others waiting in the gather forever. Error paths, which every rank takes together
+because they read the same table, may spend one more collective to exchange texts (what
+failed, each rank's option values).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .comm import all_gather_stack, group_rank, group_size
-from .errors import ShardError
+from .errors import ShardError, add_note
 from .ops import OPS
 
-MAGIC = 0x7674_7001  # "vtp" + layout version: ranks on different vtp_runtime layouts disagree here
+MAGIC = 0x7674_7002  # "vtp" + layout version: ranks on different vtp_runtime layouts disagree here
 MAX_BACKEND_SLOTS = 24
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "npu")
 
-# Fixed fields of the metadata vector, in order.
-FIELDS = ("magic", "v_local", "vocab_start", "vocab_end", "global_vocab_size", "num_tokens",
-          "dtype", "device_type", "op", "options", "forced", "error", "error_detail")
+# Fixed fields of the metadata vector, in order. "error" is 1 on a rank whose call failed
+# locally (every other field is then 0); the check_* fields are written on the device.
+FIELDS = ("magic", "error", "v_local", "vocab_start", "vocab_end", "global_vocab_size", "num_tokens",
+          "dtype", "device_type", "op", "options", "forced", "check", "check_index", "check_mask",
+          "check_normalizer")
 F = {name: i for i, name in enumerate(FIELDS)}
 META_SIZE = len(FIELDS) + MAX_BACKEND_SLOTS
+CHECKSUMS = ("check_index", "check_mask", "check_normalizer")
+_INT64 = range(-2**63, 2**63)
 
-# Local validation errors travel as codes, so every rank can render the same message.
-ERRORS = {
-    1: "invalid argument value or shape",
-    3: "invalid argument type",
-    5: "unknown backend name",
-    7: "too many backends available",
-}
+TEXT_BYTES = 4096  # per rank, in the texts exchanged on error paths (longer ones are cut)
 
 
 def stable_hash(text: str) -> int:
@@ -48,6 +51,33 @@ def stable_hash(text: str) -> int:
 def backend_key(name: str, priority: int) -> int:
     """Slot value naming a backend; priority is part of it so every rank orders it the same."""
     return stable_hash(f"backend:{name}:{priority}") or 1
+
+
+def check_enabled() -> bool:
+    """``VTP_CHECK=1``: compare checksums of the labels/index, mask and tensor normalizer."""
+    return os.environ.get("VTP_CHECK", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_K1, _K2 = 0x5851_F42D_4C95_7F2D, 0x1405_7B7E_F767_814F  # odd 63-bit multipliers
+
+
+def _checksum(t: torch.Tensor) -> torch.Tensor:
+    """An int64 checksum of an integer tensor's values and their positions, on its device.
+    Integer sums wrap and are exact, so equal tensors give equal sums on every rank."""
+    x = t.reshape(-1).long()
+    h = (x ^ (torch.arange(x.numel(), device=x.device) * _K2)) * _K1
+    return (h ^ (h >> 29)).sum()
+
+
+def checksums(index: torch.Tensor | None, mask: torch.Tensor | None,
+              normalizer: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """int64 ``[3]`` on ``device``: checksums of the labels/index, the mask and the bits of a
+    tensor normalizer (0 where absent). Device work only; the gather reads them."""
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    n = None if normalizer is None else normalizer.to(device=device, dtype=torch.float64).reshape(1)
+    return torch.stack([zero if index is None else _checksum(index),
+                        zero if mask is None else _checksum(mask),
+                        zero if n is None else n.view(torch.int64)[0]])
 
 
 @dataclass
@@ -62,11 +92,11 @@ class LocalCall:
     num_tokens: int
     dtype: torch.dtype
     device_type: str
-    options_fingerprint: str
+    options_fingerprint: str  # "name=value|..." of everything every rank must agree on
     forced: str | None
     available: tuple[int, ...]  # backend_key of each backend whose probe passes here
-    error: int = 0
-    error_detail: str = ""
+    forced_by: str = ""
+    checksums: torch.Tensor | None = None  # from checksums(), under VTP_CHECK=1
 
 
 @dataclass(frozen=True)
@@ -102,6 +132,7 @@ def single_rank_layout(v_local: int, vocab_start: int | None, global_vocab_size:
 
 
 def encode(local: LocalCall) -> list[int]:
+    """This rank's metadata vector; raises ValueError for a value int64 cannot carry."""
     row = [0] * META_SIZE
     row[F["magic"]] = MAGIC
     row[F["v_local"]] = local.v_local
@@ -109,34 +140,86 @@ def encode(local: LocalCall) -> list[int]:
     row[F["vocab_end"]] = -1 if local.vocab_end is None else local.vocab_end
     row[F["global_vocab_size"]] = -1 if local.global_vocab_size is None else local.global_vocab_size
     row[F["num_tokens"]] = local.num_tokens
+    for name in ("vocab_start", "vocab_end", "global_vocab_size", "num_tokens"):
+        if row[F[name]] not in _INT64:
+            raise ValueError(f"{name}={getattr(local, name)} is out of range: vocabulary ids and token "
+                             f"counts must be below 2**63")
     row[F["dtype"]] = DTYPES.index(local.dtype) if local.dtype in DTYPES else 99
     row[F["device_type"]] = (DEVICE_TYPES.index(local.device_type) if local.device_type in DEVICE_TYPES
                              else 100 + stable_hash(local.device_type) % 1000)
     row[F["op"]] = list(OPS).index(local.op)
     row[F["options"]] = stable_hash(local.options_fingerprint)
     row[F["forced"]] = stable_hash(local.forced) if local.forced else 0
-    if len(local.available) > MAX_BACKEND_SLOTS and not local.error:
-        local.error, local.error_detail = 7, f"more than {MAX_BACKEND_SLOTS} backends are available"
-    row[F["error"]] = local.error
-    row[F["error_detail"]] = stable_hash(local.error_detail) if local.error else 0
-    for i, key in enumerate(local.available[:MAX_BACKEND_SLOTS]):
+    row[F["check"]] = int(local.checksums is not None)
+    if len(local.available) > MAX_BACKEND_SLOTS:
+        raise RuntimeError(f"more than {MAX_BACKEND_SLOTS} backends are available; uninstall some, or "
+                           f"load fewer plugins with VTP_PLUGINS")
+    for i, key in enumerate(local.available):
         row[len(FIELDS) + i] = key
     return row
 
 
-def _metadata_device(group, device: torch.device) -> torch.device:
+def _metadata_device(group, device: torch.device | None) -> torch.device:
     # gloo gathers CPU tensors; NCCL/XCCL need the tensor on the accelerator.
     backend = str(dist.get_backend(group)).lower()
-    return torch.device("cpu") if "gloo" in backend or device.type == "meta" else device
+    if "gloo" in backend or (device is not None and device.type == "meta"):
+        return torch.device("cpu")
+    if device is not None:
+        return device
+    # a call that failed before its device was known: the device the group communicates on
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "xccl" in backend:
+        return torch.device("xpu", torch.xpu.current_device())
+    return torch.device("cpu")
 
 
-def gather(local: LocalCall, group, device: torch.device) -> list[list[int]]:
+def pack(local: LocalCall, group, device: torch.device) -> torch.Tensor:
+    """This rank's metadata vector as an int64 tensor on the device ``group`` gathers on."""
+    row = torch.tensor(encode(local), dtype=torch.int64, device=_metadata_device(group, device))
+    if local.checksums is not None:  # device to device: no host read here
+        row[F[CHECKSUMS[0]]:F[CHECKSUMS[-1]] + 1] = local.checksums.to(row.device)
+    return row
+
+
+def pack_failure(group, device: torch.device | None) -> torch.Tensor:
+    """The metadata vector of a rank whose call failed locally."""
+    row = [0] * META_SIZE
+    row[F["magic"]], row[F["error"]] = MAGIC, 1
+    return torch.tensor(row, dtype=torch.int64, device=_metadata_device(group, device))
+
+
+def gather(row: torch.Tensor, group) -> list[list[int]]:
     """The table of every rank's metadata vector, in group-rank order (one collective)."""
-    row = encode(local)
     if group_size(group) == 1:
-        return [row]
-    mine = torch.tensor(row, dtype=torch.int64, device=_metadata_device(group, device))
-    return all_gather_stack(mine, group).cpu().tolist()
+        return [row.tolist()]
+    return all_gather_stack(row, group).cpu().tolist()
+
+
+def gather_texts(text: str, group, device: torch.device) -> list[str]:
+    """Every rank's ``text``, in rank order: one fixed-size collective. Only on error paths,
+    which every rank takes together (they are decided by the gathered table)."""
+    data = text.replace("\0", " ").encode("utf-8", "replace")
+    if len(data) > TEXT_BYTES:
+        data = data[: TEXT_BYTES - 3] + b"..."
+    mine = torch.zeros(TEXT_BYTES, dtype=torch.uint8)
+    mine[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    rows = all_gather_stack(mine.to(device), group).cpu()
+    return [bytes(r.tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in rows]
+
+
+def _check_checksums(table) -> None:
+    on = [r for r, row in enumerate(table) if row[F["check"]]]
+    if not on:
+        return
+    if len(on) < len(table):
+        raise ShardError(f"VTP_CHECK=1 is set on {_ranks(on)} but not on "
+                         f"{_ranks(r for r in range(len(table)) if r not in on)}; set it on every rank or none")
+    spec = OPS[list(OPS)[table[0][F["op"]]]]
+    names = {"check_index": spec.index or "labels", "check_mask": "mask", "check_normalizer": "normalizer"}
+    for field in CHECKSUMS:
+        _disagree(table, field, f"the {names[field]} values, by VTP_CHECK=1 checksum",
+                  show=lambda v: hex(v & (2**64 - 1)))
 
 
 def _ranks(ranks) -> str:
@@ -155,31 +238,73 @@ def _disagree(table, field: str, what: str, show=None) -> None:
                          f"of tp_group must make the same call")
 
 
-def validate(table: list[list[int]], local: LocalCall, group) -> Layout:
-    """Check the gathered table; raise the same ShardError on every rank, or return the layout."""
+def _failures(table, local_failure: Exception | None, rank: int, group, device) -> None:
+    """If some rank's call failed before the gather, every rank raises: the failing ranks
+    their own exception, the others a ShardError naming each failing rank and its error."""
+    failed = [r for r, row in enumerate(table) if row[F["error"]]]
+    if not failed:
+        return
+    exc = local_failure
+    texts = gather_texts("" if exc is None else f"{type(exc).__name__}: {exc}", group, device)
+    if exc is not None:
+        others = [r for r in failed if r != rank]
+        if others:
+            add_note(exc, "the call failed on other ranks too: "
+                     + "; ".join(f"rank {r}: {texts[r]}" for r in others))
+        raise exc
+    raise ShardError(f"the call failed on {_ranks(failed)} of tp_group before the metadata gather, so "
+                     f"every rank raises; fix it there:\n"
+                     + "\n".join(f"  rank {r}: {texts[r]}" for r in failed))
+
+
+def _fields(text: str) -> dict[str, str]:
+    return dict(part.partition("=")[::2] for part in text.split("|") if part)
+
+
+def _differences(texts: list[str]) -> dict[str, str]:
+    """``{name: "rank 0 = a, rank 1 = b"}`` for each name whose value differs between the ranks."""
+    per_rank = [_fields(t) for t in texts]
+    out = {}
+    for name in dict.fromkeys(k for fields in per_rank for k in fields):
+        values = [fields.get(name, "(not given)") for fields in per_rank]
+        if len(set(values)) > 1:
+            groups: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                groups.setdefault(v, []).append(r)
+            out[name] = ", ".join(f"{_ranks(rs)} = {v}" for v, rs in groups.items())
+    return out
+
+
+FORCED = "forced backend"
+
+
+def _detail_text(local: LocalCall) -> str:
+    forced = f"{local.forced!r} ({local.forced_by})" if local.forced else "none"
+    return f"{local.options_fingerprint}|{FORCED}={forced}"
+
+
+def validate(table: list[list[int]], local: LocalCall | None, group, device: torch.device,
+             failure: Exception | None = None) -> Layout:
+    """Check the gathered table; raise on every rank, or return the layout. ``failure``: this
+    rank's local exception (``local`` is None then); ``device``: where the table was gathered."""
     rank, world = group_rank(group), len(table)
     _disagree(table, "magic", "vtp_runtime metadata version (install the same vtp_runtime on every rank)",
               show=hex)
-    errors = [(r, row[F["error"]], row[F["error_detail"]]) for r, row in enumerate(table) if row[F["error"]]]
-    if errors:
-        # every rank failed the same way: every rank knows the full text, so show it
-        same_detail = len(errors) == world and len({(c, d) for _, c, d in errors}) == 1
-        if same_detail:  # every failing rank hit the same problem: show it in full
-            msg = f"{local.error_detail} ({_ranks(r for r, _, _ in errors)})"
-        else:
-            msg = "invalid call on " + "; ".join(f"rank {r}: {ERRORS.get(c, c)}" for r, c, _ in errors)
-        err = ShardError(msg)
-        if local.error and not same_detail:
-            err.add_note(f"on this rank ({rank}): {local.error_detail}")
-        raise err
+    _failures(table, failure, rank, group, device)
     _disagree(table, "op", "the op", show=lambda v: list(OPS)[v])
     _disagree(table, "num_tokens", "the number of tokens")
     _disagree(table, "dtype", "the logits dtype",
               show=lambda v: str(DTYPES[v]).replace("torch.", "") if v < len(DTYPES) else v)
     _disagree(table, "device_type", "the device type",
               show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
-    _disagree(table, "options", "op options (values, index shape, mask, which inputs require grad)")
-    _disagree(table, "forced", "the forced backend (backend=, use_backend, VTP_BACKEND*)")
+    if len({row[F["options"]] for row in table}) > 1 or len({row[F["forced"]] for row in table}) > 1:
+        diff = _differences(gather_texts(_detail_text(local), group, device))
+        forced = diff.pop(FORCED, None)
+        what = (f"op options: {'; '.join(f'{k}: {v}' for k, v in diff.items())}" if diff
+                else f"the forced backend (backend=, use_backend, VTP_BACKEND*): {forced}")
+        raise ShardError(f"the ranks of the TP group disagree on {what}; every rank of tp_group must "
+                         f"make the same call")
+    _check_checksums(table)
     _disagree(table, "global_vocab_size", "global_vocab_size")
 
     sizes = tuple(row[F["v_local"]] for row in table)

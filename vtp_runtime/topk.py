@@ -93,12 +93,13 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
     return out if wrap is None else wrap(out)
 
 
-def explain(student_logits: Any, teacher: TopK, **options: Any):
-    """Which backend runs the student's log-probs of ``kl(student_logits, teacher)``."""
+def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **options: Any):
+    """Which backend runs the student's log-probs of ``kl(student_logits, teacher)``
+    (``gather`` as for ``vtp.explain``)."""
     from . import api
 
     given = _prepare(teacher, options.pop("reverse", False), options.pop("tail", False), options)
-    return api.explain("logprobs", student_logits, teacher.index, ignore_index=given["ignore_index"],
+    return api.explain("logprobs", student_logits, teacher.index, gather=gather, ignore_index=given["ignore_index"],
                        **{k: given[k] for k in _LOGPROBS_OPTIONS})
 
 

@@ -113,8 +113,10 @@ class EagerBackend(Backend):
     name = "eager"
     priority = 0
     input_layout = "any"  # torch ops take any strides: never a copy of a viewable input
-    # every op with every feature that applies to it, on any device, in every dtype
-    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
+    # every op with every feature that applies to it, on any device, in every dtype, from logits
+    # or from vtp.Head inputs (the core's token-chunk driver computes each chunk's logits)
+    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features),
+                            head_inputs=True)
            for op, spec in OPS.items()}
 
     def forward(self, call, inputs, index, mask):

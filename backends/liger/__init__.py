@@ -20,6 +20,19 @@ raises with the reasons):
   no rank" and returns ``lse`` — silently wrong. Here the value and the gradient row are NaN
   (the NaN goes in through the upstream gradient Liger multiplies by).
 
+``cross_entropy`` with ``vtp.Head`` inputs (the fused head; sum/mean results only, since
+Liger computes the head's gradients in its forward pass for an upstream gradient of ones):
+
+- TP = 1: Liger's fused linear cross entropy (``fused_linear_cross_entropy_forward``, the
+  function behind ``LigerFusedLinearCrossEntropyFunction``) with ``reduction="none"``, which
+  returns per-token losses and, in the same pass, the gradients of hidden, weight and bias;
+  backward scales them by the upstream gradient. Labels outside ``[0, V)`` are passed to
+  Liger as ``ignore_index`` (it would read out of bounds) and their values and gradients
+  set to NaN here.
+- TP > 1 (even shards): the generic token-chunk driver of ``vtp_runtime.head`` with the
+  vocabulary-parallel CE above on each chunk (its fp32 softmax buffer is per chunk).
+- ``reduction="none"`` with a Head is refused (``head_per_token=False``).
+
 ``kl`` and ``jsd`` — Liger's JSD primitive (``jsd_loss_and_grad``, the kernel behind
 ``LigerJSDFunction``) at TP = 1 only (it has no cross-rank statistics).
 
@@ -47,6 +60,7 @@ from importlib import metadata
 import torch
 
 from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
+from vtp_runtime.head import HeadDriver, HeadRun
 from vtp_runtime.registry import hookimpl
 
 MIN_VERSION = (0, 8, 1)
@@ -112,7 +126,8 @@ class LigerBackend(Backend):
     # layout (a transposed input gives transposed log-probs), so inputs come contiguous
     input_layout = "contiguous"
     ops = {
-        "cross_entropy": OpCapability(**_CAP, even_shards_only=True, repeat_backward=False),
+        "cross_entropy": OpCapability(**_CAP, even_shards_only=True, repeat_backward=False, head_inputs=True,
+                                      head_per_token=False),
         "kl": OpCapability(**_CAP, tp_sizes=frozenset({1}),
                            features=frozenset({"mask", "reverse", "temperature"})),
         "jsd": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "temperature"})),
@@ -149,6 +164,11 @@ class LigerBackend(Backend):
             return [f"liger-kernel {version}: LigerVocabParallelCEFunction cannot be imported "
                     f"({type(exc).__name__}: {exc})"]
         return []
+
+    def head_driver(self, call):
+        if call.op == "cross_entropy" and call.request.tp_size == 1:
+            return FUSED_LINEAR_CE
+        return None  # the generic token-chunk driver, with the vocabulary-parallel CE per chunk
 
     def forward(self, call, inputs, index, mask):
         for t in inputs:
@@ -235,6 +255,56 @@ def _ce_backward(call: Call, state: CrossEntropyState, grad):
     grad = torch.where(_bad_labels(target, call), torch.full_like(grad, math.nan), grad)
     grad_input = _ce_module().LigerVocabParallelCEFunction.backward(ctx, grad.view(n, 1))[0]
     return (grad_input.view(n, v),)
+
+
+# -- cross entropy from a Head at TP = 1: Liger's fused linear cross entropy ----------------
+
+def _flce_module():
+    from liger_kernel.ops import fused_linear_cross_entropy as mod
+    return mod
+
+
+class FusedLinearCrossEntropy(HeadDriver):
+    """Liger's fused linear cross entropy as the driver of a TP = 1 ``cross_entropy`` call
+    whose input is a Head: per-token losses and the gradients for an upstream gradient of
+    ones in one pass (``run.scalar`` only; dispatch refuses per-token results)."""
+
+    def forward(self, run: HeadRun) -> Tensor:
+        (x,) = run.inputs
+        call, labels = run.call, run.index
+        ii = call.options["ignore_index"]
+        bad = _bad_labels(labels, call)
+        nh, nw, nb, _ = x.needs
+        grads = run.needs_grad
+        # aliases that say which gradients Liger should compute (this runs under no_grad)
+        hidden = x.hidden.detach().requires_grad_(grads)
+        weight = x.weight.detach().requires_grad_(grads and nw)
+        bias = None if x.bias is None else x.bias.detach()
+        out = _flce_module().fused_linear_cross_entropy_forward(
+            _input=hidden, weight=weight, target=torch.where(bad, torch.full_like(labels, ii), labels), bias=bias,
+            ignore_index=ii, reduction="none")
+        loss = out[0]
+        if loss.dim() != 1:
+            raise RuntimeError(f"liger-kernel {liger_version()}: fused_linear_cross_entropy_forward did not return "
+                               f"per-token losses for reduction='none'; this version is not supported by the liger "
+                               f"backend's fused head (force another backend, e.g. backend='triton')")
+        value = torch.where(bad, torch.full_like(loss, math.nan), loss.float())
+        if grads:
+            d_hidden, d_weight, d_bias = out[-3:]  # the last three in every version
+            if bool(bad.any()):  # Liger syncs on the label count anyway; a NaN row poisons every sum
+                d_hidden[bad] = math.nan
+                for d in (d_weight, d_bias):
+                    if d is not None:
+                        d.fill_(math.nan)
+            x.grads = [d_hidden if nh else None, d_weight if nw else None, d_bias if nb else None, None]
+        return value
+
+    def backward(self, run: HeadRun, grad: Tensor) -> None:
+        raise RuntimeError("the liger backend's fused linear cross entropy has no per-token backward; "
+                           "dispatch refuses reduction='none' with Head inputs for it")
+
+
+FUSED_LINEAR_CE = FusedLinearCrossEntropy()
 
 
 # -- KL and JSD (TP = 1) -------------------------------------------------------------------

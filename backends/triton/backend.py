@@ -97,8 +97,10 @@ class PairState(SavedState):
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
-    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16."""
-    return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features))
+    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16,
+    from logits or from ``vtp.Head`` inputs."""
+    return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features),
+                             head_inputs=True)
             for op, spec in OPS.items()}
 
 
@@ -192,12 +194,18 @@ class TritonBackend(Backend):
         return self._forward_jsd(call, inputs, mask, call.options["beta"])
 
     def backward(self, call, state, grad):
+        return self.head_backward(call, state, grad, (False, False))
+
+    def head_backward(self, call, state, grad, scratch):
+        """Under the fused head the kernels write each gradient over its logits buffer: every
+        program reads a tile of the inputs before it writes that tile, and nothing else reads
+        it later (the statistics are saved apart)."""
         if call.op in _ONE_INPUT_KIND:
-            return self._backward1(call, state, grad)
+            return self._backward1(call, state, grad, in_place=scratch[0])
         reverse = kl_direction(call.op, call.options)
         if reverse is not None:
-            return self._backward2(call, state, grad, layout.KL, reverse)
-        return self._backward2(call, state, grad, layout.JSD, False)
+            return self._backward2(call, state, grad, layout.KL, reverse, scratch)
+        return self._backward2(call, state, grad, layout.JSD, False, scratch)
 
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
         opts = call.options
@@ -327,14 +335,14 @@ class TritonBackend(Backend):
         splits = max(1, min(_cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
         return splits, _chunk(v_local, splits, cfg.block_bwd)
 
-    def _backward1(self, call: Call, state: OneInputState, grad):
+    def _backward1(self, call: Call, state: OneInputState, grad, in_place: bool = False):
         opts = call.options
         kind = _ONE_INPUT_KIND[call.op]
         z, idx, stats, keep = state.logits, state.index, state.stats, state.keep
         if not call.needs_grad[0]:
             return (None,)
         n, v_local = _num_rows(z), z.shape[-1]
-        dz = torch.empty(z.shape, dtype=z.dtype, device=z.device)
+        dz = z if in_place else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         if n == 0 or v_local == 0:
             return (dz,)
         k = _kernels()
@@ -356,16 +364,19 @@ class TritonBackend(Backend):
             num_warps=cfg.warps_bwd)
         return (dz,)
 
-    def _backward2(self, call: Call, state: PairState, grad, kind: int, reverse: bool):
+    def _backward2(self, call: Call, state: PairState, grad, kind: int, reverse: bool,
+                   scratch: tuple[bool, bool] = (False, False)):
         student, teacher, stats, keep = state.student, state.teacher, state.stats, state.keep
         need_s, need_t = call.needs_grad
         # KL(A || B): forward A = teacher, reverse A = student; JSD: a = student, b = teacher
         if kind == layout.KL and not reverse:
             a, b, need_a, need_b = teacher, student, need_t, need_s
+            in_place_a, in_place_b = scratch[1], scratch[0]
         else:
             a, b, need_a, need_b = student, teacher, need_s, need_t
-        da = torch.empty(a.shape, dtype=a.dtype, device=a.device) if need_a else None
-        db = torch.empty(b.shape, dtype=b.dtype, device=b.device) if need_b else None
+            in_place_a, in_place_b = scratch
+        da = (a if in_place_a else torch.empty(a.shape, dtype=a.dtype, device=a.device)) if need_a else None
+        db = (b if in_place_b else torch.empty(b.shape, dtype=b.dtype, device=b.device)) if need_b else None
         n, v_local = _num_rows(a), a.shape[-1]
         if (need_a or need_b) and n > 0 and v_local > 0:
             k = _kernels()

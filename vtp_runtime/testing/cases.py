@@ -221,41 +221,25 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     tensors = local + ([index] if index is not None else [])
     out = vtp.loss(case.op, *tensors, **kwargs)
 
-    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer", "return_entropy")}
     # the reference runs on the case's device (float64 is quick on a GPU at real sizes);
     # its results come back to the CPU for the comparisons
     flat_logits = tuple(z.reshape(n, full_vocab).to(dev) for z in logits)
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
     flat_extra = {k: v.reshape(n).to(dev) for k, v in extra.items()}
-    # (op, index, extra) of the reference of each output: with return_entropy the log-probs,
-    # then the entropy of the tokens whose index is not entirely ignore_index
-    outs = out if isinstance(out, tuple) else (out,)
-    parts = [(case.op, flat_index, flat_extra)]
-    if opts.get("return_entropy"):
-        ii = opts.get("ignore_index", -100)
-        kept = (flat_index if case.topk else flat_index[:, None]) != ii
-        parts.append(("entropy", None, {"mask": kept.any(-1)}))
-    assert len(outs) == len(parts), f"{len(outs)} outputs, expected {len(parts)}"
-    g = torch.Generator().manual_seed(case.seed + 7)
-    upstreams, ref_grads, undefined_rows = [], None, torch.zeros(n, dtype=torch.bool)
+    outs = outputs(out)
+    ref_outs, upstreams, ref_rows, ref_grads = reference(case, flat_logits, flat_index, flat_extra,
+                                                         [o.shape for o in outs], case.grads[: len(flat_logits)])
+    del flat_logits
     errors = {}
-    for i, (o, (op, part_index, part_extra)) in enumerate(zip(outs, parts)):
-        upstream = (torch.randn(o.shape, generator=g, dtype=torch.float64) if o.dim()
-                    else torch.tensor(1.5, dtype=torch.float64))
-        ref_out, ref_rows, grads = _expected(op, flat_logits, part_index, part_extra, ref_opts, opts, o.shape,
-                                             upstream, case.grads[: len(flat_logits)], dev)
+    for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
         # values: fp32 accumulation against float64
         _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
                VALUE_RTOL[case.dtype], errors)
-        upstreams.append(upstream)
-        undefined_rows |= ~torch.isfinite(ref_rows)
-        ref_grads = grads if ref_grads is None else tuple(a if b is None else a + b for a, b in zip(ref_grads, grads))
-    del flat_logits
     if any(t.requires_grad for t in local):
         wanted = [t for t in local if t.requires_grad]
 
         def objective():
-            return sum((o.double() * u.to(o.device)).sum() for o, u in zip(outs, upstreams))
+            return weighted_sum(outs, upstreams)
 
         # with second_order, the first backward builds a graph of the gradient
         grads = torch.autograd.grad(objective(), wanted, retain_graph=True, create_graph=case.second_order)
@@ -272,14 +256,14 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
             # the gradient of a token whose value is inf or NaN is undefined: skip those rows,
             # but every other row must still match (no NaN leaking across tokens)
             got = got.cpu()
-            undefined = undefined_rows.reshape(*t.shape[:-1], 1).expand(t.shape)
+            undefined = ~torch.isfinite(ref_rows).reshape(*t.shape[:-1], 1).expand(t.shape)
             got = torch.where(undefined, torch.zeros((), dtype=got.dtype), got)
             want = torch.where(undefined, torch.zeros((), dtype=want.dtype), want)
             _close(f"grad[{i}]", got.cpu().double(), want, GRAD_RTOL[case.dtype], errors)
         # a second backward through the retained graph gives the same gradient, or -- where
         # the backend declares it cannot (repeat_backward=False) -- a RuntimeError, never a
         # different gradient
-        name = case.backend or vtp.explain(case.op, *tensors, **kwargs).backend
+        name = case.backend or vtp.explain(case.op, *tensors, gather=True, **kwargs).backend
         repeat = REGISTRY.get(name).ops[case.op].repeat_backward
         try:
             again = torch.autograd.grad(objective(), wanted)
@@ -295,20 +279,74 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     return errors
 
 
-def _expected(op: str, flat_logits: tuple, flat_index, flat_extra: dict, ref_opts: dict, opts: dict,
-              out_shape: torch.Size, upstream: torch.Tensor, needs_grad: tuple[bool, ...], dev: torch.device):
-    """The float64 reference of one output, reduced as the call reduces it: ``(value,
-    per-token values [N], gradients of sum(value * upstream) w.r.t. each logits input)``,
-    computed on ``dev`` and returned on the CPU."""
+def _check_no_second_order(op: str, grads, inputs) -> None:
+    """Differentiating a gradient of a vtp_runtime op (a gradient penalty) must raise, never
+    give a second-order term that is silently missing."""
+    penalty = sum(gr.double().nan_to_num().pow(2).sum() for gr in grads)
+    try:
+        torch.autograd.grad(penalty, inputs, retain_graph=True)
+    except RuntimeError as exc:
+        assert "second-order gradients" in str(exc), f"{op}: differentiating the gradient raised {exc!r}"
+    else:
+        raise AssertionError(f"{op}: differentiating the gradient (create_graph=True) gave a number; it must "
+                             f"raise, since the second-order term is not computed")
+
+
+def outputs(out) -> tuple[torch.Tensor, ...]:
+    """A call's outputs as a tuple: ``logprobs`` with ``return_entropy`` has two."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def weighted_sum(outs: tuple[torch.Tensor, ...], upstreams) -> torch.Tensor:
+    """``sum_i sum(outs[i] * upstreams[i])`` in float64: the objective whose gradients are checked."""
+    return sum((o.double() * u.to(o.device)).sum() for o, u in zip(outs, upstreams))
+
+
+def reference(case: Case, flat_logits, flat_index, flat_extra: dict, out_shapes, needs_grad: tuple[bool, ...]):
+    """The float64 reference of ``case`` on the full ``[N, V]`` logits (on their device), for a
+    call whose outputs have the shapes ``out_shapes`` (one; two for ``logprobs`` with
+    ``return_entropy``: the log-probs, then the entropy of the tokens whose index is not
+    entirely ``ignore_index``). Returns, on the CPU: ``(per output: its value (shaped like it,
+    or reduced), per output: the upstream gradient to back-propagate from it, per-token values
+    (non-finite where any output's is), float64 gradient of sum_i sum(output_i * upstream_i)
+    w.r.t. each logits input or None)``."""
+    opts = dict(case.options)
+    parts = [(case.op, flat_index, flat_extra)]
+    if opts.get("return_entropy"):
+        kept = (flat_index if case.topk else flat_index[:, None]) != opts.get("ignore_index", -100)
+        parts.append(("entropy", None, {"mask": kept.any(-1)}))
+    assert len(out_shapes) == len(parts), f"{len(out_shapes)} outputs, expected {len(parts)}"
+    g = torch.Generator().manual_seed(case.seed + 7)
+    values, upstreams, rows, grads = [], [], 0, None
+    for (op, index, extra), shape in zip(parts, out_shapes):
+        upstream = (torch.randn(shape, generator=g, dtype=torch.float64) if len(shape)
+                    else torch.tensor(1.5, dtype=torch.float64))
+        value, part_rows, part_grads = _reference_output(case, op, flat_logits, index, extra, shape, upstream,
+                                                         needs_grad)
+        values.append(value)
+        upstreams.append(upstream)
+        rows = rows + part_rows
+        grads = part_grads if grads is None else tuple(a if b is None else a + b for a, b in zip(grads, part_grads))
+    return values, upstreams, rows, grads
+
+
+def _reference_output(case: Case, op: str, flat_logits, flat_index, flat_extra: dict, out_shape, upstream,
+                      needs_grad: tuple[bool, ...]):
+    """One output's reference: ``(value, per-token values, gradients)``, on the CPU."""
+    opts = dict(case.options)
+    n, dev = flat_logits[0].shape[0], flat_logits[0].device
     reduction = opts.get("reduction", "none")
+    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer", "return_entropy")}
     ref_vals, _ = values_and_grads(op, flat_logits, flat_index, **ref_opts, **flat_extra)
     ref_vals = ref_vals.cpu()
     ref_rows = ref_vals if ref_vals.dim() == 1 else ref_vals.sum(-1)  # per token
+    ref_vals = ref_vals.view(out_shape) if reduction == "none" else ref_vals
+    # the reference of the reduction, and the upstream gradient it sends to every token
     if reduction == "none":
-        ref_out = ref_vals.view(out_shape)
-        per_token_grad = upstream.reshape(ref_vals.shape)
+        topk = flat_index is not None and flat_index.dim() == 2  # [N, k] values
+        per_token_grad = upstream.reshape(n, -1) if topk else upstream.reshape(n)
+        ref_out = ref_vals
     else:
-        n = ref_vals.shape[0]
         ii = opts.get("ignore_index", -100)
         if flat_index is not None:
             count = (flat_index != ii).sum()
@@ -321,24 +359,10 @@ def _expected(op: str, flat_logits: tuple, flat_index, flat_extra: dict, ref_opt
             count = torch.tensor(n)
         div = opts.get("normalizer") or (1 if reduction == "sum" else max(int(count), 1))
         ref_out = ref_vals.sum() / div
-        # the upstream gradient the reduction sends to every token
         per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
     _, ref_grads = values_and_grads(op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad,
                                     **ref_opts, **flat_extra)
     return ref_out, ref_rows, tuple(None if rg is None else rg.cpu() for rg in ref_grads)
-
-
-def _check_no_second_order(op: str, grads, inputs) -> None:
-    """Differentiating a gradient of a vtp_runtime op (a gradient penalty) must raise, never
-    give a second-order term that is silently missing."""
-    penalty = sum(gr.double().nan_to_num().pow(2).sum() for gr in grads)
-    try:
-        torch.autograd.grad(penalty, inputs, retain_graph=True)
-    except RuntimeError as exc:
-        assert "second-order gradients" in str(exc), f"{op}: differentiating the gradient raised {exc!r}"
-    else:
-        raise AssertionError(f"{op}: differentiating the gradient (create_graph=True) gave a number; it must "
-                             f"raise, since the second-order term is not computed")
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:

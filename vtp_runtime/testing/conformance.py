@@ -14,6 +14,11 @@ Cases are derived from what the backend **declares** (its ``ops`` and their
   the gradient with ``create_graph=True`` and checks that differentiating it raises.
 - ``refused`` cases: every op, feature, dtype, TP size or shard layout the backend does
   **not** claim must make a forced call raise ``BackendUnavailable`` — never run.
+- Head inputs (``OpCapability.head_inputs``): where claimed, ``match`` cases through
+  ``vtp.Head`` (``head_cases.run_head_case``: values and hidden/weight/bias gradients against
+  float64 on ``h @ W.T + b``, several token chunks, each shard layout, Head and logits
+  mixed, per-token results where ``head_per_token``); where not, a forced call with a Head
+  must be refused.
 
 In a plugin's tests (pytest)::
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -40,6 +46,7 @@ from ..errors import BackendUnavailable
 from ..ops import OPS
 from ..registry import REGISTRY, registered
 from .cases import DTYPES, VIEWS, Case, run_case
+from .head_cases import HeadCase, run_head_case
 
 # How a case turns on each feature (which features apply to an op: ops.OPS[op].features).
 _OPTION = {"label_smoothing": ("label_smoothing", 0.1), "z_loss": ("z_loss", 1e-3),
@@ -145,6 +152,41 @@ def _layout_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case,
     return out
 
 
+def _as_head(case: Case, **fields) -> HeadCase:
+    return HeadCase(**{**{f.name: getattr(case, f.name) for f in dataclasses.fields(Case)}, **fields})
+
+
+def _head_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, str]]:
+    """Match cases through ``vtp.Head``: a few per TP size, each over several token chunks."""
+    op = base.op
+    two = len(OPS[op].inputs) == 2
+    scalar = (("reduction", "mean"),)
+    per_token = (("reduction", "none"),) if cap.head_per_token else scalar
+    main = _as_head(base, options=scalar, bias=True)
+    if world == 1:
+        out = [(main, "head inputs (sum/mean: gradients during forward), bias"),
+               (main.with_(options=per_token, bias=False), "head inputs, per-token result")]
+        if two:
+            out.append((main.with_(heads=(True, False)), "a Head student, teacher logits"))
+            if "teacher_grad" in cap.features:
+                out.append((main.with_(grads=(True, False), options=per_token), "a frozen teacher Head"))
+        if cap.empty_tokens:
+            out.append((main.with_(shape=(0,)), "head inputs, zero tokens"))
+        combo = main
+        for f in OPS[op].features:
+            if f in cap.features and f != "teacher_grad":
+                combo = _feature(combo, f)
+        if combo != main:
+            out.append((combo, "head inputs with every claimed feature"))
+        return out
+    layouts = ["even"] if cap.even_shards_only else ["uneven", "explicit"] + (["empty"] if cap.empty_shards else [])
+    out = [(main.with_(layout=lay, options=(scalar, per_token)[i % 2]), f"head inputs, {lay} shards")
+           for i, lay in enumerate(layouts)]
+    out.append((main.with_(layout=layouts[0], reduce_hidden_grad=False),
+                "head inputs, reduce_hidden_grad=False: this rank's partial hidden gradient"))
+    return out
+
+
 def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2),
                       plugin: str | None = None) -> list[ConformanceCase]:
     """Every check for ``backend`` (a registered name, or a Backend instance), derived from
@@ -156,6 +198,7 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
     probe = "; ".join(b.probe_reasons("cpu"))
     out: list[ConformanceCase] = []
     later: list[tuple[int, Case, OpCapability]] = []
+    head_refusals: list[tuple[Case, OpCapability]] = []
 
     def add(world: int, case: Case, expect: str, why: str) -> None:
         case = case.with_(seed=len(out))
@@ -178,6 +221,7 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
                 add(1, base.with_(dtype=DTYPE_NAMES[d]), "refused", f"does not claim {DTYPE_NAMES[d]}")
         if not cap.empty_tokens:
             add(1, base.with_(shape=(0,)), "refused", "does not claim zero tokens")
+        head_refusals.append((base, cap))
         for world in world_sizes:
             if cap.tp_sizes is not None and world not in cap.tp_sizes:
                 add(world, base.with_(layout="even"), "refused", f"does not claim TP size {world}")
@@ -192,6 +236,17 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
     for world, base, cap in later:  # after the others, so that adding cases here moves no seed
         for case, why in _layout_cases(base, cap, world):
             add(world, case, "match", why)
+    # head inputs last, so that adding them moves no other case's seed
+    for world, base, cap in later:
+        if cap.head_inputs:
+            for case, why in _head_cases(base, cap, world):
+                add(world, case, "match", why)
+    for base, cap in head_refusals:
+        if not cap.head_inputs:
+            add(1, _as_head(base), "refused", "does not claim head inputs")
+        elif not cap.head_per_token:
+            add(1, _as_head(base, options=(("reduction", "none"),)), "refused",
+                "does not claim per-token results with head inputs")
     return out
 
 
@@ -211,11 +266,12 @@ def _available(name: str, plugin: str | None) -> Iterator[None]:
 
 def _job(rank: int, world: int, group, cc: ConformanceCase) -> Any:
     """Runs on every rank."""
+    run = run_head_case if isinstance(cc.case, HeadCase) else run_case
     with _available(cc.case.backend, cc.plugin):
         if cc.expect == "match":
-            return run_case(rank, world, group, cc.case)
+            return run(rank, world, group, cc.case)
         try:
-            run_case(rank, world, group, cc.case)
+            run(rank, world, group, cc.case)
         except BackendUnavailable as exc:
             return str(exc)
         raise AssertionError(

@@ -1,0 +1,251 @@
+"""``vtp-runtime bench --head H``: the fused linear head against the materialized path and peers.
+
+Each arm is one forward + backward with gradients to the hidden states ``h [N, H]`` and the
+weight shard ``W [V_local, H]`` (reduction "mean"), at per-rank work ``V_local = V / TP`` on one
+device (so "TP = t" times one rank's share; the O(N) cross-rank statistics are not timed):
+
+- ``cross_entropy``: ``materialized`` (``h @ W.T`` then ``vtp.cross_entropy`` on the logits),
+  ``fused`` (``vtp.cross_entropy(vtp.Head(h, W))``), ``torch`` (``F.cross_entropy`` on
+  ``h @ W.T``), ``liger`` (Liger's fused linear CE) and ``cce`` (cut-cross-entropy's
+  ``linear_cross_entropy``) when installed.
+- ``jsd``: a frozen teacher head (``h_t``, ``W_t`` without gradients): ``materialized``
+  (``h @ W.T`` and, without grad, ``h_t @ W_t.T``, then ``vtp.jsd``) against ``fused`` (both Heads).
+
+Reported per arm: the median time of ``--reps`` calls (CUDA events; wall clock on CPU), and
+the temporaries beyond the inputs and their gradients: peak allocated memory during the call
+minus the memory held before it (the inputs) minus the bytes of the returned gradients
+(CUDA only). ``vs_mat`` is the time relative to the ``materialized`` arm of the same backend.
+On CPU (``--device cpu``, for trying it out at tiny sizes) memory is not measured.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+HEAD_OPS = ("cross_entropy", "jsd")
+
+
+@dataclass
+class HeadRow:
+    op: str
+    arm: str
+    tp: int
+    tokens: int
+    hidden: int
+    v_local: int
+    dtype: str
+    ms: float | None = None  # median time per forward + backward
+    temp_gib: float | None = None  # temporaries beyond inputs and their gradients
+    vs_mat: float | None = None  # time / time of the materialized arm (same backend)
+    error: str = ""
+
+
+def _arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
+    """A closure running forward + backward once and returning the gradients of (h, w)."""
+    import torch
+    import torch.nn.functional as F
+
+    import vtp_runtime as vtp
+
+    def grads(loss):
+        return torch.autograd.grad(loss, (h, w))
+
+    if op == "cross_entropy":
+        if arm == "materialized":
+            return lambda: grads(vtp.cross_entropy(h @ w.T, y, reduction="mean", backend=backend))
+        if arm == "fused":
+            return lambda: grads(vtp.cross_entropy(vtp.Head(h, w), y, reduction="mean", backend=backend))
+        if arm == "torch":
+            return lambda: grads(F.cross_entropy(h @ w.T, y))
+        if arm == "liger":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+            loss = LigerFusedLinearCrossEntropyLoss()
+            return lambda: grads(loss(w, h, y))
+        if arm == "cce":
+            from cut_cross_entropy import linear_cross_entropy
+            return lambda: grads(linear_cross_entropy(h, w, y))
+    if op == "jsd":
+        if arm == "materialized":
+            def run():
+                with torch.no_grad():
+                    zt = ht @ wt.T
+                return grads(vtp.jsd(h @ w.T, zt, beta=beta, reduction="mean", backend=backend))
+            return run
+        if arm == "fused":
+            return lambda: grads(vtp.jsd(vtp.Head(h, w), vtp.Head(ht, wt), beta=beta, reduction="mean",
+                                         backend=backend))
+    raise ValueError(f"no arm {arm!r} for {op}")
+
+
+def _arms(op: str, peers: set[str]) -> list[str]:
+    arms = ["materialized", "fused"]
+    if op == "cross_entropy":
+        arms += [p for p in ("torch", "liger", "cce") if p in peers]
+    return arms
+
+
+def _available(peer: str) -> bool:
+    import importlib.util
+    module = {"liger": "liger_kernel", "cce": "cut_cross_entropy", "torch": "torch"}[peer]
+    return importlib.util.find_spec(module) is not None
+
+
+def _time(fn, device: str, warmup: int, reps: int) -> float:
+    import torch
+    for _ in range(warmup):
+        fn()
+    if device != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    from .bench import time_loop
+    return time_loop(fn, 0, reps)
+
+
+def _temporaries(fn) -> float:
+    """GiB allocated during one call beyond what was held before it and the gradients it returns."""
+    import torch
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    kept = sum(g.numel() * g.element_size() for g in out)
+    return (torch.cuda.max_memory_allocated() - base - kept) / 2**30
+
+
+def run(args) -> int:
+    import torch
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "pass --device cpu to try --head at tiny sizes on the CPU", file=sys.stderr)
+        return 2
+    ops = [o for o in args.ops.split(",") if o] if args.ops else list(HEAD_OPS)
+    unknown = [o for o in ops if o not in HEAD_OPS]
+    if unknown:
+        print(f"--head times {', '.join(HEAD_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    backends = [b for b in args.backends.split(",") if b]
+    peers = {p for p in ("torch,liger,cce" if args.peers is None else args.peers).split(",") if p}
+    for p in sorted(peers):
+        if p not in ("torch", "liger", "cce"):
+            print(f"unknown peer {p!r} (torch, liger, cce)", file=sys.stderr)
+            return 2
+        if not _available(p):
+            print(f"{p} is not installed: skipping that peer", file=sys.stderr)
+            peers.discard(p)
+        elif p != "torch" and device != "cuda":
+            print(f"{p} runs on CUDA only: skipping that peer on {device}", file=sys.stderr)
+            peers.discard(p)
+    dtype = getattr(torch, args.dtype)
+    hidden = args.head
+    rows: list[HeadRow] = []
+    plan = [(op, tp, n, backend, arm) for op in ops for tp in (int(t) for t in args.tp.split(","))
+            for n in (int(x) for x in args.tokens.split(",")) for backend in backends
+            for arm in _arms(op, peers) if arm in ("materialized", "fused") or backend == backends[0]]
+    for i, (op, tp, n, backend, arm) in enumerate(plan):
+        v_local = args.vocab // tp
+        name = arm if arm not in ("materialized", "fused") else f"{arm}:{backend}"
+        row = HeadRow(op, name, tp, n, hidden, v_local, args.dtype)
+        try:
+            g = torch.Generator(device=device).manual_seed(i)
+            h = torch.randn(n, hidden, generator=g, device=device, dtype=torch.float32).to(dtype).requires_grad_(True)
+            w = (torch.randn(v_local, hidden, generator=g, device=device, dtype=torch.float32)
+                 * hidden ** -0.5).to(dtype).requires_grad_(True)
+            y = torch.randint(0, v_local, (n,), generator=g, device=device)
+            ht = wt = None
+            if op == "jsd":
+                ht = torch.randn(n, hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
+                wt = (torch.randn(v_local, hidden, generator=g, device=device, dtype=torch.float32)
+                      * hidden ** -0.5).to(dtype)
+            fn = _arm(op, arm, backend, h, w, y, ht, wt, args.beta)
+            row.ms = _time(fn, device, args.warmup, args.reps)  # warm first: no compilation in the peak
+            if device == "cuda":
+                row.temp_gib = _temporaries(fn)
+        except Exception as exc:
+            row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+        finally:
+            h = w = y = ht = wt = fn = None  # noqa: F841
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"[{i + 1}/{len(plan)}] {op} {name} TP{tp} N={n}", file=sys.stderr, flush=True)
+    for r in rows:
+        ref = next((m for m in rows if m.op == r.op and m.tp == r.tp and m.tokens == r.tokens
+                    and m.arm == "materialized:" + r.arm.split(":")[-1] and m.ms), None)
+        if ref is None:
+            ref = next((m for m in rows if m.op == r.op and m.tp == r.tp and m.tokens == r.tokens
+                        and m.arm.startswith("materialized") and m.ms), None)
+        if r.ms is not None and ref is not None:
+            r.vs_mat = r.ms / ref.ms
+    print_table(rows)
+    if args.json:
+        from .bench import _version
+        with open(args.json, "w") as f:
+            json.dump({"mode": "head", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "triton": _version("triton"),
+                       "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
+                       "vocab": args.vocab, "hidden": hidden, "dtype": args.dtype, "beta": args.beta,
+                       "argv": sys.argv, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, args.vocab, hidden)
+    return 0
+
+
+def _fmt(x, spec):
+    return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+
+
+def print_table(rows) -> None:
+    head = (f"{'op':14s} {'arm':20s} {'TP':>2s} {'N':>6s} {'H':>5s} {'V_local':>7s} {'ms':>9s} {'vs_mat':>6s} "
+            f"{'temp GiB':>8s}  note")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r.op:14s} {r.arm:20s} {r.tp:2d} {r.tokens:6d} {r.hidden:5d} {r.v_local:7d} {_fmt(r.ms, '9.3f')} "
+              f"{_fmt(r.vs_mat, '6.3f')} {_fmt(r.temp_gib, '8.3f')}  {r.error}")
+
+
+def replot(json_path: str, png_path: str) -> None:
+    """Redraw the PNG from a ``--head ... --json`` file (no GPU needed)."""
+    with open(json_path) as f:
+        data = json.load(f)
+    plot([HeadRow(**r) for r in data["rows"]], png_path, data["vocab"], data["hidden"])
+
+
+def plot(rows, path: str, vocab: int, hidden: int) -> None:
+    """Time and temporaries against N, one column per (op, TP)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r.op, r.tp) for r in rows}, key=lambda p: (HEAD_OPS.index(p[0]), p[1]))
+    arms = sorted({r.arm for r in rows})
+    colors = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(arms)}
+    fig, axes = plt.subplots(2, len(panels), figsize=(4 * len(panels), 6.5), squeeze=False)
+    for j, (op, tp) in enumerate(panels):
+        for arm in arms:
+            mine = sorted((r for r in rows if (r.op, r.tp, r.arm) == (op, tp, arm)), key=lambda r: r.tokens)
+            for i, key in enumerate(("ms", "temp_gib")):
+                pts = [(r.tokens, getattr(r, key)) for r in mine if getattr(r, key) is not None]
+                if pts:
+                    axes[i][j].plot(*zip(*pts), marker="o", label=arm, color=colors[arm])
+        for i, label in enumerate(("ms, fwd+bwd", "GiB of temporaries")):
+            ax = axes[i][j]
+            ax.set_title(f"{op}, TP={tp}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens N")
+            ax.set_ylabel(label)
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"vtp-runtime bench --head {hidden}: V={vocab}, per-rank work V/TP")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

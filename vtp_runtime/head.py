@@ -1,0 +1,485 @@
+"""The fused linear head: every op straight from hidden states and a vocabulary-sharded
+weight, without the ``[tokens, V_local]`` logits ever existing in full.
+
+``Head(hidden, weight, bias)`` stands for ``hidden @ weight.T + bias`` on this rank's
+vocabulary shard. Every op takes it wherever it takes logits::
+
+    loss = vtp.cross_entropy(vtp.Head(hidden, weight), labels, reduction="mean", tp_group=g)
+
+How a call runs (the generic driver, ``ChunkedDriver``):
+
+- Tokens are cut into chunks of ``rows`` rows. For each chunk, each Head input's logits are
+  computed into a reused ``[rows, V_local]`` buffer (``addmm``), and the backend's own
+  ``forward`` runs on them: its cross-rank collectives run once per chunk, and the chunk
+  count is the same on every rank because ``rows`` derives only from what every rank
+  shares (N, the dtype, the largest V_local of the gathered layout, ``chunk_rows``).
+- Scalar results (``reduction="sum"``/``"mean"``): the upstream gradient is one number, so
+  the backend's ``head_backward`` runs on the chunk right away with an upstream of ones, and
+  ``dh = dlogits @ W``, ``dW += dlogits.T @ h``, ``db += sum(dlogits)`` accumulate chunk by
+  chunk in the forward pass. Backward only scales them by the upstream gradient (in place:
+  the gradients are handed over, so a second backward through the same graph raises).
+- Per-token results (``reduction="none"``): the backend's per-chunk state (O(rows)
+  statistics, and the logits buffer it refers to) is kept; backward recomputes each chunk's
+  logits into the same buffer (one more matmul per Head input) and runs ``head_backward``
+  with that chunk's upstream gradient. No collective runs again. Between forward and
+  backward the buffers' memory is released.
+- The hidden gradient of a Head is a partial sum over this rank's vocabulary shard; it is
+  all-reduced over ``tp_group`` (Megatron's column-parallel convention) unless
+  ``reduce_hidden_grad=False``.
+
+A backend taking Head inputs declares ``OpCapability(head_inputs=True)``. Under the generic
+driver its ``forward`` must keep the **input tensors themselves** in its state (as the
+backend contract already asks: inputs and O(N) statistics), since the driver refills them
+before calling backward. ``Backend.head_driver`` lets a backend run Head calls its own way.
+
+Precision: logits are computed in the weight's dtype (fp32 accumulation inside the matmul),
+as ``hidden @ weight.T`` would be. ``dW`` accumulates over chunks in the weight's dtype:
+one rounding per chunk, on top of fp32 accumulation within each chunk's matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+from . import second_order
+from .backend import Backend, Call, meets_layout
+from .comm import all_reduce_
+
+Tensor = torch.Tensor
+
+# Budget of one [rows, V_local] logits buffer. 256 MiB gives at most 832 rows at V_local = 151936
+# in bf16 (3520 at TP 4): matmuls large enough to run near peak, temporaries well under 0.5 GiB.
+CHUNK_BYTES = 256 * 2**20
+
+
+class HeadGradientConsumed(RuntimeError):
+    """A second backward through a Head call whose gradients were computed in forward."""
+
+
+class Head:
+    """A lazy ``hidden @ weight.T + bias`` on this rank's vocabulary shard.
+
+    - ``hidden``: ``[..., H]``, identical on every rank of ``tp_group`` (as after Megatron's
+      copy-to-TP region).
+    - ``weight``: this rank's shard ``[V_local, H]`` of the output projection (any even,
+      uneven or empty split; rank order by default, or the op's ``vocab_start``/``vocab_end``).
+    - ``bias``: ``[V_local]`` or None. The three share one floating dtype and device.
+    - ``reduce_hidden_grad``: all-reduce the hidden gradient over ``tp_group`` (default), so
+      it is complete on every rank; False leaves this rank's partial sum, for frameworks
+      that all-reduce it themselves.
+    - ``chunk_rows``: tokens per chunk (default: ``chunk_rows()``, a ``[rows, V_local]``
+      buffer of at most ``CHUNK_BYTES`` for the widest shard); the same on every rank.
+
+    Gradients flow to ``hidden``, ``weight`` and ``bias`` (whichever require grad).
+    """
+
+    __slots__ = ("hidden", "weight", "bias", "reduce_hidden_grad", "chunk_rows")
+
+    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
+                 reduce_hidden_grad: bool = True, *, chunk_rows: int | None = None) -> None:
+        self.hidden, self.weight, self.bias = hidden, weight, bias
+        self.reduce_hidden_grad, self.chunk_rows = reduce_hidden_grad, chunk_rows
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of the logits it stands for: ``hidden.shape[:-1] + (V_local,)``."""
+        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    def logits(self) -> Tensor:
+        """The local logits ``[..., V_local]``, materialized (e.g. for generation)."""
+        return torch.nn.functional.linear(self.hidden, self.weight, self.bias)
+
+    def __repr__(self) -> str:
+        return (f"Head(hidden={tuple(self.hidden.shape)}, weight={tuple(self.weight.shape)}, "
+                f"bias={None if self.bias is None else tuple(self.bias.shape)}, dtype={self.dtype})")
+
+
+def _check(head: Head, name: str) -> None:
+    """Raise TypeError/ValueError on a malformed Head (before the metadata gather)."""
+    for part in ("hidden", "weight", "bias"):
+        t = getattr(head, part)
+        if t is None and part == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: Head.{part} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: Head.{part} must be a floating tensor, got {t.dtype}")
+    h, w, b = head.hidden, head.weight, head.bias
+    if h.dim() < 1:
+        raise ValueError(f"{name}: Head.hidden must be [..., H], got a scalar")
+    if w.dim() != 2 or w.shape[1] != h.shape[-1]:
+        raise ValueError(f"{name}: Head.weight must be [V_local, H] with H = hidden.shape[-1] = "
+                         f"{h.shape[-1]}, got {tuple(w.shape)}")
+    if b is not None and tuple(b.shape) != (w.shape[0],):
+        raise ValueError(f"{name}: Head.bias must be [V_local] = [{w.shape[0]}], got {tuple(b.shape)}")
+    dtypes = {t.dtype for t in (h, w, b) if t is not None}
+    if len(dtypes) > 1:
+        raise TypeError(f"{name}: Head.hidden ({h.dtype}), weight ({w.dtype})"
+                        + ("" if b is None else f" and bias ({b.dtype})") + " must share one dtype")
+    devices = {t.device for t in (h, w, b) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"{name}: Head.hidden, weight and bias must be on one device, got "
+                         + ", ".join(sorted(map(str, devices))))
+    if not isinstance(head.reduce_hidden_grad, bool):
+        raise TypeError(f"{name}: Head.reduce_hidden_grad must be a bool, got {head.reduce_hidden_grad!r}")
+    rows = head.chunk_rows
+    if rows is not None and not (isinstance(rows, int) and not isinstance(rows, bool) and rows > 0):
+        raise ValueError(f"{name}: Head.chunk_rows must be a positive int or None, got {rows!r}")
+
+
+def stand_ins(inputs: Sequence[Any], names: Sequence[str]) -> tuple[tuple[Head | None, ...] | None, tuple]:
+    """``(heads, inputs)``: each Head among ``inputs`` checked and replaced by a stand-in
+    logits tensor of its shape, dtype and device that owns no memory (a zero-stride
+    expansion), so the core validates and dispatches it like logits. ``heads`` is None when
+    no input is a Head, else one entry per input (None for logits)."""
+    if not any(isinstance(t, Head) for t in inputs):
+        return None, tuple(inputs)
+    heads, out = [], []
+    for name, t in zip(names, inputs):
+        if not isinstance(t, Head):
+            heads.append(None)
+            out.append(t)
+            continue
+        _check(t, name)
+        needs = any(p is not None and p.requires_grad for p in (t.hidden, t.weight, t.bias))
+        seed = torch.empty((), dtype=t.dtype, device=t.device, requires_grad=needs)
+        heads.append(t)
+        out.append(seed.expand(t.shape))
+    return tuple(heads), tuple(out)
+
+
+def _needs(t: Tensor | None) -> bool:
+    return t is not None and torch.is_grad_enabled() and t.requires_grad
+
+
+def fingerprint(heads: Sequence[Head | None] | None) -> str:
+    """What every rank must agree on about its Head inputs (it decides the chunk count and
+    the hidden-gradient all-reduces): appended to the options fingerprint."""
+    if heads is None:
+        return ""
+    parts = []
+    for h in heads:
+        if h is None:
+            parts.append("logits")
+        else:
+            grads = "".join(str(int(_needs(t))) for t in (h.hidden, h.weight, h.bias))
+            parts.append(f"head:H={h.hidden.shape[-1]},bias={int(h.bias is not None)},grads={grads},"
+                         f"reduce={int(h.reduce_hidden_grad)},rows={h.chunk_rows}")
+    return "|inputs=" + ";".join(parts)
+
+
+def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int | None = None) -> int:
+    """Token rows per chunk, from quantities every rank shares: ``requested`` if given, else
+    at most the rows of a ``CHUNK_BYTES`` buffer of the widest shard (a multiple of 64 from
+    128 up), balanced over the chunks N needs so that the last chunk's matmuls are not small."""
+    if requested is not None:
+        return max(1, min(requested, num_tokens))
+    most = CHUNK_BYTES // max(1, max_v_local * itemsize)
+    if most < 128:
+        return max(1, min(most, num_tokens))
+    most -= most % 64
+    chunks = -(-num_tokens // most)
+    rows = -(-num_tokens // max(chunks, 1))
+    return max(1, min(most, -(-rows // 64) * 64, num_tokens))
+
+
+# -- one call -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class HeadInput:
+    """One floating input of the op, as rows: a Head (hidden ``[N, H]``, weight, bias) or
+    plain logits ``[N, V_local]``; with what needs a gradient and the gradients so far."""
+
+    hidden: Tensor | None = None
+    weight: Tensor | None = None
+    bias: Tensor | None = None
+    logits: Tensor | None = None
+    reduce_hidden_grad: bool = True
+    needs: tuple[bool, bool, bool, bool] = (False, False, False, False)  # hidden, weight, bias, logits
+    buffer: Tensor | None = None  # [rows, V_local] logits of the current chunk (Heads only)
+    grads: list = dataclasses.field(default_factory=lambda: [None, None, None, None])
+
+    @property
+    def is_head(self) -> bool:
+        return self.weight is not None
+
+    @property
+    def needs_grad(self) -> bool:
+        return any(self.needs)
+
+
+@dataclasses.dataclass(eq=False)
+class HeadRun:
+    """Everything a driver needs for one call with Head inputs on this rank."""
+
+    backend: Backend
+    call: Call
+    inputs: list[HeadInput]
+    index: Tensor | None  # [N] or [N, k] int64
+    mask: Tensor | None  # [N] bool
+    num_tokens: int
+    rows: int  # tokens per chunk, the same on every rank
+    scalar: bool  # reduction sum/mean: gradients during forward, scaled in backward
+    states: list = dataclasses.field(default_factory=list)  # per chunk, per-token results only
+
+    @property
+    def needs_grad(self) -> bool:
+        return any(i.needs_grad for i in self.inputs)
+
+    @property
+    def scratch(self) -> tuple[bool, ...]:
+        """Per op input: is it a logits buffer the driver owns (a Head's)?"""
+        return tuple(i.is_head for i in self.inputs)
+
+    def chunks(self):
+        for lo in range(0, self.num_tokens, self.rows):
+            yield lo, min(lo + self.rows, self.num_tokens)
+
+    def chunk_call(self, rows: int) -> Call:
+        return dataclasses.replace(self.call, request=dataclasses.replace(self.call.request, num_tokens=rows))
+
+    def chunk_logits(self, lo: int, hi: int) -> tuple[Tensor, ...]:
+        """Each input's logits for tokens ``[lo, hi)``: Heads computed into their buffer."""
+        out = []
+        for x in self.inputs:
+            if not x.is_head:
+                out.append(x.logits[lo:hi])
+                continue
+            if x.buffer is None:
+                x.buffer = torch.empty((self.rows, x.weight.shape[0]), dtype=x.weight.dtype, device=x.weight.device)
+            z = x.buffer[: hi - lo]
+            if x.bias is None:
+                torch.mm(x.hidden[lo:hi], x.weight.t(), out=z)
+            else:
+                torch.addmm(x.bias, x.hidden[lo:hi], x.weight.t(), out=z)
+            out.append(z)
+        return tuple(out)
+
+    def index_at(self, lo: int, hi: int) -> Tensor | None:
+        return None if self.index is None else self.index[lo:hi]
+
+    def mask_at(self, lo: int, hi: int) -> Tensor | None:
+        return None if self.mask is None else self.mask[lo:hi]
+
+    # -- gradients -------------------------------------------------------------------------
+    def start_grads(self) -> None:
+        """Fresh gradients: dh and dlogits written chunk by chunk, dW by the first chunk then
+        accumulated, db accumulated in fp32 (fp64 for fp64 inputs)."""
+        n = self.num_tokens
+        for x in self.inputs:
+            nh, nw, nb, nl = x.needs
+            acc = torch.float64 if (x.weight if x.is_head else x.logits).dtype == torch.float64 else torch.float32
+            # dh and dW are written by the first chunk (lo = 0); zeros only when there is none
+            new = torch.zeros_like if n == 0 else torch.empty_like
+            x.grads = [
+                new(x.hidden) if nh else None,
+                new(x.weight) if nw else None,
+                torch.zeros(x.bias.shape, dtype=acc, device=x.bias.device) if nb else None,
+                torch.empty_like(x.logits) if nl else None,
+            ]
+
+    def accumulate(self, lo: int, hi: int, dlogits: Sequence[Tensor | None]) -> None:
+        """Fold one chunk's logits gradients into the gradients of each input."""
+        for x, dz in zip(self.inputs, dlogits):
+            if not x.needs_grad:
+                continue
+            dh, dw, db, dl = x.grads
+            if dl is not None:
+                dl[lo:hi].copy_(dz)
+                continue
+            if dh is not None:
+                torch.mm(dz, x.weight, out=dh[lo:hi])
+            if dw is not None and lo == 0:
+                torch.mm(dz.t(), x.hidden[lo:hi], out=dw)
+            elif dw is not None:
+                dw.addmm_(dz.t(), x.hidden[lo:hi])
+            if db is not None:
+                db.add_(dz.sum(dim=0, dtype=db.dtype))
+
+    def finish_grads(self) -> list[Tensor | None]:
+        """The gradients, one per flat tensor (hidden, weight, bias per Head; logits per
+        logits input), hidden gradients all-reduced over the group where asked."""
+        out = []
+        for x in self.inputs:
+            dh, dw, db, dl = x.grads
+            x.grads = [None, None, None, None]
+            if x.is_head:
+                if dh is not None and x.reduce_hidden_grad:
+                    all_reduce_(dh, self.call.group, "sum")
+                out += [dh, dw, None if db is None else db.to(x.bias.dtype)]
+            else:
+                out.append(dl)
+        return out
+
+    def release_buffers(self) -> None:
+        """Free the logits buffers' memory; the states keep referring to the (empty) storage."""
+        for x in self.inputs:
+            if x.buffer is not None:
+                x.buffer.untyped_storage().resize_(0)
+
+    def restore_buffers(self) -> None:
+        for x in self.inputs:
+            if x.buffer is not None:
+                x.buffer.untyped_storage().resize_(x.buffer.numel() * x.buffer.element_size())
+
+
+class HeadDriver:
+    """How a call with Head inputs runs on a backend. ``forward`` returns the per-token values
+    (fp32, fp64 for fp64 inputs; ``[N]`` or ``[N, k]``) and, when ``run.scalar`` and
+    ``run.needs_grad``, leaves the gradients for an upstream gradient of ones in the inputs'
+    accumulators (after ``run.start_grads()``). ``backward`` (per-token results only) does
+    the same for the upstream gradient ``grad``. The caller all-reduces hidden gradients."""
+
+    def forward(self, run: HeadRun) -> Tensor:
+        raise NotImplementedError
+
+    def backward(self, run: HeadRun, grad: Tensor) -> None:
+        raise NotImplementedError
+
+
+class ChunkedDriver(HeadDriver):
+    """The generic driver: token chunks, the backend's own forward/head_backward per chunk."""
+
+    def forward(self, run: HeadRun) -> Tensor:
+        values = []
+        grad_now = run.scalar and run.needs_grad
+        if grad_now:
+            run.start_grads()
+        try:
+            for lo, hi in run.chunks():
+                call = run.chunk_call(hi - lo)
+                inputs = run.chunk_logits(lo, hi)
+                vals, state = run.backend.forward(call, inputs, run.index_at(lo, hi), run.mask_at(lo, hi))
+                values.append(vals)
+                if grad_now:
+                    run.accumulate(lo, hi, run.backend.head_backward(call, state, torch.ones_like(vals),
+                                                                     run.scratch))
+                elif run.needs_grad:
+                    run.states.append(state)
+        finally:
+            if run.states:
+                run.release_buffers()
+            else:
+                for x in run.inputs:
+                    x.buffer = None
+        return torch.cat(values) if values else _empty_values(run)
+
+    def backward(self, run: HeadRun, grad: Tensor) -> None:
+        run.start_grads()
+        run.restore_buffers()
+        try:
+            for (lo, hi), state in zip(run.chunks(), run.states):
+                run.chunk_logits(lo, hi)
+                run.accumulate(lo, hi, run.backend.head_backward(run.chunk_call(hi - lo), state,
+                                                                 grad[lo:hi].contiguous(), run.scratch))
+        finally:
+            run.release_buffers()
+
+
+CHUNKED = ChunkedDriver()
+
+
+def _empty_values(run: HeadRun) -> Tensor:
+    x = run.inputs[0]
+    dtype = (x.weight if x.is_head else x.logits).dtype
+    shape = (0, run.index.shape[1]) if run.call.topk else (0,)
+    if run.call.options.get("return_entropy"):  # the log-probs, then the entropy
+        shape = (0, (run.index.shape[1] if run.call.topk else 1) + 1)
+    return torch.empty(shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                       device=(x.weight if x.is_head else x.logits).device)
+
+
+# -- autograd ---------------------------------------------------------------------------------
+
+class _HeadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: HeadRun, driver: HeadDriver, *flat):
+        values = driver.forward(run)
+        ctx.run, ctx.driver = run, driver
+        ctx.shapes = [None if t is None else t.shape for t in flat]
+        ctx.links = second_order.graph_links(tuple(t for t in flat if t is not None), ())
+        if run.scalar:
+            ctx.grads = run.finish_grads() if run.needs_grad else None
+            for x in run.inputs:  # nothing of the inputs is needed any more
+                x.hidden = x.weight = x.bias = x.logits = None
+        else:
+            ctx.save_for_backward(*flat)  # version check: inputs modified before backward raise
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not torch.is_grad_enabled():
+            return _backward(ctx, grad)
+        # create_graph=True: the gradients as usual, but differentiating them raises (no
+        # backend computes second order); see vtp_runtime/second_order.py
+        with torch.no_grad():
+            grads = _backward(ctx, grad)
+        return (None, None, *second_order.refuse(ctx.run.call.op, grads[2:], (*ctx.links, grad)))
+
+
+def _backward(ctx, grad):
+    run = ctx.run
+    if run.scalar:
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise HeadGradientConsumed(
+                "backward ran twice through a vtp call with Head inputs and reduction='sum'/'mean': its "
+                "gradients are computed in the forward pass and handed over (scaled in place) by the first "
+                "backward. Run backward once, or use reduction='none' (gradients recomputed in backward) "
+                "and reduce the result yourself.")
+        if grad.numel():
+            scale = grad.reshape(-1)[0]  # the upstream gradient of a sum/mean is one number
+            for g in grads:
+                if g is not None:
+                    g.mul_(scale)
+    else:
+        ctx.saved_tensors  # noqa: B018 (raises if an input was modified in place since forward)
+        ctx.driver.backward(run, grad)
+        grads = run.finish_grads()
+    # rows back to the inputs' shapes ([N, H] -> [..., H], [N, V_local] -> [..., V_local])
+    return (None, None, *(None if g is None else g.view(shape) for g, shape in zip(grads, ctx.shapes)))
+
+
+
+def run_call(backend: Backend, call: Call, heads: Sequence[Head | None], inputs: Sequence[Tensor],
+             index: Tensor | None, mask: Tensor | None, reduction: str, max_v_local: int) -> Tensor:
+    """Values ``[N]`` (``[N, k]``) of ``call`` whose inputs are ``heads`` (a Head, or None
+    where ``inputs`` holds that input's logits ``[..., V_local]``)."""
+    n = call.request.num_tokens
+    flat: list[Tensor | None] = []
+    run_inputs = []
+    requested = [h.chunk_rows for h in heads if h is not None and h.chunk_rows is not None]
+    for head, z in zip(heads, inputs):
+        if head is None:
+            flat.append(z)
+            rows = z.reshape(n, z.shape[-1])
+            if not meets_layout(rows, backend.input_layout):  # chunks are row slices of it: 2-D
+                rows = rows.contiguous()
+            run_inputs.append(HeadInput(logits=rows, needs=(False, False, False, _needs(z))))
+        else:
+            flat += [head.hidden, head.weight, head.bias]
+            run_inputs.append(HeadInput(
+                hidden=head.hidden.reshape(n, head.hidden.shape[-1]), weight=head.weight, bias=head.bias,
+                reduce_hidden_grad=head.reduce_hidden_grad,
+                needs=(_needs(head.hidden), _needs(head.weight), _needs(head.bias), False)))
+    itemsize = next(h.weight.element_size() for h in heads if h is not None)
+    run = HeadRun(backend=backend, call=call, inputs=run_inputs, index=index, mask=mask, num_tokens=n,
+                  rows=chunk_rows(n, max_v_local, itemsize, min(requested) if requested else None),
+                  scalar=reduction != "none")
+    driver = backend.head_driver(call) or CHUNKED
+    return _HeadFunction.apply(run, driver, *flat)
+
+
+__all__ = ["Head", "HeadDriver", "ChunkedDriver", "HeadRun", "HeadInput", "HeadGradientConsumed",
+           "CHUNK_BYTES", "chunk_rows"]
