@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
+from vtp_runtime.errors import ShardError
 from vtp_runtime.testing.cases import DTYPES, shard_sizes
 from vtp_runtime.testing.reference import topk_kl
 
@@ -194,6 +195,22 @@ def _repeated(rank, world, group):
 def test_repeated_ids_are_rejected_on_every_rank(ranks):
     assert _repeated(0, 1, None)
     assert ranks(2, _repeated, timeout=60) == [True, True]
+
+
+def _one_rank_fails(rank, world, group):
+    z = torch.randn(2, 10)
+    ids = torch.tensor([[0, 3], [4, 7]])
+    lp = torch.full((2, 2), -2.0)
+    teacher = vtp.TopK(lp[:, :1], ids) if rank == 1 else vtp.TopK(lp, ids)  # a wrong shape on rank 1
+    with pytest.raises((ValueError, ShardError)) as info:
+        vtp.kl(z, teacher, tail=True, tp_group=group)
+    return type(info.value).__name__
+
+
+def test_a_bad_teacher_on_one_rank_raises_on_every_rank(ranks):
+    """Rank 1's TopK fails its local checks; rank 0 is already in the log-probs' metadata
+    gather: both raise (rank 1 its own error, rank 0 one naming rank 1), neither hangs."""
+    assert ranks(2, _one_rank_fails, timeout=60) == ["ShardError", "ValueError"]
 
 
 def _confident(dtype):

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from . import inputs
-from .ops import COMMON_OPTIONS, check_options, get_spec
+from . import inputs, shards
+from .ops import COMMON_OPTIONS, check_options, get_spec, normalize_options
 
 Tensor = torch.Tensor
 
@@ -67,13 +67,17 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
     one flag on the host (a device sync), skipped while a CUDA graph is being captured."""
     from . import api
 
-    given = _prepare(teacher, reverse, tail, options)
-    tensors, opts, wrap = inputs.normalize("logprobs", (student_logits, teacher.index), given)
+    # the layout of DTensor inputs: the same on every rank, so is any error it raises
+    tensors, opts, wrap = inputs.normalize("logprobs", (student_logits, getattr(teacher, "index", None)), options)
     student, index = tensors
-    logprobs = teacher.logprobs
-    if type(logprobs) is not Tensor:  # a DTensor: this rank's part, as for the index
-        logprobs = inputs.normalize("logprobs", (student_logits, logprobs), {})[0][1]
-    _check_shapes(student, index, opts)
+    try:
+        opts = _prepare(teacher, reverse, tail, opts)
+        logprobs = teacher.logprobs
+        if type(logprobs) is not Tensor:  # a DTensor: this rank's part, as for the index
+            logprobs = inputs.normalize("logprobs", (student_logits, logprobs), {})[0][1]
+        _check_shapes(student, index, opts)
+    except Exception as exc:  # the other ranks may be in the log-probs' metadata gather already
+        _raise_on_every_rank(exc, opts.get("tp_group"), student)
     ii = opts["ignore_index"]
     keep = _token_mask(opts, index, ii)
     # masked tokens get an all-ignored index: the log-probs op skips their rows
@@ -85,7 +89,7 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
                     **{k: opts[k] for k in _LOGPROBS_OPTIONS})
     _check_distinct(index, ii)  # after the collective: a rank that raises leaves none waiting
     lp_t = logprobs.to(lp_s.dtype)
-    a, b = (lp_s, lp_t) if reverse else (lp_t, lp_s)  # KL(A || B) over the k ids
+    a, b = (lp_s, lp_t) if opts["reverse"] else (lp_t, lp_s)  # KL(A || B) over the k ids
     values = _kl_over_ids(a, b, valid, tail)
     if keep is not None:
         values = torch.where(keep, values, torch.zeros_like(values))
@@ -98,7 +102,12 @@ def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **optio
     (``gather`` as for ``vtp.explain``)."""
     from . import api
 
-    given = _prepare(teacher, options.pop("reverse", False), options.pop("tail", False), options)
+    try:
+        given = _prepare(teacher, options.pop("reverse", False), options.pop("tail", False), options)
+    except Exception as exc:
+        if gather:  # the other ranks may be in the metadata gather already
+            _raise_on_every_rank(exc, options.get("tp_group"), student_logits)
+        raise
     return api.explain("logprobs", student_logits, teacher.index, gather=gather, ignore_index=given["ignore_index"],
                        **{k: given[k] for k in _LOGPROBS_OPTIONS})
 
@@ -106,8 +115,8 @@ def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **optio
 # -- pieces --------------------------------------------------------------------------------
 
 def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str, Any]:
-    """Local checks of a TopK call (TopK's tensors are replicated, so every rank raises the
-    same error, before any collective); the options with their defaults."""
+    """This rank's checks of a TopK call; the options with their defaults and ``reverse``,
+    scalar options as Python numbers (as ``vtp.loss`` takes them)."""
     if not isinstance(teacher, TopK):
         raise TypeError(f"teacher must be a vtp.TopK, got {type(teacher).__name__}")
     unknown = sorted(options.keys() - _OPTIONS.keys())
@@ -116,8 +125,9 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
                         f"reverse, tail, {', '.join(_OPTIONS)}")
     if not isinstance(tail, bool):
         raise ValueError(f"tail must be a bool, got {tail!r}")
-    given = {**_OPTIONS, **options}
-    check_options(get_spec("kl"), {**given, "reverse": reverse})
+    given = {**_OPTIONS, **options, "reverse": reverse}
+    normalize_options(given, [*options, "reverse"])
+    check_options(get_spec("kl"), given)
     lp, index = teacher.logprobs, teacher.index
     if not isinstance(lp, Tensor) or not lp.is_floating_point():
         raise TypeError(f"TopK.logprobs must be a floating tensor, got "
@@ -131,6 +141,17 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
     if lp.device != index.device:
         raise ValueError(f"TopK.logprobs ({lp.device}) and TopK.index ({index.device}) must be on one device")
     return given
+
+
+def _raise_on_every_rank(exc: Exception, group, student) -> None:
+    """Raise ``exc``, after joining the metadata gather of the log-probs call the other ranks
+    make, as a rank whose call failed: they raise too instead of waiting there (see
+    ``api._gather``). Where they all failed alike, each raises its own error."""
+    if shards.group_size(group) > 1:
+        device = student.device if isinstance(student, Tensor) else None
+        row = shards.pack_failure(group, device)
+        shards.validate(shards.gather(row, group), None, group, row.device, exc)
+    raise exc
 
 
 def _check_shapes(student, index: Tensor, options: dict[str, Any]) -> None:
