@@ -297,9 +297,9 @@ def test_partial_hidden_gradients_sum_to_the_full_one(ranks):
 # -- chunking, memory, second backward ------------------------------------------------------------
 
 def test_chunk_rows_rule():
-    assert head_mod.chunk_rows(8192, 151936, 2) == 832  # 256 MiB of bf16 rows, a multiple of 64
-    assert head_mod.chunk_rows(8192, 151936 // 4, 2) == 2752  # at most 3520, balanced over 3 chunks
-    assert head_mod.chunk_rows(1024, 151936, 2) == 512  # two chunks of 512, not 832 + 192
+    assert head_mod.chunk_rows(8192, 151936, 2) == 1408  # at most 1536 (448 MiB of bf16 rows), over 6 chunks
+    assert head_mod.chunk_rows(8192, 151936 // 4, 2) == 4096  # at most 6144, balanced over 2 chunks
+    assert head_mod.chunk_rows(2048, 151936, 2) == 1024  # two chunks of 1024, not 1536 + 512
     assert head_mod.chunk_rows(100, 151936, 2) == 100  # never more rows than tokens
     assert head_mod.chunk_rows(8192, 10**9, 4) == 1  # at least one row
     assert head_mod.chunk_rows(8192, 151936, 2, requested=512) == 512
