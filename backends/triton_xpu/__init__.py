@@ -31,7 +31,7 @@ import importlib.util
 
 import torch
 
-from vtp_runtime.backends.triton.backend import LaunchConfig, TritonBackend, capabilities
+from ..triton.backend import LaunchConfig, TritonBackend, capabilities
 from vtp_runtime.registry import hookimpl
 
 XPU_CONFIG = LaunchConfig(
