@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 

@@ -95,7 +95,6 @@ def _available(peer: str) -> bool:
 
 
 def _time(fn, device: str, warmup: int, reps: int) -> float:
-    import torch
     for _ in range(warmup):
         fn()
     if device != "cuda":

@@ -120,7 +120,8 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
         if rank == 0:
             print(f"{step:5d}  {op:14s} {loss.item():10.6f}  {backend_of[op]:8s} "
                   f"{dev[0].item():10.2e} {dev[1].item():10.2e}", flush=True)
-    return {"loss": worst_loss, "grad": worst_grad, "weight": worst_weight, "first": first, "last": last, "backends": backend_of}
+    return {"loss": worst_loss, "grad": worst_grad, "weight": worst_weight, "first": first, "last": last,
+            "backends": backend_of}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,8 @@ DTensor with the input's placement.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -28,9 +28,9 @@ import importlib
 import os
 import threading
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable, Iterable, Iterator
 
 import pluggy
 

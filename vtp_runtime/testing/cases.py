@@ -61,7 +61,7 @@ class Case:
         if self.edge not in EDGES:
             raise ValueError(f"unknown edge {self.edge!r}; make_inputs knows {EDGES[1:]}")
 
-    def with_(self, **kw) -> "Case":
+    def with_(self, **kw) -> Case:
         return replace(self, **kw)
 
     @property

@@ -38,8 +38,9 @@ import atexit
 import contextlib
 import dataclasses
 import importlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from ..backend import Backend, OpCapability
 from ..errors import BackendUnavailable

@@ -62,8 +62,10 @@ def _head_tensors(case: HeadCase, vocab: int, n_inputs: int):
             out.append(None)
             continue
         hidden = torch.randn(*case.shape, case.hidden, generator=g, dtype=torch.float64)
-        weight = torch.randn(vocab, case.hidden, generator=g, dtype=torch.float64) * (case.scale / math.sqrt(case.hidden))
-        bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5 if case.bias or case.edge == "neg_inf" else None
+        scale = case.scale / math.sqrt(case.hidden)
+        weight = torch.randn(vocab, case.hidden, generator=g, dtype=torch.float64) * scale
+        with_bias = case.bias or case.edge == "neg_inf"
+        bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5 if with_bias else None
         if case.edge == "neg_inf":  # a masked-out vocabulary slice, through the bias
             bias[: max(1, vocab // 5)] = -math.inf
         out.append(tuple(None if t is None else t.to(dtype).double() for t in (hidden, weight, bias)))
