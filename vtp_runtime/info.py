@@ -128,7 +128,7 @@ def collect() -> dict[str, Any]:
             why = op_reasons(b, op, device)
             cap = b.ops.get(op)
             ops[op] = ({"implemented": False, "available": False, "reasons": [f"does not implement {op}"]}
-                       if why is None else
+                       if why is None or cap is None else
                        {"implemented": True, "available": not why, "reasons": why,
                         "dtypes": sorted(str(d).replace("torch.", "") for d in cap.dtypes),
                         "features": sorted(cap.features),

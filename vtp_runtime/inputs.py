@@ -86,6 +86,14 @@ class _Layout:
 
     __slots__ = ("mesh", "placements", "vocab_mesh_dim", "batch_sharded", "group", "vocab_start",
                  "vocab_end", "vocab_size")
+    mesh: Any  # DeviceMesh
+    placements: tuple
+    vocab_mesh_dim: int | None  # None: the vocabulary is replicated
+    batch_sharded: bool
+    group: Any  # the vocabulary's ProcessGroup; None when vocab_mesh_dim is None
+    vocab_start: int | None
+    vocab_end: int | None
+    vocab_size: int
 
 
 def _placements(t, torch_names: _Torch) -> tuple:
