@@ -164,7 +164,7 @@ class SavedState:
     @classmethod
     def tensor_names(cls) -> tuple[str, ...]:
         """The field names, in declaration order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]  # subclasses are dataclasses
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The fields' values, in declaration order."""

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs")
 
@@ -287,6 +288,7 @@ class _Progress:
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
+        self._rich: Any = None  # rich.progress.Progress, an optional dependency
         try:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn

@@ -229,7 +229,7 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     ref_out, upstream, ref_rows, ref_grads = reference(case, flat_logits, flat_index, flat_extra, out.shape,
                                                        case.grads[: len(flat_logits)])
     del flat_logits
-    errors = {}
+    errors: dict[str, float] = {}
     # values: fp32 accumulation against float64
     _close("value", out.detach().cpu().double(), ref_out.double().reshape(out.shape), VALUE_RTOL[case.dtype], errors)
     if any(t.requires_grad for t in local):
@@ -258,6 +258,7 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
         # the backend declares it cannot (repeat_backward=False) -- a RuntimeError, never a
         # different gradient
         name = case.backend or vtp.explain(case.op, *tensors, gather=True, **kwargs).backend
+        assert name is not None, "explain picked no backend for a call that ran"
         repeat = REGISTRY.get(name).ops[case.op].repeat_backward
         try:
             again = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted)
