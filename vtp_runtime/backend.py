@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -167,7 +168,7 @@ class SavedState:
     @classmethod
     def tensor_names(cls) -> tuple[str, ...]:
         """The field names, in declaration order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]  # subclasses are dataclasses
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The fields' values, in declaration order."""

@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 # logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
 OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
@@ -257,7 +258,6 @@ def copy_bandwidth(reps: int = 20) -> float:
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     ms = time_loop(lambda: dst.copy_(src), 3, reps)
-    del src, dst
     return 2 * 2**30 / (ms * 1e-3) / 1e9
 
 
@@ -298,6 +298,7 @@ class _Progress:
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
+        self._rich: Any = None  # rich.progress.Progress, an optional dependency
         try:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -433,8 +434,8 @@ def _fmt(x, spec):
 def print_table(rows: list[Row], copy_gbps: float, overhead: dict | None) -> None:
     """The measurements as the text table ``vtp-runtime bench`` prints."""
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
-    head = f"{'op':16s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} {'graph ms':>8s} " \
-           f"{'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
+    head = f"{'op':16s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} " \
+           f"{'graph ms':>8s} {'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
     print(head)
     print("-" * len(head))
     for r in rows:

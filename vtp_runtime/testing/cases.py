@@ -61,7 +61,7 @@ class Case:
         if self.edge not in EDGES:
             raise ValueError(f"unknown edge {self.edge!r}; make_inputs knows {EDGES[1:]}")
 
-    def with_(self, **kw) -> "Case":
+    def with_(self, **kw) -> Case:
         return replace(self, **kw)
 
     @property
@@ -230,7 +230,7 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     ref_outs, upstreams, ref_rows, ref_grads = reference(case, flat_logits, flat_index, flat_extra,
                                                          [o.shape for o in outs], case.grads[: len(flat_logits)])
     del flat_logits
-    errors = {}
+    errors: dict[str, float] = {}
     for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
         # values: fp32 accumulation against float64
         _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
@@ -264,6 +264,7 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
         # the backend declares it cannot (repeat_backward=False) -- a RuntimeError, never a
         # different gradient
         name = case.backend or vtp.explain(case.op, *tensors, gather=True, **kwargs).backend
+        assert name is not None, "explain picked no backend for a call that ran"
         repeat = REGISTRY.get(name).ops[case.op].repeat_backward
         try:
             again = torch.autograd.grad(objective(), wanted)

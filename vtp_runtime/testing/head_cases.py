@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,17 +57,21 @@ def _head_tensors(case: HeadCase, vocab: int, n_inputs: int):
     rounded to the case's dtype."""
     g = torch.Generator().manual_seed(case.seed + 100)
     dtype = DTYPES[case.dtype]
-    out = []
+    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
     for i in range(n_inputs):
         if not case.heads[i]:
             out.append(None)
             continue
         hidden = torch.randn(*case.shape, case.hidden, generator=g, dtype=torch.float64)
-        weight = torch.randn(vocab, case.hidden, generator=g, dtype=torch.float64) * (case.scale / math.sqrt(case.hidden))
-        bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5 if case.bias or case.edge == "neg_inf" else None
-        if case.edge == "neg_inf":  # a masked-out vocabulary slice, through the bias
-            bias[: max(1, vocab // 5)] = -math.inf
-        out.append(tuple(None if t is None else t.to(dtype).double() for t in (hidden, weight, bias)))
+        scale = case.scale / math.sqrt(case.hidden)
+        weight = torch.randn(vocab, case.hidden, generator=g, dtype=torch.float64) * scale
+        bias = None
+        if case.bias or case.edge == "neg_inf":
+            bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5
+            if case.edge == "neg_inf":  # a masked-out vocabulary slice, through the bias
+                bias[: max(1, vocab // 5)] = -math.inf
+            bias = bias.to(dtype).double()
+        out.append((hidden.to(dtype).double(), weight.to(dtype).double(), bias))
     return out
 
 
@@ -97,7 +102,9 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         index = best.view(case.shape) if not case.topk else best.view(*case.shape, 1).expand(index.shape).clone()
 
     # this rank's arguments: a Head of local shards, or the local logits shard
-    args, leaves, checks = [], [], []  # checks: (what, tensor, expected gradient, rows that count)
+    args: list[Any] = []
+    leaves: list[torch.Tensor] = []
+    checks: list[tuple[str, Any, torch.Tensor, torch.Tensor | None]] = []  # what, tensor, expected grad, rows
     for i in range(n_in):
         need = case.grads[i]
         if parts[i] is None:
@@ -111,7 +118,8 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         for t, letter in zip(local, "hwb"):
             if t is not None:
                 t.requires_grad_(need and letter in case.head_grads)
-        args.append(vtp.Head(*local, reduce_hidden_grad=case.reduce_hidden_grad, chunk_rows=case.chunk_rows))
+        args.append(vtp.Head(local[0], local[1], local[2], reduce_hidden_grad=case.reduce_hidden_grad,
+                             chunk_rows=case.chunk_rows))
         leaves += [t for t in local if t is not None]
     before = [t.detach().clone() for t in leaves]
     if index is not None:
@@ -172,6 +180,7 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
             _close(what, got, want.reshape(got.shape), rtol, errors)
         # a second backward: exact where the backend and the reduction allow it, else a RuntimeError
         name = case.backend or vtp.explain(case.op, *args, **kwargs).backend
+        assert name is not None, "explain picked no backend for a call that ran"
         # (with return_entropy the head runs per token whatever the reduction: see api._head_reduction)
         scalar = (dict(case.options).get("reduction", "none") != "none"
                   and not dict(case.options).get("return_entropy"))

@@ -24,6 +24,12 @@ def _kl(logp_a: Tensor, logp_b: Tensor) -> Tensor:
     return _safe_mul(logp_a.exp(), logp_a - logp_b).sum(-1)
 
 
+def _needed(op: str, index: Tensor | None) -> Tensor:
+    if index is None:
+        raise ValueError(f"the {op} reference needs index (labels / token ids)")
+    return index
+
+
 def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, temperature: float = 1.0,
            ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
            reverse: bool = False, beta: float = 0.5, mask: Tensor | None = None,
@@ -36,9 +42,10 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
     if labels is not None:
         keep &= labels != ignore_index
     if op == "cross_entropy":
-        keep &= index != ignore_index
+        keep &= _needed(op, index) != ignore_index
     if op == "logprobs":  # a token whose every index entry is ignored is masked
-        keep &= ((index if index.dim() == 2 else index[:, None]) != ignore_index).any(-1)
+        idx = _needed(op, index)
+        keep &= ((idx if idx.dim() == 2 else idx[:, None]) != ignore_index).any(-1)
     # masked rows get zero logits so that nothing non-finite flows through autograd there
     xs = [torch.where(keep[:, None], z.double() / temperature, torch.zeros((), dtype=torch.float64))
           for z in logits]
@@ -46,7 +53,7 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
     big_v = logits[0].shape[-1]
 
     if op == "cross_entropy":
-        y = index
+        y = _needed(op, index)
         bad = (y != ignore_index) & ((y < 0) | (y >= big_v))
         yy = torch.where(keep & ~bad, y, torch.zeros_like(y))
         nll = -logps[0].gather(-1, yy[:, None]).squeeze(-1)
@@ -57,13 +64,14 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
             out = out + z_loss * torch.logsumexp(xs[0], -1) ** 2
         out = torch.where(bad, torch.full_like(out, math.nan), out)
     elif op == "logprobs":
-        idx = index if index.dim() == 2 else index[:, None]
+        given = _needed(op, index)
+        idx = given if given.dim() == 2 else given[:, None]
         valid = idx != ignore_index
         bad = valid & ((idx < 0) | (idx >= big_v))
         got = logps[0].gather(-1, torch.where(valid & ~bad, idx, torch.zeros_like(idx)))
         got = torch.where(bad, torch.full_like(got, math.nan), got)
         out = torch.where(valid & keep[:, None], got, torch.zeros_like(got))
-        return out if index.dim() == 2 else out[:, 0]
+        return out if given.dim() == 2 else out[:, 0]
     elif op == "entropy":
         out = -_safe_mul(logps[0].exp(), logps[0]).sum(-1)
     elif op == "kl":
