@@ -56,11 +56,17 @@ def compile_one(fn, dtype, const, num_warps):
 def main() -> int:
     jobs = []
     for dt in ("bf16", "fp16", "fp32"):
-        for kind, smooth, keep, finish in itertools.product((0, 1, 2), (False, True), (False, True), (False, True)):
+        for kind, smooth, keep, ent, finish in itertools.product((0, 1, 2), (False, True), (False, True),
+                                                                 (False, True), (False, True)):
+            if ent and kind != 1:  # WITH_ENTROPY: log-probs only
+                continue
             jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth and finish, HAS_KEEP=keep,
-                                                   FINISH=finish, BLOCK=C.block_stats), C.warps_stats))
+                                                   WITH_ENTROPY=ent, FINISH=finish, BLOCK=C.block_stats),
+                         C.warps_stats))
+            if finish:  # the backward kernel has no FINISH
+                continue
             jobs.append((K.backward1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep,
-                                                      BLOCK=C.block_bwd), C.warps_bwd))
+                                                      WITH_ENTROPY=ent, BLOCK=C.block_bwd), C.warps_bwd))
         for with_kl, keep in itertools.product((False, True), (False, True)):
             jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, FINISH=False, BLOCK=C.block_stats),
                          C.warps_stats))
@@ -74,9 +80,11 @@ def main() -> int:
             if na or nb:
                 jobs.append((K.backward2_kernel, dt, dict(KIND=kind, NEED_A=na, NEED_B=nb, HAS_KEEP=True,
                                                           FAST_LOG2=kind == 1, BLOCK=C.block_bwd), C.warps_bwd))
-    for kind, smooth in itertools.product((0, 1, 2), (False, True)):
+    for kind, smooth, ent in itertools.product((0, 1, 2), (False, True), (False, True)):
+        if ent and kind != 1:
+            continue
         jobs.append((K.finish1_kernel, "fp32", dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=True,
-                                                    BLOCK_N=C.block_rows), C.warps_finish))
+                                                    WITH_ENTROPY=ent, BLOCK_N=C.block_rows), C.warps_finish))
     for kind in (0, 1):
         jobs.append((K.finish2_kernel, "fp32", dict(KIND=kind, HAS_KEEP=True, BLOCK_N=C.block_rows), C.warps_finish))
     failed = 0

@@ -38,6 +38,25 @@ def test_replot_and_table_from_committed_results(tmp_path, capsys):
     assert "device-to-device copy" in out and "jsd" in out and "triton" in out
 
 
+def test_logprobs_entropy_arm_matches_the_dense_arm_on_cpu():
+    """The arm timed against ``logprobs``: log-probs and entropy with a gradient through
+    both, the same gradient as dense PyTorch's (CPU, eager backend)."""
+    import torch
+
+    z, y = bench.make_inputs("logprobs_entropy", 6, 50, torch.float32, "cpu", seed=0)
+    (got,) = bench.vtp_arm("eager", "logprobs_entropy", z, y, 0.5)()
+    (want,) = bench._torch_arm("logprobs_entropy", z, y, 0.5)()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_entropy_overhead_compares_with_logprobs_alone(capsys):
+    rows = [bench.Row("logprobs", "triton", 1, 1024, 151936, "bfloat16", ms=0.50, graph_ms=0.40),
+            bench.Row("logprobs_entropy", "triton", 1, 1024, 151936, "bfloat16", ms=0.55, graph_ms=0.42)]
+    assert bench.entropy_overhead(rows) == {("triton", 1, 1024): 0.42 / 0.40}
+    bench.print_table(rows, 4000.0, None)
+    assert "logprobs_entropy / logprobs" in capsys.readouterr().out
+
+
 def test_head_mode_refuses_without_a_gpu():
     run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--head", "64"],
                          capture_output=True, text=True, timeout=120)

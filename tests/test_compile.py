@@ -27,13 +27,13 @@ def step(z, t, y, k, m, w, group, backend):
     differentiate (``w`` weighs the per-token outputs)."""
     common = dict(tp_group=group, backend=backend)
     ce = vtp.cross_entropy(z, y, label_smoothing=0.1, z_loss=1e-3, reduction="mean", **common)
-    lp = vtp.logprobs(z, k, temperature=1.5, **common)  # top-k: [B, S, 2]
+    lp, ent = vtp.logprobs(z, k, temperature=1.5, return_entropy=True, **common)  # top-k: [B, S, 2], [B, S]
     h = vtp.entropy(z, mask=m, reduction="sum", **common)
     rkl = vtp.kl(z, t, reverse=True, temperature=2.0, **common)
     jsd = vtp.jsd(z, t, beta=0.3, labels=y, reduction="sum", normalizer=7, **common)
     fkl = vtp.jsd(z, t.detach(), beta=0.0, **common)  # a KL endpoint, detached teacher
-    total = ce + (lp * w[..., None]).sum() + h + (rkl * w).sum() + jsd + (fkl * w).sum()
-    return total, (ce, lp, h, rkl, jsd, fkl)
+    total = ce + (lp * w[..., None]).sum() + (ent * w).sum() + h + (rkl * w).sum() + jsd + (fkl * w).sum()
+    return total, (ce, lp, ent, h, rkl, jsd, fkl)
 
 
 def _inputs(seed: int, dtype):
@@ -56,14 +56,15 @@ def _reference(z, t, y, k, m, w):
     ce = reference("cross_entropy", (flat(z),), y.reshape(n), label_smoothing=0.1, z_loss=1e-3)
     ce = ce.sum() / (y != -100).sum()
     lp = reference("logprobs", (flat(z),), k.reshape(n, 2), temperature=1.5).view(B, S, 2)
+    ent = reference("entropy", (flat(z),), temperature=1.5).view(B, S)
     h = reference("entropy", (flat(z),), mask=m.reshape(n)).sum()
     rkl = reference("kl", (flat(z), flat(t)), reverse=True, temperature=2.0).view(B, S)
     jsd = reference("jsd", (flat(z), flat(t)), beta=0.3, labels=y.reshape(n)).sum() / 7
     fkl = reference("jsd", (flat(z), flat(t).detach()), beta=0.0).view(B, S)
     w = w.double()
-    total = ce + (lp * w[..., None]).sum() + h + (rkl * w).sum() + jsd + (fkl * w).sum()
+    total = ce + (lp * w[..., None]).sum() + (ent * w).sum() + h + (rkl * w).sum() + jsd + (fkl * w).sum()
     grads = torch.autograd.grad(total, (z, t))
-    return (ce, lp, h, rkl, jsd, fkl), grads
+    return (ce, lp, ent, h, rkl, jsd, fkl), grads
 
 
 def _run(rank: int, world: int, group, backend: str) -> dict:
@@ -138,7 +139,7 @@ def test_custom_ops_pass_opcheck():
     t = torch.randn(4, V, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, V, (4,), generator=g)
     mask = torch.tensor([True, False, True, True])
-    scalars = ("", 1.0, -100, 0.1, 0.0, 0.5, False, -1, -1, -1, "eager", "the backend= argument")
+    scalars = ("", 1.0, -100, 0.1, 0.0, 0.5, False, False, -1, -1, -1, "eager", "the backend= argument")
     torch.library.opcheck(library.forward_op, ("cross_entropy", [z], y, None, *scalars, [True], False))
     torch.library.opcheck(library.forward_op, ("jsd", [z, t], None, mask, *scalars, [True, True], False))
 

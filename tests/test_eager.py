@@ -21,6 +21,9 @@ OPTION_SETS = {
     "logprobs": [
         {}, {"topk": 3}, {"options": (("temperature", 1.5),)}, {"masked": "labels", "topk": 2},
         {"options": (("reduction", "mean"),), "masked": "labels"},
+        {"options": (("return_entropy", True),)},
+        {"options": (("return_entropy", True), ("temperature", 0.7)), "masked": "labels", "topk": 3},
+        {"options": (("return_entropy", True), ("reduction", "mean")), "masked": "labels"},
     ],
     "entropy": [
         {}, {"options": (("temperature", 0.5),)}, {"masked": "mask"}, {"masked": "labels"},
@@ -54,11 +57,13 @@ TP1 = _cases(("float32", "bfloat16", "float16", "float64"), ("even",))
 TPN = _cases(("float32", "bfloat16", "float16"), ("even", "uneven", "empty", "explicit"))
 EDGES = [Case(op, edge=edge, **fields)
          for op, fields in [("cross_entropy", {"options": (("label_smoothing", 0.1),)}), ("logprobs", {"topk": 2}),
+                            ("logprobs", {"topk": 2, "options": (("return_entropy", True),)}),
                             ("entropy", {}), ("kl", {}), ("kl", {"options": (("reverse", True),)}),
                             ("jsd", {"options": (("beta", 0.3),)}), ("jsd", {"options": (("beta", 0.0),)})]
          for edge in ("neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked")
          if not (edge == "disjoint" and op not in ("kl", "jsd"))]
-EDGES += [Case(op, edge="bad_index", **fields) for op, fields in [("cross_entropy", {}), ("logprobs", {"topk": 3})]]
+EDGES += [Case(op, edge="bad_index", **fields) for op, fields in [("cross_entropy", {}), ("logprobs", {"topk": 3}),
+                                                                   ("logprobs", {"options": (("return_entropy", True),)})]]
 EDGES += [Case(op, shape=(0,), **fields) for op, fields in [("cross_entropy", {}), ("logprobs", {}), ("entropy", {}),
                                                           ("kl", {}), ("jsd", {"options": (("beta", 0.5),)})]]
 EDGES += [Case(op, shape=(2, 5), strided=True, masked=m) for op, m in [("cross_entropy", "labels"), ("jsd", "mask")]]

@@ -28,7 +28,9 @@ OPTION_SETS = {
         {"masked": "labels"}, {"options": (("label_smoothing", 0.2), ("ignore_index", 3)), "masked": "labels"},
         {"options": (("normalizer", 7),)},
     ],
-    "logprobs": [{}, {"topk": 3}, {"options": (("temperature", 1.5),), "masked": "labels", "topk": 2}],
+    "logprobs": [{}, {"topk": 3}, {"options": (("temperature", 1.5),), "masked": "labels", "topk": 2},
+                 {"options": (("return_entropy", True),), "masked": "labels", "topk": 2},  # mean: runs per token
+                 {"options": (("return_entropy", True), ("temperature", 0.7))}],
     "entropy": [{}, {"options": (("temperature", 0.5),)}, {"masked": "mask"}, {"masked": "labels"}],
     "kl": [
         {}, {"options": (("reverse", True),)}, {"options": (("temperature", 2.0),), "masked": "mask"},
@@ -75,6 +77,7 @@ EXTRA = [  # edges, chunking, hidden-gradient modes
     HeadCase("jsd", edge="neg_inf", options=(("beta", 0.3), ("reduction", "sum"))),
     HeadCase("entropy", shape=(0,), options=(("reduction", "mean"),)),
     HeadCase("kl", shape=(0,)),
+    HeadCase("logprobs", shape=(0,), options=(("return_entropy", True), ("reduction", "sum"))),
     HeadCase("cross_entropy", chunk_rows=None, shape=(40,)),
     HeadCase("cross_entropy", chunk_rows=1, options=(("reduction", "mean"),)),
     HeadCase("jsd", head_grads="w", options=(("reduction", "mean"),), bias=True),
@@ -112,6 +115,8 @@ TRITON = [
     HeadCase(shape=(2, 3), chunk_rows=4, op="cross_entropy", backend="triton", options=(("label_smoothing", 0.1), ("reduction", "mean")), bias=True),
     HeadCase(shape=(2, 3), chunk_rows=4, op="logprobs", backend="triton", topk=2, dtype="bfloat16", masked="labels"),
     HeadCase(shape=(2, 3), chunk_rows=4, op="entropy", backend="triton", masked="mask", options=(("reduction", "sum"),)),
+    HeadCase(shape=(2, 3), chunk_rows=4, op="logprobs", backend="triton", masked="labels",
+             options=(("return_entropy", True), ("reduction", "sum"))),
     HeadCase(shape=(2, 3), chunk_rows=4, op="kl", backend="triton", options=(("reverse", True),), heads=(True, False)),
     HeadCase(shape=(2, 3), chunk_rows=4, op="jsd", backend="triton", options=(("beta", 0.3), ("reduction", "mean")), grads=(True, False)),
     HeadCase(shape=(2, 3), chunk_rows=4, op="jsd", backend="triton", options=(("beta", 0.6),), dtype="float16", bias=True),
@@ -292,9 +297,9 @@ def test_partial_hidden_gradients_sum_to_the_full_one(ranks):
 # -- chunking, memory, second backward ------------------------------------------------------------
 
 def test_chunk_rows_rule():
-    assert head_mod.chunk_rows(8192, 151936, 2) == 832  # 256 MiB of bf16 rows, a multiple of 64
-    assert head_mod.chunk_rows(8192, 151936 // 4, 2) == 2752  # at most 3520, balanced over 3 chunks
-    assert head_mod.chunk_rows(1024, 151936, 2) == 512  # two chunks of 512, not 832 + 192
+    assert head_mod.chunk_rows(8192, 151936, 2) == 1408  # at most 1536 (448 MiB of bf16 rows), over 6 chunks
+    assert head_mod.chunk_rows(8192, 151936 // 4, 2) == 4096  # at most 6144, balanced over 2 chunks
+    assert head_mod.chunk_rows(2048, 151936, 2) == 1024  # two chunks of 1024, not 1536 + 512
     assert head_mod.chunk_rows(100, 151936, 2) == 100  # never more rows than tokens
     assert head_mod.chunk_rows(8192, 10**9, 4) == 1  # at least one row
     assert head_mod.chunk_rows(8192, 151936, 2, requested=512) == 512

@@ -111,18 +111,14 @@ def test_other_ops_match_float64(op):
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("op,budget", [("cross_entropy", 0.5), ("jsd", 1.0)])
-def test_temporaries_within_budget_and_time_near_the_materialized_path(op, budget, tp):
+def test_temporaries_within_budget(op, budget, tp):
+    """Memory only: time is measured by ``vtp-runtime bench --head``, never asserted in a test."""
     v_local = V // tp
     hidden, weight, labels, ht, wt = _inputs(N, H, v_local, teacher=True)
     fused = bench_head._arm(op, "fused", "triton", hidden, weight, labels, ht, wt, 0.5)
-    materialized = bench_head._arm(op, "materialized", "triton", hidden, weight, labels, ht, wt, 0.5)
-    t_fused = bench_head._time(fused, "cuda", 3, 10)
-    t_mat = bench_head._time(materialized, "cuda", 3, 10)
     temp = bench_head._temporaries(fused)
-    print(f"{op} TP{tp}: fused {t_fused:.2f} ms, materialized {t_mat:.2f} ms ({t_fused / t_mat:.3f}x), "
-          f"temporaries {temp:.3f} GiB")
+    print(f"{op} TP{tp}: temporaries {temp:.3f} GiB")
     assert temp <= budget
-    assert t_fused <= 1.10 * t_mat  # the target is 1.05x; the margin absorbs run-to-run noise
 
 
 def test_liger_fused_linear_ce_is_what_runs_at_tp1(monkeypatch):

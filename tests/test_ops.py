@@ -29,6 +29,7 @@ TURN_ON = {
     "mask": ({"mask": torch.tensor([True, False, True])}, False, False),
     "reverse": ({"reverse": True}, False, False),
     "teacher_grad": ({}, True, False),
+    "return_entropy": ({"return_entropy": True}, False, False),
 }
 
 

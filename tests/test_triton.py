@@ -30,6 +30,9 @@ OPTION_SETS = {
     ],
     "logprobs": [
         {}, {"topk": 3}, {"options": (("temperature", 1.5),)}, {"masked": "labels", "topk": 2},
+        {"options": (("return_entropy", True),)},
+        {"options": (("return_entropy", True), ("temperature", 0.7), ("reduction", "mean")), "masked": "labels",
+         "topk": 3},
     ],
     "entropy": [
         {}, {"options": (("temperature", 0.5),)}, {"masked": "mask"}, {"masked": "labels"},
@@ -62,14 +65,19 @@ TP1 = _cases(("float32", "bfloat16", "float16"), ("even",))
 TP2 = _cases(("float32", "bfloat16"), ("uneven", "empty", "explicit", "even"))
 EDGES = [Case(op, edge=edge, backend=T, shape=SHAPE, **fields)
          for op, fields in [("cross_entropy", {"options": (("label_smoothing", 0.1),)}), ("logprobs", {"topk": 2}),
+                            ("logprobs", {"topk": 2, "options": (("return_entropy", True),)}),
                             ("entropy", {}), ("kl", {}), ("jsd", {"options": (("beta", 0.3),)})]
          for edge in ("neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked")
          if not (edge == "disjoint" and op not in ("kl", "jsd"))]
-EDGES += [Case(op, edge="bad_index", backend=T, shape=SHAPE, **f) for op, f in [("cross_entropy", {}), ("logprobs", {"topk": 3})]]
+EDGES += [Case(op, edge="bad_index", backend=T, shape=SHAPE, **f)
+          for op, f in [("cross_entropy", {}), ("logprobs", {"topk": 3}),
+                        ("logprobs", {"topk": 3, "options": (("return_entropy", True),)})]]
 EDGES += [Case(op, shape=(0,), backend=T) for op in ("cross_entropy", "logprobs", "entropy", "kl", "jsd")]
-EDGES += [Case(op, shape=(2, 4), strided=True, masked=m, backend=T)
-          for op, m in [("cross_entropy", "labels"), ("logprobs", ""), ("entropy", "mask"), ("kl", ""),
-                        ("jsd", "mask")]]
+EDGES += [Case("logprobs", shape=(0,), backend=T, options=(("return_entropy", True),))]
+EDGES += [Case(op, shape=(2, 4), strided=True, masked=m, backend=T, **f)
+          for op, m, f in [("cross_entropy", "labels", {}), ("logprobs", "", {}),
+                           ("logprobs", "labels", {"options": (("return_entropy", True),)}), ("entropy", "mask", {}),
+                           ("kl", "", {}), ("jsd", "mask", {})]]
 # TP 2: the edges where shards matter (a -inf slice, offsets, disjoint support, strided views)
 EDGES_TP2 = [c.with_(layout="empty" if c.edge == "neg_inf" else "uneven") for c in EDGES
              if (c.edge in ("neg_inf", "offset") and c.op in ("cross_entropy", "jsd"))
@@ -162,7 +170,8 @@ def test_registered_with_every_op_and_feature():
     assert backend.input_layout == "unit_vocab_stride_3d"
     assert set(backend.ops) == {"cross_entropy", "logprobs", "entropy", "kl", "jsd"}
     features = set().union(*(cap.features for cap in backend.ops.values()))
-    assert features == {"label_smoothing", "z_loss", "temperature", "topk", "mask", "reverse", "teacher_grad"}
+    assert features == {"label_smoothing", "z_loss", "temperature", "topk", "mask", "reverse", "teacher_grad",
+                        "return_entropy"}
     assert backend.probe_reasons("cpu") == []  # TRITON_INTERPRET=1 in this process
 
 

@@ -157,3 +157,29 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("k", [0, 4])
+def test_logprobs_with_entropy_v151936(dtype, k):
+    """logprobs(return_entropy=True) on real kernels: both outputs, and the gradient of
+    sum(lp * g_lp) + sum(H * g_H), against float64 (a quarter of the tokens fully masked)."""
+    n, v = 1024, 151936
+    dt = DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    z = (torch.randn(n, v, device="cuda", generator=g) * 3).to(dt).requires_grad_(True)
+    index = torch.randint(0, v, (n, k) if k else (n,), device="cuda", generator=g)
+    index[torch.rand(n, device="cuda", generator=g) < 0.25] = -100
+    kept = index != -100 if not k else (index != -100).any(-1)
+    g_lp = torch.randn(index.shape, device="cuda", generator=g, dtype=torch.float64)
+    g_h = torch.randn(n, device="cuda", generator=g, dtype=torch.float64)
+    lp, h = vtp.logprobs(z, index, return_entropy=True, backend="triton")
+    (grad,) = torch.autograd.grad((lp, h), (z,), (g_lp.float(), g_h.float()))
+    chunk = max(1, (1 << 26) // v)
+    ref_lp, ref_g_lp = _reference("logprobs", (z.detach(),), index, g_lp, chunk)
+    ref_h, ref_g_h = _reference("entropy", (z.detach(),), None, g_h, chunk, mask=kept)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=5e-5, atol=5e-5 * max(1.0, ref_lp.abs().max().item()))
+    torch.testing.assert_close(h.double(), ref_h, rtol=5e-5, atol=5e-5 * max(1.0, ref_h.abs().max().item()))
+    ref_g = ref_g_lp.double() + ref_g_h.double()
+    err = (grad.double() - ref_g).norm() / ref_g.norm().clamp_min(1e-30)
+    assert err.item() < GRAD_TOL[dtype], f"k={k} {dtype}: gradient relative L2 error {err.item():.3g}"

@@ -13,12 +13,13 @@ from .head import Head
 from .nn import VocabParallelHead
 from .ops import FEATURES, OPS
 from .registry import hookimpl, register
+from .topk import TopK
 
 __version__ = "0.1.0"
 
 __all__ = [
     "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend", "Head",
-    "VocabParallelHead",
+    "VocabParallelHead", "TopK",
     "Explanation", "Backend", "Call", "OpCapability", "Request", "SavedState", "FEATURES", "OPS", "hookimpl",
     "register", "VtpError", "ShardError", "BackendUnavailable", "UnknownBackend", "PluginError",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, head, inputs, plan, second_order, shards
+from . import dispatch, head, inputs, plan, second_order, shards, topk
 from .backend import Backend, Call, Request, SavedState, meets_layout
 from .errors import UnknownBackend
 from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_spec, normalize_options
@@ -218,8 +218,15 @@ def _request(p: _Prepared, tp_size: int, vocab_size: int, num_tokens: int, even_
         vocab_size=vocab_size, num_tokens=num_tokens, even_shards=even_shards, empty_shard=empty_shard,
         features=features_of(p.spec.name, p.options, topk=p.topk,
                              teacher_grad=len(p.inputs) == 2 and p.needs_grad[1]),
-        head_inputs=p.heads is not None, head_per_token=p.heads is not None and p.options["reduction"] == "none",
+        head_inputs=p.heads is not None, head_per_token=p.heads is not None and _head_reduction(p.options) == "none",
         compiled=compiled)
+
+
+def _head_reduction(options) -> str:
+    """How a call with Head inputs runs: per token (``"none"``: gradients in backward) or as a
+    scalar (gradients during forward, for one upstream number). ``return_entropy`` gives two
+    outputs reduced apart, so its upstream gradient is not one number: per token."""
+    return "none" if options.get("return_entropy") else options.get("reduction", "none")
 
 
 def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None,
@@ -292,8 +299,8 @@ class _Plan:
     """What every call with one signature shares (see ``vtp_runtime.plan``): the backend,
     the ``Call`` it gets, and how the per-call tensors are shaped around it."""
 
-    __slots__ = ("spec", "backend", "call", "n", "n_inputs", "out_shape", "topk", "ignore_index", "metadata",
-                 "state_type", "heads", "stand_ins", "max_v_local")
+    __slots__ = ("spec", "backend", "call", "n", "n_inputs", "lead", "out_shape", "topk", "ignore_index",
+                 "metadata", "state_type", "heads", "stand_ins", "max_v_local")
 
 
 def _make_plan(p: _Prepared) -> _Plan:
@@ -306,7 +313,7 @@ def _make_plan(p: _Prepared) -> _Plan:
     made.call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
                      vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
                      needs_grad=p.needs_grad, topk=p.topk)
-    made.topk, made.metadata, made.state_type = p.topk, p.metadata, None
+    made.lead, made.topk, made.metadata, made.state_type = p.lead, p.topk, p.metadata, None
     made.ignore_index = options.get("ignore_index", -100)
     # the backend returns [N] (or [N, k]); a view back to the leading dims only where they
     # differ (lead is () for 1-D logits: one token)
@@ -333,10 +340,12 @@ def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor:
             mask = keep if mask is None else mask & keep
     if made.heads is not None:
         values = head.run_call(backend, made.call, made.heads, made.stand_ins, index, mask,
-                               options.get("reduction", "none"), made.max_v_local)
+                               _head_reduction(options), made.max_v_local)
     else:
         rows = tuple(_rows(t, n, backend.input_layout) for t in tensors[:made.n_inputs])
         values = _VocabParallelFunction.apply(backend, made.call, index, mask, *rows)
+    if made.call.options.get("return_entropy"):
+        return _logprobs_and_entropy(values, made.lead, made.topk, index, options, made.ignore_index)
     if made.out_shape is not None:
         values = values.view(made.out_shape)
     return _reduce(values, options, index, mask, made.ignore_index)
@@ -384,6 +393,18 @@ def _planned(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | No
     return made
 
 
+def _logprobs_and_entropy(values: Tensor, lead: tuple, topk: bool, index: Tensor, options,
+                          ignore_index: int) -> tuple[Tensor, Tensor]:
+    """``logprobs`` with ``return_entropy``: the backend's ``[N, k + 1]`` values split into the
+    log-probs and the entropy, each reduced by the same rules. For ``reduction="mean"`` an
+    entropy counts where some entry of its token's index is not ``ignore_index``."""
+    lp, h = values[:, :-1], values[:, -1]
+    lp = lp.reshape(*lead, lp.shape[1]) if topk else lp.reshape(lead)
+    kept = (index != ignore_index).any(1) if topk else index != ignore_index
+    return (_reduce(lp, options, index, None, ignore_index),
+            _reduce(h.reshape(lead), options, None, kept, ignore_index))
+
+
 def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
     reduction, normalizer = options.get("reduction", "none"), options.get("normalizer")
     total = values if reduction == "none" else values.sum()
@@ -422,13 +443,18 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     The result is fp32 (fp64 for fp64 inputs), shaped ``logits.shape[:-1]`` (``+ (k,)`` for
     top-k log-probs) or a scalar when reduced, and identical on every rank of ``tp_group``.
     DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
+    ``logprobs`` with ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
     """
     if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
         from .library import traced_loss
         return traced_loss(op, tensors, options)
+    if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
+        return topk.kl(*tensors, **options)
     tensors, options, wrap = inputs.normalize(op, tensors, options)
     out = _call(op, tensors, options)
-    return out if wrap is None else wrap(out)
+    if wrap is None:
+        return out
+    return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
 
 def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> dispatch.Explanation:
@@ -439,8 +465,11 @@ def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> 
     this one's (rank order, equal sizes) unless ``global_vocab_size`` or ``vocab_start`` say
     otherwise, and their backends like this rank's. ``gather=True`` gathers the metadata as
     ``loss`` does and gives the verdict of the real call, the same on every rank: then, like
-    ``loss``, every rank of ``tp_group`` must call it.
+    ``loss``, every rank of ``tp_group`` must call it. With a ``vtp.TopK`` teacher, ``kl``'s
+    verdict is that of the student's top-k log-probs, the one op it runs.
     """
+    if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
+        return topk.explain(*tensors, gather=gather, **options)
     tensors, options, _ = inputs.normalize(op, tensors, options)
     group = options.get("tp_group")
     world = shards.group_size(group)
@@ -471,10 +500,21 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
                 label_smoothing=label_smoothing, z_loss=z_loss, **options)
 
 
-def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, **options: Any) -> Tensor:
-    """``log softmax(logits / T)`` at global vocabulary ids ``index``: shaped like
-    ``logits.shape[:-1]`` or with a trailing top-k dimension."""
-    return loss("logprobs", logits, index, ignore_index=ignore_index, **options)
+def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, return_entropy: bool = False,
+             **options: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """``log softmax(logits / T)`` at global vocabulary ids ``index`` (int, ``[...]`` or
+    ``[..., k]``): shaped like ``logits.shape[:-1]`` or with a trailing top-k dimension;
+    entries equal to ``ignore_index`` give 0.
+
+    ``return_entropy=True`` returns ``(logprobs, entropy)`` from one read of the logits,
+    ``entropy = -sum p log p`` of ``softmax(logits / T)`` shaped ``logits.shape[:-1]``, both
+    differentiable (e.g. ``(lp * adv).sum() + c * ent.sum()``). A token's entropy is 0 when
+    every entry of its index is ``ignore_index`` (the one entry of an ``[...]`` index, all k
+    of an ``[..., k]`` one). ``reduction`` and ``normalizer`` apply to both outputs alike:
+    ``"sum"`` sums each, ``normalizer`` divides each; ``"mean"`` divides the log-probs by
+    their count of non-ignored entries and the entropy by its count of unmasked tokens.
+    Both are replicated on every rank of ``tp_group``."""
+    return loss("logprobs", logits, index, ignore_index=ignore_index, return_entropy=return_entropy, **options)
 
 
 def entropy(logits: Tensor, **options: Any) -> Tensor:
@@ -483,8 +523,18 @@ def entropy(logits: Tensor, **options: Any) -> Tensor:
     return loss("entropy", logits, **options)
 
 
-def kl(student_logits: Tensor, teacher_logits: Tensor, *, reverse: bool = False, **options: Any) -> Tensor:
-    """Forward ``KL(p_teacher || p_student)``, or reverse ``KL(p_student || p_teacher)``."""
+def kl(student_logits: Tensor, teacher_logits: Tensor | topk.TopK, *, reverse: bool = False,
+       tail: bool = False, **options: Any) -> Tensor:
+    """Forward ``KL(p_teacher || p_student)``, or reverse ``KL(p_student || p_teacher)``.
+
+    A teacher given as ``vtp.TopK(logprobs, index)`` (its top-k log-probs and global ids,
+    ``[..., k]``, replicated) gives the KL over those k ids, with ``tail=True`` plus the
+    residual-mass term ``r_t log(r_t / r_s)``; see ``vtp_runtime.topk``."""
+    if isinstance(teacher_logits, topk.TopK):
+        return topk.kl(student_logits, teacher_logits, reverse=reverse, tail=tail, **options)
+    if tail is not False:
+        raise ValueError("tail= applies to a teacher given as vtp.TopK(logprobs, index); with dense "
+                         "teacher logits the KL already covers the whole vocabulary")
     return loss("kl", student_logits, teacher_logits, reverse=reverse, **options)
 
 

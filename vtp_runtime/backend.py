@@ -17,14 +17,18 @@ Contract of ``forward(call, inputs, index, mask)``:
 - ``mask``: bool ``[N]`` (True = keep) for ``entropy``/``kl``/``jsd``, already combined with
   their ``labels``; None when every token counts.
 - returns ``(values, state)``: values fp32 (fp64 for fp64 inputs) ``[N]`` (``[N, k]`` for
-  top-k log-probs), replicated on every rank, exactly 0 on masked tokens; ``state`` a
+  top-k log-probs), replicated on every rank, exactly 0 on masked tokens. ``logprobs``
+  with ``call.options["return_entropy"]`` (the ``return_entropy`` feature) returns
+  ``[N, k + 1]`` (``k = 1`` for an ``[N]`` index): the log-probs, then each token's entropy
+  in the last column (0 where every index entry is ``ignore_index``); ``state`` a
   ``SavedState`` (a dataclass of tensors) holding what backward needs, or None. Keep it to
   the inputs and O(N) statistics where the math allows: the core holds it until backward
   (the ``liger`` backend is the exception: Liger's kernels keep an fp32 ``[N, V_local]``
   buffer).
 
 Contract of ``backward(call, state, grad)``: ``state`` is an equal ``SavedState`` rebuilt
-from the tensors forward saved; ``grad`` is the upstream gradient shaped like ``values``;
+from the tensors forward saved; ``grad`` is the upstream gradient shaped like ``values``
+(with ``return_entropy``: the log-probs' gradients, then the entropy's in the last column);
 return one gradient per input (shape and dtype of that input) or None where
 ``call.needs_grad`` is False. No collectives: every rank back-propagates the same values.
 ``state``'s tensors must not be modified, so a second backward through a retained graph is
@@ -42,8 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -167,7 +172,7 @@ class SavedState:
     @classmethod
     def tensor_names(cls) -> tuple[str, ...]:
         """The field names, in declaration order."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]  # subclasses are dataclasses
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         """The fields' values, in declaration order."""
@@ -201,11 +206,13 @@ class SavedState:
 
 def statistics_width(op: str, options: Mapping[str, Any]) -> int:
     """``W`` of the ``[N, W]`` statistics a call from a compiled graph keeps for backward:
-    cross_entropy and logprobs 2 (anchor, log-sum), entropy 3 (and the entropy), kl 5 (both
-    anchors and log-sums, the KL), jsd 6 (both anchors and log-sums, KL(p_s||M), KL(p_t||M));
-    jsd at beta 0 or 1 is a plain KL: 5."""
+    cross_entropy and logprobs 2 (anchor, log-sum), entropy and logprobs with return_entropy 3
+    (and the entropy), kl 5 (both anchors and log-sums, the KL), jsd 6 (both anchors and
+    log-sums, KL(p_s||M), KL(p_t||M)); jsd at beta 0 or 1 is a plain KL: 5."""
     if op == "jsd" and options["beta"] in (0.0, 1.0):
         return 5
+    if op == "logprobs" and options["return_entropy"]:
+        return 3
     return _STATISTICS_WIDTH[op]
 
 

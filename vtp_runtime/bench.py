@@ -26,8 +26,10 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
-OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs")
+# logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
+OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +79,7 @@ class Row:
 def model_bytes(op: str, n: int, v: int, itemsize: int) -> int:
     """Bytes of the minimal passes, forward + backward, frozen teacher (DESIGN's model):
     JSD 3 reads of both inputs + 1 gradient write; KL 2 reads of both + 1 write;
-    CE / log-probs / entropy 2 reads + 1 write."""
+    CE / log-probs (with or without the entropy) / entropy 2 reads + 1 write."""
     passes = {"jsd": 7, "kl": 5}.get(op, 3)
     return passes * n * v * itemsize
 
@@ -87,14 +89,15 @@ def model_bytes(op: str, n: int, v: int, itemsize: int) -> int:
 
 def make_inputs(op: str, n: int, v: int, dtype, device, seed: int):
     """``(logits, other)`` for ``op``: logits ``[n, v]`` of ``dtype`` requiring grad, and a
-    frozen teacher ``[n, v]`` (kl, jsd), int64 labels ``[n]`` (cross_entropy, logprobs) or None."""
+    frozen teacher ``[n, v]`` (kl, jsd), int64 labels ``[n]`` (cross_entropy, logprobs,
+    logprobs_entropy) or None."""
     import torch
     g = torch.Generator(device=device).manual_seed(seed)
     z = (torch.randn(n, v, generator=g, device=device, dtype=torch.float32) * 2).to(dtype).requires_grad_(True)
     other = None
     if op in ("kl", "jsd"):
         other = (torch.randn(n, v, generator=g, device=device, dtype=torch.float32) * 2).to(dtype)
-    elif op in ("cross_entropy", "logprobs"):
+    elif op in ("cross_entropy", "logprobs", "logprobs_entropy"):
         other = torch.randint(0, v, (n,), generator=g, device=device)
     return z, other
 
@@ -107,6 +110,11 @@ def vtp_arm(backend: str, op: str, z, other, beta: float):
     import vtp_runtime as vtp
     args = (z, other) if other is not None else (z,)
     opts = {"beta": beta} if op == "jsd" else {}
+    if op == "logprobs_entropy":
+        def run_pair():  # both outputs, a gradient of ones through each
+            lp, h = vtp.logprobs(z, other, return_entropy=True, backend=backend)
+            return torch.autograd.grad((lp, h), (z,), (torch.ones_like(lp), torch.ones_like(h)))
+        return run_pair
 
     def run():
         out = vtp.loss(op, *args, backend=backend, **opts)
@@ -126,6 +134,9 @@ def _torch_arm(op, z, other, beta):
         elif op == "entropy":
             lp = F.log_softmax(z.float(), -1)
             out = -(lp.exp() * lp).sum(-1)
+        elif op == "logprobs_entropy":  # both from one log_softmax; the gradient of their sum
+            lp = F.log_softmax(z.float(), -1)
+            out = lp.gather(1, other[:, None]).squeeze(1) - (lp.exp() * lp).sum(-1)
         elif op == "kl":  # KL(p_t || p_s), materialized fp32 log-probs
             ls, lt = F.log_softmax(z.float(), -1), F.log_softmax(other.float(), -1)
             out = F.kl_div(ls, lt, reduction="none", log_target=True).sum(-1)
@@ -247,7 +258,6 @@ def copy_bandwidth(reps: int = 20) -> float:
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     ms = time_loop(lambda: dst.copy_(src), 3, reps)
-    del src, dst
     return 2 * 2**30 / (ms * 1e-3) / 1e9
 
 
@@ -288,6 +298,7 @@ class _Progress:
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
+        self._rich: Any = None  # rich.progress.Progress, an optional dependency
         try:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -423,18 +434,30 @@ def _fmt(x, spec):
 def print_table(rows: list[Row], copy_gbps: float, overhead: dict | None) -> None:
     """The measurements as the text table ``vtp-runtime bench`` prints."""
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
-    head = f"{'op':14s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} {'graph ms':>8s} " \
-           f"{'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
+    head = f"{'op':16s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} " \
+           f"{'graph ms':>8s} {'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r.op:14s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {_fmt(r.ms, '8.3f')} "
+        print(f"{r.op:16s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {_fmt(r.ms, '8.3f')} "
               f"{_fmt(r.stream_ms, '9.3f')} "
               f"{_fmt(r.graph_ms, '8.3f')} {_fmt(r.gbps, '6.0f')} {_fmt(r.pct_copy, '5.0f')} "
               f"{_fmt(r.peak_gib, '8.2f')}  {r.error}")
+    ratios = entropy_overhead(rows)
+    if ratios:
+        print("logprobs_entropy / logprobs time (best of loop and graph; target <= 1.1): "
+              + ", ".join(f"{arm} TP{tp} N={n} {x:.2f}" for (arm, tp, n), x in ratios.items()))
     if overhead:
         print("CPU time per call at TP=1, steady state (us): "
               + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
+
+
+def entropy_overhead(rows: list[Row]) -> dict[tuple[str, int, int], float]:
+    """``{(arm, tp, tokens): time of logprobs_entropy / time of logprobs}`` where both ran."""
+    best = {(r.op, r.arm, r.tp, r.tokens): min(t for t in (r.ms, r.graph_ms) if t is not None)
+            for r in rows if r.ms is not None}
+    return {key[1:]: t / best[("logprobs",) + key[1:]] for key, t in best.items()
+            if key[0] == "logprobs_entropy" and ("logprobs",) + key[1:] in best}
 
 
 def _plot(rows, path: str, vocab: int) -> None:

@@ -95,7 +95,6 @@ def _available(peer: str) -> bool:
 
 
 def _time(fn, device: str, warmup: int, reps: int) -> float:
-    import torch
     for _ in range(warmup):
         fn()
     if device != "cuda":
@@ -173,7 +172,8 @@ def run(args) -> int:
         except Exception as exc:
             row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
         finally:
-            h = w = y = ht = wt = fn = None  # noqa: F841
+            # frees this size's tensors before the next one is allocated
+            h = w = y = ht = wt = fn = None  # type: ignore[assignment]  # noqa: F841
             if device == "cuda":
                 torch.cuda.empty_cache()
         rows.append(row)
@@ -184,7 +184,7 @@ def run(args) -> int:
         if ref is None:
             ref = next((m for m in rows if m.op == r.op and m.tp == r.tp and m.tokens == r.tokens
                         and m.arm.startswith("materialized") and m.ms), None)
-        if r.ms is not None and ref is not None:
+        if r.ms is not None and ref is not None and ref.ms:
             r.vs_mat = r.ms / ref.ms
     print_table(rows)
     if args.json:

@@ -74,7 +74,7 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
         args = (lm_head(h), vtp.Head(h.detach(), teacher)) if op == "jsd" else (lm_head(h), y)
         if op not in backend_of:
             backend_of[op] = vtp.explain(op, *args, tp_group=group, reduction="mean", gather=True,
-                                         **opts).backend
+                                         **opts).backend or "-"
         loss = vtp.loss(op, *args, tp_group=group, reduction="mean", **opts)
         grad, h_grad = torch.autograd.grad(loss, [student, h])
 
@@ -91,6 +91,7 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
         ref_vals, (ref_dlogits, *_) = values_and_grads(
             op, full, index, torch.full((n,), 1.0 / count, dtype=torch.float64),
             needs_grad=(True,) + ((False,) if op == "jsd" else ()), **opts)
+        assert ref_dlogits is not None  # needs_grad[0] is True
         ref_loss = ref_vals.sum() / count
         ref_grad = (ref_dlogits.T @ h64)[start:end]
         ref_h_grad = ref_dlogits @ w_full  # over the whole vocabulary: complete on every rank
@@ -105,11 +106,12 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
         last[op] = loss.item()
         lr = cfg["lr_jsd" if op == "jsd" else "lr_ce"]
         with torch.no_grad():
-            student -= lr * grad
+            student.sub_(lr * grad)
         # the dense float64 run takes its own step: the trajectories must stay together
         d_vals, (d_dlogits, *_) = values_and_grads(
             op, (h64 @ dense.T,) + full[1:], index, torch.full((n,), 1.0 / count, dtype=torch.float64),
             needs_grad=(True,) + ((False,) if op == "jsd" else ()), **opts)
+        assert d_dlogits is not None
         dense -= lr * (d_dlogits.T @ h64)
         mine = student.detach().cpu().double()
         wdev = torch.tensor((mine - dense[start:end]).abs().max().item() / dense.abs().max().item(),
@@ -120,7 +122,8 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
         if rank == 0:
             print(f"{step:5d}  {op:14s} {loss.item():10.6f}  {backend_of[op]:8s} "
                   f"{dev[0].item():10.2e} {dev[1].item():10.2e}", flush=True)
-    return {"loss": worst_loss, "grad": worst_grad, "weight": worst_weight, "first": first, "last": last, "backends": backend_of}
+    return {"loss": worst_loss, "grad": worst_grad, "weight": worst_weight, "first": first, "last": last,
+            "backends": backend_of}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -128,7 +128,7 @@ def collect() -> dict[str, Any]:
             why = op_reasons(b, op, device)
             cap = b.ops.get(op)
             ops[op] = ({"implemented": False, "available": False, "reasons": [f"does not implement {op}"]}
-                       if why is None else
+                       if why is None or cap is None else
                        {"implemented": True, "available": not why, "reasons": why,
                         "dtypes": sorted(str(d).replace("torch.", "") for d in cap.dtypes),
                         "features": sorted(cap.features),
@@ -170,7 +170,8 @@ def render_plain(data: dict[str, Any]) -> str:
     if data["plugin_error"]:
         lines.append(f"  error: {data['plugin_error']}")
     ops = list(OPS)
-    lines.append(f"backends on {data['device_type']} (priority order; yes = can run, no = see below, - = not implemented):")
+    lines.append(f"backends on {data['device_type']} "
+                 "(priority order; yes = can run, no = see below, - = not implemented):")
     lines.append(f"  {'backend':<20} {'prio':>4}  " + "  ".join(f"{op:<13}" for op in ops))
     for name, b in data["backends"].items():
         lines.append(f"  {name:<20} {b['priority']:>4}  " + "  ".join(f"{_cell(b['ops'][op]):<13}" for op in ops))

@@ -21,7 +21,8 @@ DTensor with the input's placement.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -85,6 +86,14 @@ class _Layout:
 
     __slots__ = ("mesh", "placements", "vocab_mesh_dim", "batch_sharded", "group", "vocab_start",
                  "vocab_end", "vocab_size")
+    mesh: Any  # DeviceMesh
+    placements: tuple
+    vocab_mesh_dim: int | None  # None: the vocabulary is replicated
+    batch_sharded: bool
+    group: Any  # the vocabulary's ProcessGroup; None when vocab_mesh_dim is None
+    vocab_start: int | None
+    vocab_end: int | None
+    vocab_size: int
 
 
 def _placements(t, torch_names: _Torch) -> tuple:

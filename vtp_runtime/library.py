@@ -51,8 +51,8 @@ def _group(name: str):
 
 
 def _given(op: str, group_name: str, mask: Tensor | None, temperature: float, ignore_index: int,
-           label_smoothing: float, z_loss: float, beta: float, reverse: bool, vocab_start: int, vocab_end: int,
-           global_vocab_size: int) -> dict[str, Any]:
+           label_smoothing: float, z_loss: float, beta: float, reverse: bool, return_entropy: bool,
+           vocab_start: int, vocab_end: int, global_vocab_size: int) -> dict[str, Any]:
     """The options of an eager call that the op's arguments stand for (-1: not given)."""
     given: dict[str, Any] = {"tp_group": _group(group_name), "temperature": temperature}
     if vocab_start >= 0:
@@ -64,6 +64,8 @@ def _given(op: str, group_name: str, mask: Tensor | None, temperature: float, ig
         given["ignore_index"] = ignore_index
     if op == "cross_entropy":
         given["label_smoothing"], given["z_loss"] = label_smoothing, z_loss
+    if op == "logprobs":
+        given["return_entropy"] = return_entropy
     if op == "kl":
         given["reverse"] = reverse
     if op == "jsd":
@@ -74,10 +76,10 @@ def _given(op: str, group_name: str, mask: Tensor | None, temperature: float, ig
 
 
 def _plan(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-          vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad):
+          return_entropy, vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad):
     tensors = tuple(inputs) + ((index,) if index is not None else ())
     given = _given(op, group_name, mask, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-                   vocab_start, vocab_end, global_vocab_size)
+                   return_entropy, vocab_start, vocab_end, global_vocab_size)
     traced = api.Traced(tuple(needs_grad), backend or None, backend_source)
     return api._planned(op, tensors, given, traced), tensors, given
 
@@ -85,14 +87,15 @@ def _plan(op, inputs, index, mask, group_name, temperature, ignore_index, label_
 @torch.library.custom_op("vtp_runtime::forward", mutates_args=())
 def forward_op(op: str, inputs: list[Tensor], index: Optional[Tensor], mask: Optional[Tensor], group_name: str,
                temperature: float, ignore_index: int, label_smoothing: float, z_loss: float, beta: float,
-               reverse: bool, vocab_start: int, vocab_end: int, global_vocab_size: int, backend: str,
-               backend_source: str, needs_grad: list[bool], topk: bool) -> tuple[Tensor, Tensor]:
-    """Per-token values ``[N]`` (``[N, k]`` top-k log-probs) and the ``[N, W]`` statistics
+               reverse: bool, return_entropy: bool, vocab_start: int, vocab_end: int, global_vocab_size: int,
+               backend: str, backend_source: str, needs_grad: list[bool], topk: bool) -> tuple[Tensor, Tensor]:
+    """Per-token values ``[N]`` (``[N, k]`` top-k log-probs; with ``return_entropy`` ``[N, k + 1]``,
+    the entropy last) and the ``[N, W]`` statistics
     backward needs, for ``inputs`` as ``[N, V_local]`` rows, ``index`` int64 ``[N]``/``[N, k]``,
     ``mask`` bool ``[N]`` (already combined with labels). Replicated on every rank."""
     made, _, _ = _plan(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoothing, z_loss,
-                       beta, reverse, vocab_start, vocab_end, global_vocab_size, backend, backend_source,
-                       needs_grad)
+                       beta, reverse, return_entropy, vocab_start, vocab_end, global_vocab_size, backend,
+                       backend_source, needs_grad)
     values, state = made.backend.forward(made.call, tuple(inputs), index, mask)
     if state is None:
         raise RuntimeError(f"backend {made.backend.name!r} returned no state; it cannot run inside torch.compile")
@@ -107,27 +110,31 @@ def forward_op(op: str, inputs: list[Tensor], index: Optional[Tensor], mask: Opt
 
 @forward_op.register_fake
 def _(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-      vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad, topk):
+      return_entropy, vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad, topk):
     z = inputs[0]
     n = z.shape[0]
     dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
-    values = z.new_empty((n, index.shape[1]) if topk else (n,), dtype=dtype)
-    width = statistics_width(op, {"beta": beta})
+    if op == "logprobs" and return_entropy:
+        shape = (n, (index.shape[1] if topk else 1) + 1)
+    else:
+        shape = (n, index.shape[1]) if topk else (n,)
+    values = z.new_empty(shape, dtype=dtype)
+    width = statistics_width(op, {"beta": beta, "return_entropy": return_entropy})
     return values, z.new_empty((n, width), dtype=dtype)
 
 
 @torch.library.custom_op("vtp_runtime::backward", mutates_args=())
 def backward_op(grad: Tensor, statistics: Tensor, inputs: list[Tensor], index: Optional[Tensor],
                 mask: Optional[Tensor], op: str, group_name: str, temperature: float, ignore_index: int,
-                label_smoothing: float, z_loss: float, beta: float, reverse: bool, vocab_start: int, vocab_end: int,
-                global_vocab_size: int, backend: str, backend_source: str, needs_grad: list[bool],
-                topk: bool) -> list[Tensor]:
+                label_smoothing: float, z_loss: float, beta: float, reverse: bool, return_entropy: bool,
+                vocab_start: int, vocab_end: int, global_vocab_size: int, backend: str, backend_source: str,
+                needs_grad: list[bool], topk: bool) -> list[Tensor]:
     """The gradients of the inputs in ``needs_grad`` (only those), from the forward's plan
     and statistics. No collective."""
     from . import plan
     tensors = tuple(inputs) + ((index,) if index is not None else ())
     given = _given(op, group_name, mask, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-                   vocab_start, vocab_end, global_vocab_size)
+                   return_entropy, vocab_start, vocab_end, global_vocab_size)
     forced = (backend or None, backend_source)
     key = plan.signature(op, tensors, given, forced, api.REGISTRY.version, tuple(needs_grad))
     made = None if key is None else plan.lookup(key)
@@ -142,12 +149,14 @@ def backward_op(grad: Tensor, statistics: Tensor, inputs: list[Tensor], index: O
 
 @backward_op.register_fake
 def _(grad, statistics, inputs, index, mask, op, group_name, temperature, ignore_index, label_smoothing, z_loss,
-      beta, reverse, vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad, topk):
+      beta, reverse, return_entropy, vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad,
+      topk):
     return [torch.empty_like(t) for t, need in zip(inputs, needs_grad) if need]
 
 
 _SCALARS = ("group_name", "temperature", "ignore_index", "label_smoothing", "z_loss", "beta", "reverse",
-            "vocab_start", "vocab_end", "global_vocab_size", "backend", "backend_source", "needs_grad", "topk")
+            "return_entropy", "vocab_start", "vocab_end", "global_vocab_size", "backend", "backend_source",
+            "needs_grad", "topk")
 
 
 def _setup_context(ctx, inputs, output):
@@ -219,9 +228,11 @@ def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
         spec.name, rows, index, mask, group_name, float(options["temperature"]), int(ignore_index),
         float(options.get("label_smoothing", 0.0)), float(options.get("z_loss", 0.0)),
         float(options.get("beta", 0.5)), bool(options.get("reverse", False)),
-        -1 if vocab_start is None else vocab_start, -1 if vocab_start is None else options["vocab_end"],
+        bool(options.get("return_entropy", False)), -1 if vocab_start is None else vocab_start, -1 if vocab_start is None else options["vocab_end"],
         -1 if options["global_vocab_size"] is None else options["global_vocab_size"],
         forced[0], forced[1], needs_grad, topk)
+    if options.get("return_entropy"):
+        return api._logprobs_and_entropy(values, lead, topk, index, options, ignore_index)
     if len(lead) != 1:
         values = values.view(lead + ((index.shape[-1],) if topk else ()))
     return api._reduce(values, options, index, mask, ignore_index)

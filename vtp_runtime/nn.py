@@ -72,7 +72,7 @@ class VocabParallelHead(nn.Module):
 
     @classmethod
     def from_full(cls, weight: Tensor, bias: Tensor | None = None, tp_group: Any = None,
-                  reduce_hidden_grad: bool = True) -> "VocabParallelHead":
+                  reduce_hidden_grad: bool = True) -> VocabParallelHead:
         """This rank's shard of the full ``[V, H]`` ``weight`` (and ``[V]`` ``bias``), copied,
         in ``weight``'s dtype and device. Every rank passes the same full tensors."""
         if weight.dim() != 2:

@@ -9,8 +9,13 @@ op                  value per token                                  gradient w.
 ==================  ===============================================  ==========================================
 cross_entropy       (1-e)(lse - x[y]) + e(lse - mean_j x_j) + l*lse^2   p - (1-e) onehot(y) - e/V + 2 l lse p
 logprobs            x[i] - lse  (i is [N] or [N, k])                 sum_k g_k onehot(i_k) - (sum_k g_k) p
+logprobs with       (x[i] - lse, H) from one read of the logits      the logprobs and entropy gradients, summed:
+return_entropy                                                       g . (onehot - p) + g_H (-p (log p + H))
 entropy             H = -sum p log p                                 -p (log p + H)
 kl (A || B)         sum p_A (log p_A - log p_B)                      dA = p_A (log p_A - log p_B - KL), dB = p_B - p_A
+kl with a TopK      sum_k p_t,k (log p_t,k - log p_s,k) over the     autograd through the student's top-k
+teacher             teacher's k ids; tail: + r_t log(r_t / r_s),     log-probs (vtp_runtime/topk.py; backends
+                    r = 1 - sum_k p_k                                run only its top-k logprobs)
 jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b) p_s (log p_s - log M - KL(p_s||M))
                     M = b p_t + (1-b) p_s                            dz_t = b p_t (log p_t - log M - KL(p_t||M))
 ==================  ===============================================  ==========================================
@@ -20,8 +25,11 @@ jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b
   explicit branches (the interior formula tends to 0 at both ends).
 - Label smoothing averages over the global V; z-loss is ``l * lse^2``.
 - Masked tokens (``ignore_index`` labels/index entries, or ``mask`` False) give exactly 0
-  value and exactly 0 gradient. An index outside ``[0, V)`` that is not ``ignore_index``
-  gives NaN for that token (value and gradient), never a silently wrong number.
+  value and exactly 0 gradient. ``logprobs`` with ``return_entropy=True``: a token's entropy
+  is masked (0) when every entry of its index is ``ignore_index`` (one entry for an ``[N]``
+  index, all k for ``[N, k]``). An index outside ``[0, V)`` that is not ``ignore_index``
+  gives NaN for that token (value and gradient), never a silently wrong number (the
+  entropy, which does not depend on the index, stays finite; the row's gradient is NaN).
 - ``0 * log 0 = 0``; KL is ``+inf`` where the weighting distribution has mass the other
   lacks; an unmasked row of all ``-inf`` gives NaN in that row only.
 """
@@ -45,6 +53,8 @@ _USES: dict[str, Callable[[Mapping[str, Any], bool, bool], bool]] = {
     "mask": lambda options, topk, teacher_grad: options["mask"] is not None or options["labels"] is not None,
     "reverse": lambda options, topk, teacher_grad: bool(options["reverse"]),
     "teacher_grad": lambda options, topk, teacher_grad: teacher_grad,
+    # logprobs: also the entropy of each token, from the same read of the logits
+    "return_entropy": lambda options, topk, teacher_grad: bool(options["return_entropy"]),
 }
 FEATURES = tuple(_USES)
 
@@ -68,7 +78,8 @@ OPS: dict[str, OpSpec] = {
         OpSpec("cross_entropy", ("logits",), "labels",
                {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0},
                ("label_smoothing", "z_loss", "temperature")),
-        OpSpec("logprobs", ("logits",), "index", {"ignore_index": -100}, ("topk", "temperature")),
+        OpSpec("logprobs", ("logits",), "index", {"ignore_index": -100, "return_entropy": False},
+               ("topk", "temperature", "return_entropy")),
         OpSpec("entropy", ("logits",), None, dict(_MASKING), ("mask", "temperature")),
         OpSpec("kl", ("student_logits", "teacher_logits"), None, {"reverse": False, **_MASKING},
                ("mask", "temperature", "reverse", "teacher_grad")),
@@ -96,7 +107,8 @@ COMMON_OPTIONS: dict[str, Any] = {
 # so that equal values agree: temperature=2 on one rank and 2.0, np.float32(2) or
 # torch.tensor(2.) on another.
 FLOAT_OPTIONS = frozenset({"temperature", "label_smoothing", "z_loss", "beta", "normalizer"})
-SCALAR_OPTIONS = FLOAT_OPTIONS | {"ignore_index", "vocab_start", "vocab_end", "global_vocab_size", "reverse"}
+SCALAR_OPTIONS = FLOAT_OPTIONS | {"ignore_index", "vocab_start", "vocab_end", "global_vocab_size", "reverse",
+                                   "return_entropy"}
 
 
 def _python_scalar(name: str, value: Any) -> Any:
@@ -163,6 +175,8 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
         beta = options["beta"]
         if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
             raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta!r}")
+    if spec.name == "logprobs" and not isinstance(options["return_entropy"], bool):
+        raise ValueError(f"return_entropy must be a bool, got {options['return_entropy']!r}")
     if spec.name == "kl" and not isinstance(options["reverse"], bool):
         raise ValueError(f"reverse must be a bool, got {options['reverse']!r}")
 

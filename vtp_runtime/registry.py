@@ -24,13 +24,14 @@ type, for the life of the process), and ``use_backend``'s overrides (a ContextVa
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import threading
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable, Iterable, Iterator
 
 import pluggy
 
@@ -186,7 +187,7 @@ class Registry:
         failed = []
         for module in BUILTIN_MODULES:
             record = PluginRecord(module, "vtp-runtime", _version("vtp-runtime"), value=module)
-            failed += self._load(lambda m=module: importlib.import_module(m), record)
+            failed += self._load(functools.partial(importlib.import_module, module), record)
         allowed = {_norm(a) for a in os.environ.get("VTP_PLUGINS", "").split(",") if a.strip()}
         disabled = _env_flag("VTP_DISABLE_PLUGIN_AUTOLOAD")
         seen = set()

@@ -85,13 +85,16 @@ class IndexState(SavedState):
     index: Tensor  # int64 labels [N], or logprobs' index [N] / [N, k]
     max: Tensor  # [N] global row max of x = z / T (0 for an all -inf row)
     log_sum: Tensor  # [N] log sum exp(x - max)
+    entropy: Tensor | None = None  # [N] logprobs with return_entropy: the entropy (0 on masked tokens)
 
     def statistics(self) -> Tensor:
-        return torch.stack([self.max, self.log_sum], dim=1)
+        columns = [self.max, self.log_sum] + ([] if self.entropy is None else [self.entropy])
+        return torch.stack(columns, dim=1)
 
     @classmethod
     def from_statistics(cls, call, inputs, index, mask, statistics):
-        return cls(inputs[0], index, statistics[:, 0], statistics[:, 1])
+        entropy = statistics[:, 2] if statistics.shape[1] == 3 else None
+        return cls(inputs[0], index, statistics[:, 0], statistics[:, 1], entropy)
 
 
 @dataclass
@@ -211,41 +214,65 @@ def _ce_backward(call, state, grad):
 # -- log-probs -----------------------------------------------------------------------------
 
 def _logprobs_forward(call, inputs, index, mask):
+    """Log-probs at the index entries and, with ``return_entropy``, the entropy: its sum
+    ``sum e (x - m)`` rides in the same pass and the same all-reduce."""
     (z,) = inputs
     n, v = z.shape
+    with_entropy = call.options["return_entropy"]
     idx = index if call.topk else index[:, None]
     m = _global_max(call, inputs)[0]
     local, inside = _index_in_shard(idx, call, v)
-    s = torch.zeros(n, dtype=m.dtype, device=z.device)
-    picked = torch.zeros(idx.shape, dtype=m.dtype, device=z.device)
+    # columns: sum exp(x - m), [sum e (x - m)], then x - m at each index entry
+    first = 2 if with_entropy else 1
+    sums = torch.zeros(n, first + idx.shape[1], dtype=m.dtype, device=z.device)
     for lo, hi in _row_chunks(n, v):
         xm = _scaled(z, lo, hi, call).sub_(m[lo:hi, None])
-        s[lo:hi] = xm.exp().sum(dim=1)
+        e = xm.exp()
+        sums[lo:hi, 0] = e.sum(dim=1)
+        if with_entropy:
+            sums[lo:hi, 1] = _xlogy_rel(e, xm).sum(dim=1)
         if v:
             got = xm.gather(1, local[lo:hi])
-            picked[lo:hi] = torch.where(inside[lo:hi], got, torch.zeros_like(got))
-    both = all_reduce_(torch.cat([s[:, None], picked], dim=1), call.group, "sum")
-    log_s = both[:, 0].log()
-    value = both[:, 1:] - log_s[:, None]
+            sums[lo:hi, first:] = torch.where(inside[lo:hi], got, torch.zeros_like(got))
+    all_reduce_(sums, call.group, "sum")
+    log_s = sums[:, 0].log()
+    value = sums[:, first:] - log_s[:, None]
     value = torch.where(_bad_index(idx, call), torch.full_like(value, math.nan), value)
-    value = torch.where(idx != call.options["ignore_index"], value, torch.zeros_like(value))
-    return (value if call.topk else value[:, 0]), IndexState(z, index, m, log_s)
+    keep = idx != call.options["ignore_index"]
+    value = torch.where(keep, value, torch.zeros_like(value))
+    if not with_entropy:
+        return (value if call.topk else value[:, 0]), IndexState(z, index, m, log_s)
+    h = log_s - sums[:, 1] / sums[:, 0]
+    h = torch.where(keep.any(dim=1), h, torch.zeros_like(h))
+    return torch.cat([value, h[:, None]], dim=1), IndexState(z, index, m, log_s, h)
 
 
 def _logprobs_backward(call, state, grad):
-    z, index, m, log_s = state.logits, state.index, state.max, state.log_sum
+    """``sum_k g_k onehot(i_k) - (sum_k g_k) p``, and with the entropy ``- g_H p (log p + H)``."""
+    z, index, m, log_s, h = state.logits, state.index, state.max, state.log_sum, state.entropy
     n, v = z.shape
     idx = index if call.topk else index[:, None]
-    g = grad if call.topk else grad[:, None]
+    t = call.options["temperature"]
+    g_h = None
+    if h is not None:
+        grad, g_h = grad[:, :-1], grad[:, -1]
+        g_h = torch.where((idx != call.options["ignore_index"]).any(dim=1), g_h / t, torch.zeros_like(g_h))
+    g = grad if grad.dim() == 2 else grad[:, None]
     keep = idx != call.options["ignore_index"]
-    g = torch.where(keep, g, torch.zeros_like(g)) / call.options["temperature"]
+    g = torch.where(keep, g, torch.zeros_like(g)) / t
     g = torch.where(_bad_index(idx, call), torch.full_like(g, math.nan), g)
     local, inside = _index_in_shard(idx, call, v)
     g_total = g.sum(dim=1)
     out = torch.empty_like(z)
     for lo, hi in _row_chunks(n, v):
-        p = _scaled(z, lo, hi, call).sub_(m[lo:hi, None]).sub_(log_s[lo:hi, None]).exp_()
+        logp = _scaled(z, lo, hi, call).sub_(m[lo:hi, None]).sub_(log_s[lo:hi, None])
+        p = logp.exp() if g_h is not None else logp.exp_()  # log p is needed only for the entropy
         d = torch.where(g_total[lo:hi, None] != 0, -p * g_total[lo:hi, None], torch.zeros_like(p))
+        if g_h is not None:
+            # masked tokens have g_h = 0: their rows stay exactly 0 even where log p is NaN
+            # (a masked row of all -inf)
+            term = -_xlogy_rel(p, logp + h[lo:hi, None]) * g_h[lo:hi, None]
+            d = d + torch.where(g_h[lo:hi, None] != 0, term, torch.zeros_like(term))
         if v:
             hit = torch.where(inside[lo:hi], g[lo:hi], torch.zeros_like(g[lo:hi]))
             d = d.scatter_add(1, local[lo:hi], hit)

@@ -56,6 +56,7 @@ import math
 import os
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 import torch
 
@@ -115,7 +116,7 @@ def _jsd_primitive():
     return dispatch
 
 
-_CAP = dict(device_types=DEVICE_TYPES, dtypes=LOW_DTYPES, empty_shards=False, empty_tokens=False)
+_CAP: dict[str, Any] = dict(device_types=DEVICE_TYPES, dtypes=LOW_DTYPES, empty_shards=False, empty_tokens=False)
 
 
 class LigerBackend(Backend):
@@ -272,6 +273,8 @@ class FusedLinearCrossEntropy(HeadDriver):
     def forward(self, run: HeadRun) -> Tensor:
         (x,) = run.inputs
         call, labels = run.call, run.index
+        # dispatch hands this driver cross_entropy calls whose one input is a Head
+        assert labels is not None and x.hidden is not None and x.weight is not None
         ii = call.options["ignore_index"]
         bad = _bad_labels(labels, call)
         nh, nw, nb, _ = x.needs
@@ -372,6 +375,7 @@ def _div_forward(call: Call, inputs, mask):
 def _div_backward(call: Call, state: DivergenceState | None, grad):
     if not call.needs_grad[0]:
         return (None, None)
+    assert state is not None  # forward saves a state whenever the student needs a gradient
     student, m, log_s, dlogq, total, mask = (state.student, state.max, state.log_sum, state.dlogq,
                                              state.total, state.mask)
     t = call.options["temperature"]

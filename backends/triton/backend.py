@@ -7,7 +7,7 @@ host synchronization (capturable in a CUDA graph):
 op              forward                                                backward
 ==============  =====================================================  ==========================
 CE / logprobs   stats (1 read) -> gather partials -> finish             1 read, 1 write
-/ entropy
+/ entropy       (log-probs with return_entropy: the same passes)
 KL              stats of both (1 read each) -> gather -> finish         1 read each, 1-2 writes
 JSD             stats (1 read each) -> gather -> divergence (1 read     1 read each, 1-2 writes
                 each, merges the stats itself) -> gather -> finish
@@ -82,7 +82,7 @@ class OneInputState(SavedState):
 
     logits: torch.Tensor  # [N, V_local], or the [A, B, V_local] strided view the kernels read
     index: torch.Tensor | None  # int64 labels [N] or logprobs' index [N, k]; None for entropy
-    stats: torch.Tensor  # fp32 [N, 2]: anchor, log2 sum (entropy [N, 3]: and the entropy)
+    stats: torch.Tensor  # fp32 [N, 2]: anchor, log2 sum (entropy, logprobs with return_entropy [N, 3]: and H)
     keep: torch.Tensor | None  # uint8 [N] (entropy with a mask), else None
 
     def statistics(self) -> torch.Tensor:
@@ -242,10 +242,16 @@ class TritonBackend(Backend):
         idx = _index_arg(call, index)
         n_idx = 0 if idx is None else 1 if kind == layout.CE else idx.shape[1]
         keep = _keep(mask)
-        n_fields = {layout.CE: layout.CE_FIELDS, layout.LOGPROBS: layout.LOGPROBS_FIELDS + n_idx,
-                    layout.ENTROPY: layout.ENTROPY_FIELDS}[kind]
-        n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY else layout.STATS
-        val_shape = (n, n_idx) if (kind == layout.LOGPROBS and call.topk) else (n,)
+        # log-probs with return_entropy: the entropy's sum rides in the same pass
+        with_entropy = kind == layout.LOGPROBS and opts["return_entropy"]
+        n_fields = {layout.CE: layout.CE_FIELDS, layout.ENTROPY: layout.ENTROPY_FIELDS,
+                    layout.LOGPROBS: (layout.LOGPROBS_ENTROPY_FIELDS if with_entropy else layout.LOGPROBS_FIELDS)
+                    + n_idx}[kind]
+        n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY or with_entropy else layout.STATS
+        if with_entropy:
+            val_shape = (n, n_idx + 1)  # the log-probs, then the entropy
+        else:
+            val_shape = (n, n_idx) if (kind == layout.LOGPROBS and call.topk) else (n,)
         values = torch.empty(val_shape, dtype=torch.float32, device=dev)
         stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
         state = OneInputState(z, idx, stats, keep)
@@ -272,8 +278,8 @@ class TritonBackend(Backend):
             part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local,
             vocab_start=call.vocab_start, vocab_size=call.vocab_size, splits=splits, chunk=chunk, k2=k2,
             ignore_index=ignore, smoothing=smoothing, z_loss=z_loss,
-            KIND=kind, SMOOTH=smooth, ZLOSS=zloss and finish, HAS_KEEP=keep is not None, FINISH=finish,
-            BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
+            KIND=kind, SMOOTH=smooth, ZLOSS=zloss and finish, HAS_KEEP=keep is not None,
+            WITH_ENTROPY=with_entropy, FINISH=finish, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
@@ -281,8 +287,8 @@ class TritonBackend(Backend):
             part_ptr=part, n_parts=n_parts, n_rows=n, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
             val_ptr=values, stat_ptr=stats, vocab_size=call.vocab_size, k2=k2, ignore_index=ignore,
             smoothing=smoothing, z_loss=z_loss,
-            KIND=kind, SMOOTH=smooth, ZLOSS=zloss, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows,
-            num_warps=cfg.warps_finish)
+            KIND=kind, SMOOTH=smooth, ZLOSS=zloss, HAS_KEEP=keep is not None, WITH_ENTROPY=with_entropy,
+            BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
         return values, state
 
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
@@ -391,7 +397,8 @@ class TritonBackend(Backend):
             ignore_index=int(opts.get("ignore_index", -100)), smoothing=float(opts.get("label_smoothing", 0.0)),
             z_loss=float(opts.get("z_loss", 0.0)),
             KIND=kind, SMOOTH=kind == layout.CE and opts["label_smoothing"] != 0.0,
-            ZLOSS=kind == layout.CE and opts["z_loss"] != 0.0, HAS_KEEP=keep is not None, BLOCK=cfg.block_bwd,
+            ZLOSS=kind == layout.CE and opts["z_loss"] != 0.0, HAS_KEEP=keep is not None,
+            WITH_ENTROPY=kind == layout.LOGPROBS and opts["return_entropy"], BLOCK=cfg.block_bwd,
             num_warps=cfg.warps_bwd)
         return (dz,)
 

@@ -38,6 +38,7 @@ KL = tl.constexpr(layout.KL)
 JSD = tl.constexpr(layout.JSD)
 CE_FIELDS = tl.constexpr(layout.CE_FIELDS)
 LOGPROBS_FIELDS = tl.constexpr(layout.LOGPROBS_FIELDS)
+LOGPROBS_ENTROPY_FIELDS = tl.constexpr(layout.LOGPROBS_ENTROPY_FIELDS)
 ENTROPY_FIELDS = tl.constexpr(layout.ENTROPY_FIELDS)
 PAIR_FIELDS = tl.constexpr(layout.PAIR_FIELDS)
 KL_FIELDS = tl.constexpr(layout.KL_FIELDS)
@@ -54,6 +55,7 @@ P_MOMENT = tl.constexpr(2)  # CE: sum (z - a) k2 (label smoothing); entropy: sum
 P_COUNT = tl.constexpr(3)  # CE: columns counted in that sum
 P_LABEL = tl.constexpr(4)  # CE: the label's raw logit (0 where this chunk does not own it)
 P_INDEX = tl.constexpr(2)  # logprobs: raw logits at index entries 0 .. k-1 (0 where not owned)
+P_INDEX_AFTER_MOMENT = tl.constexpr(3)  # logprobs with the entropy: the same after [max, sum, moment]
 P_MAX_A = tl.constexpr(0)  # two inputs
 P_SUM_A = tl.constexpr(1)
 P_MAX_B = tl.constexpr(2)
@@ -97,6 +99,13 @@ def _log2(x, FAST: tl.constexpr):
                                          is_pure=True, pack=1)
     else:
         return tl.log2(x)
+
+
+@triton.jit
+def _entropy_moment(t, s, shift, alpha, e, x):
+    # sum e (z - a) k2: the running state (t, s) moved to the tile's new anchor, plus the
+    # tile's terms (0 where e = 0: the 0 log 0 = 0 rule)
+    return alpha * (t + s * shift) + tl.sum(tl.where(e > 0, e * x, 0.0), 0)
 
 
 @triton.jit
@@ -155,11 +164,12 @@ def _entropy_value(log_s, t, s, empty):
 def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, part_ptr, val_ptr, stat_ptr,
                   n_rows, v_local, vocab_start, vocab_size, splits, chunk, k2, ignore_index, smoothing, z_loss,
                   KIND: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  FINISH: tl.constexpr, BLOCK: tl.constexpr):
+                  WITH_ENTROPY: tl.constexpr, FINISH: tl.constexpr, BLOCK: tl.constexpr):
     """Partial statistics of one row over one vocabulary chunk, one read of the logits.
 
     Fields (F): CE ``[m, s, sum (z - a) k2, count, z_label]`` (sum/count only with SMOOTH);
-    logprobs ``[m, s, z_index_0 .. z_index_{k-1}]``; entropy ``[m, s, sum e (z - a) k2]``.
+    logprobs ``[m, s, z_index_0 .. z_index_{k-1}]``, with WITH_ENTROPY (logprobs only)
+    ``[m, s, sum e (z - a) k2, z_index_0 .. z_index_{k-1}]``; entropy ``[m, s, sum e (z - a) k2]``.
     Picked logits are raw and 0 in every partial but the owner's, so they add up.
     Rows that are masked out read nothing and leave an empty state.
 
@@ -173,7 +183,12 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
         n_fields = CE_FIELDS
         active = tl.load(idx_ptr + row) != ignore_index
     elif KIND == LOGPROBS:
-        n_fields = LOGPROBS_FIELDS + n_idx
+        if WITH_ENTROPY:
+            n_fields = LOGPROBS_ENTROPY_FIELDS + n_idx
+            first = P_INDEX_AFTER_MOMENT
+        else:
+            n_fields = LOGPROBS_FIELDS + n_idx
+            first = P_INDEX
         active = row < 0  # false; true below when any index entry is not ignored
         for j in range(n_idx):
             active = active | (tl.load(idx_ptr + row * n_idx + j) != ignore_index)
@@ -203,7 +218,9 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
             if SMOOTH:
                 t = t + (start - lo) * shift + tl.sum(tl.where(inb, x, 0.0), 0)
         elif KIND == ENTROPY:
-            t = alpha * (t + s * shift) + tl.sum(tl.where(e > 0, e * x, 0.0), 0)
+            t = _entropy_moment(t, s, shift, alpha, e, x)
+        elif WITH_ENTROPY:  # log-probs and the entropy
+            t = _entropy_moment(t, s, shift, alpha, e, x)
         s = s * alpha + tl.sum(e, 0)
         m = m_new
 
@@ -211,6 +228,7 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
         a = _anchor(m)
         log_s = tl.log2(s)
         empty = s == 0
+        n_stats = STATS
         if KIND == CE:
             y = tl.load(idx_ptr + row)
             zy = tl.load(src + (y - vocab_start), mask=(y - vocab_start >= lo) & (y - vocab_start < hi),
@@ -219,19 +237,25 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
                             SMOOTH, ZLOSS)
             tl.store(val_ptr + row, val)
         elif KIND == LOGPROBS:
+            n_vals = n_idx + 1 if WITH_ENTROPY else n_idx
             for j in range(n_idx):
                 ij = tl.load(idx_ptr + row * n_idx + j)
                 zj = tl.load(src + (ij - vocab_start), mask=(ij - vocab_start >= lo) & (ij - vocab_start < hi),
                              other=0.0).to(tl.float32)
-                tl.store(val_ptr + row * n_idx + j, _logprob_value(log_s, zj, a, ij, vocab_size, k2,
-                                                                   ignore_index, empty))
+                tl.store(val_ptr + row * n_vals + j, _logprob_value(log_s, zj, a, ij, vocab_size, k2,
+                                                                    ignore_index, empty))
+            if WITH_ENTROPY:
+                h = tl.where(active, _entropy_value(log_s, t, s, empty), 0.0)
+                tl.store(val_ptr + row * n_vals + n_idx, h)
+                tl.store(stat_ptr + row * ENTROPY_STATS + S_ENTROPY, h)
+                n_stats = ENTROPY_STATS
         else:
             h = _entropy_value(log_s, t, s, empty)
             if HAS_KEEP:
                 h = tl.where(active, h, 0.0)
             tl.store(val_ptr + row, h)
             tl.store(stat_ptr + row * ENTROPY_STATS + S_ENTROPY, h)
-        n_stats = ENTROPY_STATS if KIND == ENTROPY else STATS
+            n_stats = ENTROPY_STATS
         tl.store(stat_ptr + row * n_stats + S_ANCHOR, a)
         tl.store(stat_ptr + row * n_stats + S_LOG2_SUM, log_s)
     else:
@@ -246,11 +270,13 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
             zy = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
             tl.store(out + P_LABEL, tl.where(mine, zy, 0.0))
         elif KIND == LOGPROBS:
+            if WITH_ENTROPY:
+                tl.store(out + P_MOMENT, t)
             for j in range(n_idx):
                 local = tl.load(idx_ptr + row * n_idx + j) - vocab_start
                 mine = (local >= lo) & (local < hi)
                 zj = tl.load(src + local, mask=mine, other=0.0).to(tl.float32)
-                tl.store(out + P_INDEX + j, tl.where(mine, zj, 0.0))
+                tl.store(out + first + j, tl.where(mine, zj, 0.0))
         else:
             tl.store(out + P_MOMENT, t)
 
@@ -259,19 +285,32 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
 def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr, stat_ptr,
                    vocab_size, k2, ignore_index, smoothing, z_loss,
                    KIND: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr,
-                   HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr):
     """Merge the ``[P, N, F]`` partials of every split and rank into per-token values (nats)
-    and the O(N) statistics the backward pass needs: ``[a, log2 s]`` (+ H for entropy), so
-    that ``log p = (z - a) k2 - log2 s`` in bits. Every rank merges the same gathered
-    partials in the same order, so the values are identical on every rank."""
+    and the O(N) statistics the backward pass needs: ``[a, log2 s]`` (+ H for entropy and
+    for log-probs WITH_ENTROPY), so that ``log p = (z - a) k2 - log2 s`` in bits. Log-probs
+    WITH_ENTROPY write ``[N, k + 1]`` values: the k log-probs, then the entropy (0 where every
+    index entry is ignored). Every rank merges the same gathered partials in the same order,
+    so the values are identical on every rank."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     if KIND == CE:
         n_fields = CE_FIELDS
+        n_stats = STATS
     elif KIND == LOGPROBS:
-        n_fields = LOGPROBS_FIELDS + n_idx
+        if WITH_ENTROPY:
+            n_fields = LOGPROBS_ENTROPY_FIELDS + n_idx
+            first = P_INDEX_AFTER_MOMENT
+            n_vals = n_idx + 1
+            n_stats = ENTROPY_STATS
+        else:
+            n_fields = LOGPROBS_FIELDS + n_idx
+            first = P_INDEX
+            n_vals = n_idx
+            n_stats = STATS
     else:
         n_fields = ENTROPY_FIELDS
+        n_stats = ENTROPY_STATS
     big_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for p in range(n_parts):
         mp = tl.load(part_ptr + (p * n_rows + rows) * n_fields + P_MAX, mask=rmask, other=float("-inf"))
@@ -296,6 +335,9 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
         elif KIND == ENTROPY:
             tp = tl.load(base + P_MOMENT, mask=rmask, other=0.0)
             t += w * (tp + sp * shift)
+        elif WITH_ENTROPY:  # log-probs and the entropy
+            tp = tl.load(base + P_MOMENT, mask=rmask, other=0.0)
+            t += w * (tp + sp * shift)
     log_s = tl.log2(s)
     empty = s == 0  # all -inf row: NaN by contract
     if KIND == CE:
@@ -304,20 +346,25 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
                         SMOOTH, ZLOSS)
         tl.store(val_ptr + rows, val, mask=rmask)
     elif KIND == LOGPROBS:
+        any_kept = rows < 0
         for j in range(n_idx):
             got = tl.zeros([BLOCK_N], tl.float32)
             for p in range(n_parts):
-                got += tl.load(part_ptr + (p * n_rows + rows) * n_fields + P_INDEX + j, mask=rmask, other=0.0)
+                got += tl.load(part_ptr + (p * n_rows + rows) * n_fields + first + j, mask=rmask, other=0.0)
             ij = tl.load(idx_ptr + rows * n_idx + j, mask=rmask, other=ignore_index)
-            tl.store(val_ptr + rows * n_idx + j, _logprob_value(log_s, got, a, ij, vocab_size, k2, ignore_index,
-                                                                empty), mask=rmask)
+            any_kept = any_kept | (ij != ignore_index)
+            tl.store(val_ptr + rows * n_vals + j, _logprob_value(log_s, got, a, ij, vocab_size, k2, ignore_index,
+                                                                 empty), mask=rmask)
+        if WITH_ENTROPY:
+            h = tl.where(any_kept, _entropy_value(log_s, t, s, empty), 0.0)
+            tl.store(val_ptr + rows * n_vals + n_idx, h, mask=rmask)
+            tl.store(stat_ptr + rows * ENTROPY_STATS + S_ENTROPY, h, mask=rmask)
     else:
         h = _entropy_value(log_s, t, s, empty)
         if HAS_KEEP:
             h = tl.where(tl.load(keep_ptr + rows, mask=rmask, other=0) != 0, h, 0.0)
         tl.store(val_ptr + rows, h, mask=rmask)
         tl.store(stat_ptr + rows * ENTROPY_STATS + S_ENTROPY, h, mask=rmask)
-    n_stats = ENTROPY_STATS if KIND == ENTROPY else STATS
     tl.store(stat_ptr + rows * n_stats + S_ANCHOR, a, mask=rmask)
     tl.store(stat_ptr + rows * n_stats + S_LOG2_SUM, log_s, mask=rmask)
 
@@ -327,17 +374,24 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
                      stat_ptr, v_local, vocab_start, vocab_size, splits, chunk, k2, inv_t,
                      ignore_index, smoothing, z_loss,
                      KIND: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr,
-                     HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
     """Gradient w.r.t. the logits from the saved O(N) statistics: probabilities recomputed
     in registers (one exp per element), one read of the logits, one write of the gradient
-    in the input dtype. Masked rows read nothing and write exact zeros; a row whose logits
-    were all -inf gets NaN (its value is NaN), every other row is unaffected."""
+    in the input dtype. Log-probs WITH_ENTROPY take ``[N, k + 1]`` upstream gradients (the
+    entropy's last) and write both gradients' sum in the same pass. Masked rows read nothing
+    and write exact zeros; a row whose logits were all -inf gets NaN (its value is NaN),
+    every other row is unaffected."""
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     src = _row_start(z_ptr, row, rows_b, stride_a, stride_b)
     dst = dz_ptr + row.to(tl.int64) * v_local
     nan = float("nan")
-    n_stats = ENTROPY_STATS if KIND == ENTROPY else STATS
+    if KIND == ENTROPY:
+        n_stats = ENTROPY_STATS
+    elif WITH_ENTROPY:
+        n_stats = ENTROPY_STATS
+    else:
+        n_stats = STATS
     a = tl.load(stat_ptr + row * n_stats + S_ANCHOR)
     log_s = tl.load(stat_ptr + row * n_stats + S_LOG2_SUM)
     alive = log_s > float("-inf")
@@ -358,17 +412,25 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
         if ZLOSS:
             p_coef = 1.0 + 2.0 * z_loss * ((a * k2 + log_s) * LN2)
     else:
-        # log-probs: d = sum_j g_j onehot(i_j) - (sum_j g_j) p
+        # log-probs: d = sum_j g_j onehot(i_j) - (sum_j g_j) p (- g_H p (log p + H) WITH_ENTROPY)
+        if WITH_ENTROPY:
+            n_vals = n_idx + 1
+        else:
+            n_vals = n_idx
         total = tl.zeros([], tl.float32)
+        keep = row < 0  # false; true below when any index entry is not ignored
         for j in range(n_idx):
             ij = tl.load(idx_ptr + row * n_idx + j)
-            gj = tl.load(grad_ptr + row * n_idx + j) * inv_t
+            gj = tl.load(grad_ptr + row * n_vals + j) * inv_t
             gj = tl.where(ij != ignore_index, gj, 0.0)
             gj = tl.where((ij != ignore_index) & ((ij < 0) | (ij >= vocab_size)), nan, gj)
             total += gj
-        # a token whose entries are all ignored read nothing in the forward: leave it 0
+            keep = keep | (ij != ignore_index)
+        # a token whose entries are all ignored read nothing in the forward: it stays 0
         total = tl.where(alive | (total == 0), total, nan)
-        keep = row >= 0
+        if WITH_ENTROPY:
+            h = tl.load(stat_ptr + row * ENTROPY_STATS + S_ENTROPY)
+            coef_h = tl.where(alive, tl.load(grad_ptr + row * n_vals + n_idx) * inv_t, nan)
     hi_read = tl.where(keep, hi, lo)  # masked rows read nothing
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -385,8 +447,10 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
             d = tl.where(total != 0, -p * total, 0.0)
             for j in range(n_idx):
                 ij = tl.load(idx_ptr + row * n_idx + j)
-                gj = tl.load(grad_ptr + row * n_idx + j) * inv_t
+                gj = tl.load(grad_ptr + row * n_vals + j) * inv_t
                 d += tl.where((cols == ij - vocab_start) & (ij != ignore_index), gj, 0.0)
+            if WITH_ENTROPY:
+                d += tl.where(p == 0, 0.0, -p * (lp * LN2 + h)) * coef_h
         else:
             d = tl.where(p == 0, 0.0, -p * (lp * LN2 + h)) * coef
         d = tl.where(keep, d, 0.0)

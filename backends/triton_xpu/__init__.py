@@ -31,8 +31,9 @@ import importlib.util
 
 import torch
 
-from vtp_runtime.backends.triton.backend import LaunchConfig, TritonBackend, capabilities
 from vtp_runtime.registry import hookimpl
+
+from ..triton.backend import LaunchConfig, TritonBackend, capabilities
 
 XPU_CONFIG = LaunchConfig(
     block_stats=1024, warps_stats=4,  # 1024 / (4 warps x 32 lanes) = 8 elements per work-item

@@ -130,7 +130,7 @@ def vocab_shard(logits: torch.Tensor, tp_group=None, vocab_start: int | None = N
         raise ValueError("DTensor logits carry their own process group and vocabulary bounds: "
                          "leave out tp_group, vocab_start and vocab_end")
     group, start, end, size = dtensor_vocab_layout(logits, -1)
-    local = logits.to_local()
+    local = logits.to_local()  # type: ignore[attr-defined]  # a DTensor (is_dtensor above)
     if local.shape[-1] != end - start:
         raise ValueError(f"this rank's DTensor shard has {local.shape[-1]} vocabulary entries, but torch.chunk "
                          f"layout gives it [{start}, {end}); call .to_local() yourself and pass tp_group, "

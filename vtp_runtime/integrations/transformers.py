@@ -53,7 +53,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, voc
 
 
 def _check_not_gathered(shard: VocabShard) -> None:
-    if shard.vocab_start is not None and shard.logits.shape[-1] != shard.vocab_end - shard.vocab_start:
+    if (shard.vocab_start is not None and shard.vocab_end is not None
+            and shard.logits.shape[-1] != shard.vocab_end - shard.vocab_start):
         raise ValueError(
             f"the logits have {shard.logits.shape[-1]} vocabulary entries, but this rank's lm_head holds ids "
             f"[{shard.vocab_start}, {shard.vocab_end}): its output is gathered. Load the model with "

@@ -61,7 +61,7 @@ class Case:
         if self.edge not in EDGES:
             raise ValueError(f"unknown edge {self.edge!r}; make_inputs knows {EDGES[1:]}")
 
-    def with_(self, **kw) -> "Case":
+    def with_(self, **kw) -> Case:
         return replace(self, **kw)
 
     @property
@@ -226,17 +226,23 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     flat_logits = tuple(z.reshape(n, full_vocab).to(dev) for z in logits)
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
     flat_extra = {k: v.reshape(n).to(dev) for k, v in extra.items()}
-    ref_out, upstream, ref_rows, ref_grads = reference(case, flat_logits, flat_index, flat_extra, out.shape,
-                                                       case.grads[: len(flat_logits)])
+    outs = outputs(out)
+    ref_outs, upstreams, ref_rows, ref_grads = reference(case, flat_logits, flat_index, flat_extra,
+                                                         [o.shape for o in outs], case.grads[: len(flat_logits)])
     del flat_logits
-    errors = {}
-    # values: fp32 accumulation against float64
-    _close("value", out.detach().cpu().double(), ref_out.double().reshape(out.shape), VALUE_RTOL[case.dtype], errors)
+    errors: dict[str, float] = {}
+    for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
+        # values: fp32 accumulation against float64
+        _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
+               VALUE_RTOL[case.dtype], errors)
     if any(t.requires_grad for t in local):
         wanted = [t for t in local if t.requires_grad]
+
+        def objective():
+            return weighted_sum(outs, upstreams)
+
         # with second_order, the first backward builds a graph of the gradient
-        grads = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted, retain_graph=True,
-                                    create_graph=case.second_order)
+        grads = torch.autograd.grad(objective(), wanted, retain_graph=True, create_graph=case.second_order)
         if case.second_order:
             _check_no_second_order(case.op, grads, wanted)
             grads = tuple(gr.detach() for gr in grads)
@@ -258,9 +264,10 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
         # the backend declares it cannot (repeat_backward=False) -- a RuntimeError, never a
         # different gradient
         name = case.backend or vtp.explain(case.op, *tensors, gather=True, **kwargs).backend
+        assert name is not None, "explain picked no backend for a call that ran"
         repeat = REGISTRY.get(name).ops[case.op].repeat_backward
         try:
-            again = torch.autograd.grad((out.double() * upstream.to(out.device)).sum(), wanted)
+            again = torch.autograd.grad(objective(), wanted)
         except RuntimeError:
             if repeat:
                 raise
@@ -286,25 +293,59 @@ def _check_no_second_order(op: str, grads, inputs) -> None:
                              f"raise, since the second-order term is not computed")
 
 
-def reference(case: Case, flat_logits, flat_index, flat_extra: dict, out_shape, needs_grad: tuple[bool, ...]):
-    """The float64 reference of ``case`` on the full ``[N, V]`` logits (on their device):
-    ``(value of the call (shaped like its output, or reduced), the upstream gradient to
-    back-propagate from the output, per-token values, float64 gradient of each logits input
-    or None)``, on the CPU."""
+def outputs(out) -> tuple[torch.Tensor, ...]:
+    """A call's outputs as a tuple: ``logprobs`` with ``return_entropy`` has two."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def weighted_sum(outs: tuple[torch.Tensor, ...], upstreams) -> torch.Tensor:
+    """``sum_i sum(outs[i] * upstreams[i])`` in float64: the objective whose gradients are checked."""
+    return sum((o.double() * u.to(o.device)).sum() for o, u in zip(outs, upstreams))
+
+
+def reference(case: Case, flat_logits, flat_index, flat_extra: dict, out_shapes, needs_grad: tuple[bool, ...]):
+    """The float64 reference of ``case`` on the full ``[N, V]`` logits (on their device), for a
+    call whose outputs have the shapes ``out_shapes`` (one; two for ``logprobs`` with
+    ``return_entropy``: the log-probs, then the entropy of the tokens whose index is not
+    entirely ``ignore_index``). Returns, on the CPU: ``(per output: its value (shaped like it,
+    or reduced), per output: the upstream gradient to back-propagate from it, per-token values
+    (non-finite where any output's is), float64 gradient of sum_i sum(output_i * upstream_i)
+    w.r.t. each logits input or None)``."""
+    opts = dict(case.options)
+    parts = [(case.op, flat_index, flat_extra)]
+    if opts.get("return_entropy"):
+        kept = (flat_index if case.topk else flat_index[:, None]) != opts.get("ignore_index", -100)
+        parts.append(("entropy", None, {"mask": kept.any(-1)}))
+    assert len(out_shapes) == len(parts), f"{len(out_shapes)} outputs, expected {len(parts)}"
+    g = torch.Generator().manual_seed(case.seed + 7)
+    values, upstreams, rows, grads = [], [], 0, None
+    for (op, index, extra), shape in zip(parts, out_shapes):
+        upstream = (torch.randn(shape, generator=g, dtype=torch.float64) if len(shape)
+                    else torch.tensor(1.5, dtype=torch.float64))
+        value, part_rows, part_grads = _reference_output(case, op, flat_logits, index, extra, shape, upstream,
+                                                         needs_grad)
+        values.append(value)
+        upstreams.append(upstream)
+        rows = rows + part_rows
+        grads = part_grads if grads is None else tuple(a if b is None else a + b for a, b in zip(grads, part_grads))
+    return values, upstreams, rows, grads
+
+
+def _reference_output(case: Case, op: str, flat_logits, flat_index, flat_extra: dict, out_shape, upstream,
+                      needs_grad: tuple[bool, ...]):
+    """One output's reference: ``(value, per-token values, gradients)``, on the CPU."""
     opts = dict(case.options)
     n, dev = flat_logits[0].shape[0], flat_logits[0].device
     reduction = opts.get("reduction", "none")
-    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer")}
-    g = torch.Generator().manual_seed(case.seed + 7)
-    upstream = (torch.randn(out_shape, generator=g, dtype=torch.float64) if len(out_shape)
-                else torch.tensor(1.5, dtype=torch.float64))
-    ref_vals, _ = values_and_grads(case.op, flat_logits, flat_index, **ref_opts, **flat_extra)
+    ref_opts = {k: v for k, v in opts.items() if k not in ("reduction", "normalizer", "return_entropy")}
+    ref_vals, _ = values_and_grads(op, flat_logits, flat_index, **ref_opts, **flat_extra)
     ref_vals = ref_vals.cpu()
     ref_rows = ref_vals if ref_vals.dim() == 1 else ref_vals.sum(-1)  # per token
     ref_vals = ref_vals.view(out_shape) if reduction == "none" else ref_vals
     # the reference of the reduction, and the upstream gradient it sends to every token
     if reduction == "none":
-        per_token_grad = upstream.reshape(ref_vals.shape).reshape(n, -1) if case.topk else upstream.reshape(n)
+        topk = flat_index is not None and flat_index.dim() == 2  # [N, k] values
+        per_token_grad = upstream.reshape(n, -1) if topk else upstream.reshape(n)
         ref_out = ref_vals
     else:
         ii = opts.get("ignore_index", -100)
@@ -320,9 +361,9 @@ def reference(case: Case, flat_logits, flat_index, flat_extra: dict, out_shape, 
         div = opts.get("normalizer") or (1 if reduction == "sum" else max(int(count), 1))
         ref_out = ref_vals.sum() / div
         per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
-    _, ref_grads = values_and_grads(case.op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad,
+    _, ref_grads = values_and_grads(op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad,
                                     **ref_opts, **flat_extra)
-    return ref_out, upstream, ref_rows, tuple(None if rg is None else rg.cpu() for rg in ref_grads)
+    return ref_out, ref_rows, tuple(None if rg is None else rg.cpu() for rg in ref_grads)
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:

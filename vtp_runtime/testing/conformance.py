@@ -38,8 +38,9 @@ import atexit
 import contextlib
 import dataclasses
 import importlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from ..backend import Backend, OpCapability
 from ..errors import BackendUnavailable
@@ -50,7 +51,8 @@ from .head_cases import HeadCase, run_head_case
 
 # How a case turns on each feature (which features apply to an op: ops.OPS[op].features).
 _OPTION = {"label_smoothing": ("label_smoothing", 0.1), "z_loss": ("z_loss", 1e-3),
-           "temperature": ("temperature", 0.7), "reverse": ("reverse", True)}
+           "temperature": ("temperature", 0.7), "reverse": ("reverse", True),
+           "return_entropy": ("return_entropy", True)}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 Runner = Callable[..., list]  # runner(world, fn, *args, timeout=...) -> per-rank results
@@ -163,15 +165,16 @@ def _head_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, s
     per_token = (("reduction", "none"),) if cap.head_per_token else scalar
     main = _as_head(base, options=scalar, bias=True)
     if world == 1:
-        out = [(main, "head inputs (sum/mean: gradients during forward), bias"),
-               (main.with_(options=per_token, bias=False), "head inputs, per-token result")]
+        out: list[tuple[Case, str]] = [
+            (main, "head inputs (sum/mean: gradients during forward), bias"),
+            (main.with_(options=per_token, bias=False), "head inputs, per-token result")]
         if two:
             out.append((main.with_(heads=(True, False)), "a Head student, teacher logits"))
             if "teacher_grad" in cap.features:
                 out.append((main.with_(grads=(True, False), options=per_token), "a frozen teacher Head"))
         if cap.empty_tokens:
             out.append((main.with_(shape=(0,)), "head inputs, zero tokens"))
-        combo = main
+        combo: Case = main
         for f in OPS[op].features:
             if f in cap.features and f != "teacher_grad":
                 combo = _feature(combo, f)
@@ -252,7 +255,7 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
 # -- running -------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def _available(name: str, plugin: str | None) -> Iterator[None]:
+def _available(name: str | None, plugin: str | None) -> Iterator[None]:
     """Register ``plugin`` in this (rank) process for the block, unless ``name`` is installed."""
     if plugin is None or name in REGISTRY.backends():
         yield
@@ -265,7 +268,11 @@ def _available(name: str, plugin: str | None) -> Iterator[None]:
 
 def _job(rank: int, world: int, group, cc: ConformanceCase) -> Any:
     """Runs on every rank."""
-    run = run_head_case if isinstance(cc.case, HeadCase) else run_case
+    def run(rank: int, world: int, group, case: Case) -> Any:
+        if isinstance(case, HeadCase):
+            return run_head_case(rank, world, group, case)
+        return run_case(rank, world, group, case)
+
     with _available(cc.case.backend, cc.plugin):
         if cc.expect == "match":
             return run(rank, world, group, cc.case)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ import vtp_runtime as vtp
 from vtp_runtime.ops import get_spec
 from vtp_runtime.registry import REGISTRY
 
-from .cases import DTYPES, GRAD_RTOL, Case, _close, make_inputs, reference, shard_sizes
+from .cases import DTYPES, GRAD_RTOL, Case, _close, make_inputs, outputs, reference, shard_sizes, weighted_sum
 
 # Values go through logits rounded to the input dtype (the reference's are float64), so the
 # low-precision tolerances are those of the logits, not of the op.
@@ -56,17 +57,21 @@ def _head_tensors(case: HeadCase, vocab: int, n_inputs: int):
     rounded to the case's dtype."""
     g = torch.Generator().manual_seed(case.seed + 100)
     dtype = DTYPES[case.dtype]
-    out = []
+    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None] = []
     for i in range(n_inputs):
         if not case.heads[i]:
             out.append(None)
             continue
         hidden = torch.randn(*case.shape, case.hidden, generator=g, dtype=torch.float64)
-        weight = torch.randn(vocab, case.hidden, generator=g, dtype=torch.float64) * (case.scale / math.sqrt(case.hidden))
-        bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5 if case.bias or case.edge == "neg_inf" else None
-        if case.edge == "neg_inf":  # a masked-out vocabulary slice, through the bias
-            bias[: max(1, vocab // 5)] = -math.inf
-        out.append(tuple(None if t is None else t.to(dtype).double() for t in (hidden, weight, bias)))
+        scale = case.scale / math.sqrt(case.hidden)
+        weight = torch.randn(vocab, case.hidden, generator=g, dtype=torch.float64) * scale
+        bias = None
+        if case.bias or case.edge == "neg_inf":
+            bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5
+            if case.edge == "neg_inf":  # a masked-out vocabulary slice, through the bias
+                bias[: max(1, vocab // 5)] = -math.inf
+            bias = bias.to(dtype).double()
+        out.append((hidden.to(dtype).double(), weight.to(dtype).double(), bias))
     return out
 
 
@@ -97,7 +102,9 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         index = best.view(case.shape) if not case.topk else best.view(*case.shape, 1).expand(index.shape).clone()
 
     # this rank's arguments: a Head of local shards, or the local logits shard
-    args, leaves, checks = [], [], []  # checks: (what, tensor, expected gradient, rows that count)
+    args: list[Any] = []
+    leaves: list[torch.Tensor] = []
+    checks: list[tuple[str, Any, torch.Tensor, torch.Tensor | None]] = []  # what, tensor, expected grad, rows
     for i in range(n_in):
         need = case.grads[i]
         if parts[i] is None:
@@ -111,7 +118,8 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         for t, letter in zip(local, "hwb"):
             if t is not None:
                 t.requires_grad_(need and letter in case.head_grads)
-        args.append(vtp.Head(*local, reduce_hidden_grad=case.reduce_hidden_grad, chunk_rows=case.chunk_rows))
+        args.append(vtp.Head(local[0], local[1], local[2], reduce_hidden_grad=case.reduce_hidden_grad,
+                             chunk_rows=case.chunk_rows))
         leaves += [t for t in local if t is not None]
     before = [t.detach().clone() for t in leaves]
     if index is not None:
@@ -127,11 +135,13 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
     flat_extra = {k: v.reshape(n) for k, v in extra.items()}
     dlogit_needed = tuple(bool(case.grads[i] and (parts[i] is None or case.head_grads)) for i in range(n_in))
-    ref_out, upstream, ref_rows, ref_grads = reference(case, tuple(flat_logits), flat_index, flat_extra, out.shape,
-                                                       dlogit_needed)
+    outs = outputs(out)
+    ref_outs, upstreams, ref_rows, ref_grads = reference(case, tuple(flat_logits), flat_index, flat_extra,
+                                                         [o.shape for o in outs], dlogit_needed)
     errors: dict = {}
-    _close("value", out.detach().cpu().double(), ref_out.double().reshape(out.shape), HEAD_VALUE_RTOL[case.dtype],
-           errors)
+    for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
+        _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
+               HEAD_VALUE_RTOL[case.dtype], errors)
 
     # expected gradients; a token whose value is inf/NaN has no defined gradient: its rows are
     # skipped, and the weight/bias gradients (sums over every token) are not checked then
@@ -156,7 +166,7 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
     expected = {id(c[1]): c for c in checks}
     wanted = [t for t in leaves if t.requires_grad]
     if wanted:
-        objective = (out.double() * upstream.to(out.device)).sum()
+        objective = weighted_sum(outs, upstreams)
         grads = torch.autograd.grad(objective, wanted, retain_graph=True)
         for t, got in zip(wanted, grads):
             assert got.dtype == t.dtype, f"gradient dtype {got.dtype} != input dtype {t.dtype}"
@@ -170,7 +180,10 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
             _close(what, got, want.reshape(got.shape), rtol, errors)
         # a second backward: exact where the backend and the reduction allow it, else a RuntimeError
         name = case.backend or vtp.explain(case.op, *args, **kwargs).backend
-        scalar = dict(case.options).get("reduction", "none") != "none"
+        assert name is not None, "explain picked no backend for a call that ran"
+        # (with return_entropy the head runs per token whatever the reduction: see api._head_reduction)
+        scalar = (dict(case.options).get("reduction", "none") != "none"
+                  and not dict(case.options).get("return_entropy"))
         repeat = REGISTRY.get(name).ops[case.op].repeat_backward and not scalar
         try:
             again = torch.autograd.grad(objective, wanted)

@@ -24,6 +24,12 @@ def _kl(logp_a: Tensor, logp_b: Tensor) -> Tensor:
     return _safe_mul(logp_a.exp(), logp_a - logp_b).sum(-1)
 
 
+def _needed(op: str, index: Tensor | None) -> Tensor:
+    if index is None:
+        raise ValueError(f"the {op} reference needs index (labels / token ids)")
+    return index
+
+
 def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, temperature: float = 1.0,
            ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
            reverse: bool = False, beta: float = 0.5, mask: Tensor | None = None,
@@ -36,9 +42,10 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
     if labels is not None:
         keep &= labels != ignore_index
     if op == "cross_entropy":
-        keep &= index != ignore_index
+        keep &= _needed(op, index) != ignore_index
     if op == "logprobs":  # a token whose every index entry is ignored is masked
-        keep &= ((index if index.dim() == 2 else index[:, None]) != ignore_index).any(-1)
+        idx = _needed(op, index)
+        keep &= ((idx if idx.dim() == 2 else idx[:, None]) != ignore_index).any(-1)
     # masked rows get zero logits so that nothing non-finite flows through autograd there
     xs = [torch.where(keep[:, None], z.double() / temperature, torch.zeros((), dtype=torch.float64))
           for z in logits]
@@ -46,7 +53,7 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
     big_v = logits[0].shape[-1]
 
     if op == "cross_entropy":
-        y = index
+        y = _needed(op, index)
         bad = (y != ignore_index) & ((y < 0) | (y >= big_v))
         yy = torch.where(keep & ~bad, y, torch.zeros_like(y))
         nll = -logps[0].gather(-1, yy[:, None]).squeeze(-1)
@@ -57,13 +64,14 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
             out = out + z_loss * torch.logsumexp(xs[0], -1) ** 2
         out = torch.where(bad, torch.full_like(out, math.nan), out)
     elif op == "logprobs":
-        idx = index if index.dim() == 2 else index[:, None]
+        given = _needed(op, index)
+        idx = given if given.dim() == 2 else given[:, None]
         valid = idx != ignore_index
         bad = valid & ((idx < 0) | (idx >= big_v))
         got = logps[0].gather(-1, torch.where(valid & ~bad, idx, torch.zeros_like(idx)))
         got = torch.where(bad, torch.full_like(got, math.nan), got)
         out = torch.where(valid & keep[:, None], got, torch.zeros_like(got))
-        return out if index.dim() == 2 else out[:, 0]
+        return out if given.dim() == 2 else out[:, 0]
     elif op == "entropy":
         out = -_safe_mul(logps[0].exp(), logps[0]).sum(-1)
     elif op == "kl":
@@ -99,3 +107,36 @@ def values_and_grads(op: str, logits: tuple[Tensor, ...], index: Tensor | None =
         grads = torch.autograd.grad((out * g).sum(), wanted, allow_unused=True) if wanted else ()
     it = iter(grads)
     return out.detach(), tuple(next(it) if need else None for need in needs_grad)
+
+
+def topk_kl(student: Tensor, teacher_logprobs: Tensor, index: Tensor, *, temperature: float = 1.0,
+            reverse: bool = False, tail: bool = False, ignore_index: int = -100, mask: Tensor | None = None,
+            labels: Tensor | None = None) -> Tensor:
+    """Per-token float64 KL against a teacher given by its log-probs at ``index`` (``[N, k]``;
+    ``ignore_index`` entries are padding), on full student logits ``[N, V]``, differentiable
+    w.r.t. the student and the teacher's log-probs. The student's residual mass is summed over
+    the ids outside the k directly (no ``1 - sum`` cancellation); the teacher's is ``1 - sum``
+    of what it gives (there is nothing else to sum)."""
+    n, v = student.shape
+    keep = torch.ones(n, dtype=torch.bool, device=student.device)
+    if mask is not None:
+        keep &= mask
+    if labels is not None:
+        keep &= labels != ignore_index
+    valid = (index != ignore_index) & keep[:, None]
+    x = torch.where(keep[:, None], student.double() / temperature, torch.zeros((), dtype=torch.float64))
+    logp_all = torch.log_softmax(x, dim=-1)
+    ids = torch.where(valid, index, torch.zeros_like(index))
+    ls = logp_all.gather(-1, ids)
+    lt = torch.where(valid, teacher_logprobs.double(), torch.zeros((), dtype=torch.float64))
+    in_k = torch.zeros(n, v, dtype=torch.float64, device=student.device).scatter_add(1, ids, valid.double()) > 0
+    r_s = torch.where(in_k, torch.zeros_like(logp_all), logp_all.exp()).sum(-1)
+    r_t = 1 - torch.where(valid, lt.exp(), torch.zeros_like(lt)).sum(-1)
+    a, b, r_a, r_b = (ls, lt, r_s, r_t) if reverse else (lt, ls, r_t, r_s)
+    out = _safe_mul(torch.where(valid, a.exp(), torch.zeros_like(a)), a - b).sum(-1)
+    if tail:
+        log_ra = torch.where(r_a > 0, r_a, torch.ones_like(r_a)).log()
+        log_rb = torch.where(r_b > 0, r_b, torch.ones_like(r_b)).log()
+        log_rb = torch.where(r_b > 0, log_rb, torch.full_like(log_rb, -math.inf))
+        out = out + _safe_mul(r_a, log_ra - log_rb)
+    return torch.where(keep, out, torch.zeros_like(out))
