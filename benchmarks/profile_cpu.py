@@ -1,10 +1,21 @@
-"""Where the CPU time of one call goes, at TP=1 on a GPU (Python-side dispatch and launches).
+"""Where the CPU time of one call goes, at TP=1 (Python-side dispatch and launches).
 
-    python benchmarks/profile_cpu.py [--tokens 1024] [--vocab 151936]
+    python benchmarks/profile_cpu.py [--tokens 1024] [--vocab 151936] [--device cuda|cpu]
 
-Prints thread CPU time per call for forward and forward+backward of cross entropy and JSD
-(triton backend), the same with a do-nothing backend (the core's own share), and a cProfile
-of the JSD forward+backward sorted by own time.
+For cross entropy and JSD, forward and forward + backward (``.sum().backward()``, the
+gradient accumulated into ``.grad`` as in training), prints the CPU time per call:
+
+- ``thread``: this thread's CPU time, with the device synchronized (untimed) before every
+  call, so that no launch waits for a full queue: the cost of issuing one call;
+- ``process``: the same for every thread of the process (the autograd engine runs the
+  backward of CUDA tensors on its own thread);
+- ``loop``: this thread's CPU time per call over calls issued back to back (what a training
+  loop sees; a launch that finds the queue full waits, and on CUDA that wait may spin).
+
+Backends: ``triton`` (on CUDA), ``eager``, and a do-nothing backend that returns
+preallocated outputs and saves its input as the real ones do (the core's own share). Then
+a cProfile of the triton (or eager, on CPU) cross entropy forward + backward, by own time.
+On CPU without a GPU, ``--device cpu`` measures the core's share the same way.
 """
 
 from __future__ import annotations
@@ -14,12 +25,18 @@ import cProfile
 import io
 import pstats
 import time
+from dataclasses import dataclass
 
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime.backend import ALL_DTYPES, Backend, OpCapability
+from vtp_runtime.backend import ALL_DTYPES, Backend, OpCapability, SavedState
 from vtp_runtime.registry import hookimpl
+
+
+@dataclass
+class NoopState(SavedState):
+    inputs: torch.Tensor  # saved like a real backend's input, so the core does the same work
 
 
 class Noop(Backend):
@@ -31,7 +48,7 @@ class Noop(Backend):
            for op in ("cross_entropy", "jsd")}
 
     def forward(self, call, inputs, index, mask):
-        return self.values, None  # nothing saved
+        return self.values, NoopState(inputs[0])
 
     def backward(self, call, state, grad):
         return (self.grad,) + ((None,) if call.op == "jsd" else ())
@@ -43,16 +60,30 @@ class _Plugin:
         register(Noop())
 
 
-def per_call_us(fn, reps: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def per_call_us(fn, reps: int, device: torch.device) -> tuple[float, float, float]:
+    """(thread, process, loop) CPU µs per call of ``fn``."""
     for _ in range(20):
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
+    thread = process = 0.0
+    for _ in range(reps):
+        _sync(device)
+        t0, p0 = time.thread_time(), time.process_time()
+        fn()
+        thread += time.thread_time() - t0
+        process += time.process_time() - p0
+    _sync(device)
     start = time.thread_time()
     for _ in range(reps):
         fn()
-    used = time.thread_time() - start
-    torch.cuda.synchronize()
-    return used / reps * 1e6
+    loop = time.thread_time() - start
+    _sync(device)
+    return thread / reps * 1e6, process / reps * 1e6, loop / reps * 1e6
 
 
 def main() -> None:
@@ -60,11 +91,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = p.parse_args()
-    dev = torch.device("cuda")
-    s = torch.randn(args.tokens, args.vocab, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randn(args.tokens, args.vocab, device=dev, dtype=torch.bfloat16)
-    y = torch.randint(0, args.vocab, (args.tokens,), device=dev)
+    dev = torch.device(args.device)
+    # on CPU the eager backend at full size would time its arithmetic, not its dispatch
+    vocab = args.vocab if dev.type == "cuda" else min(args.vocab, 64)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    s = torch.randn(args.tokens, vocab, device=dev, dtype=dtype, requires_grad=True)
+    t = torch.randn(args.tokens, vocab, device=dev, dtype=dtype)
+    y = torch.randint(0, vocab, (args.tokens,), device=dev)
     vtp.register(_Plugin(), name="profile-noop")
     noop = vtp.registry.REGISTRY.get("noop_profile")
     noop.values = torch.zeros(args.tokens, device=dev)
@@ -76,22 +111,29 @@ def main() -> None:
     def jsd(b):
         return lambda: vtp.jsd(s, t, beta=0.5, backend=b)
 
-    for backend in ("triton", "noop_profile"):
+    backends = ("triton", "eager", "noop_profile") if dev.type == "cuda" else ("eager", "noop_profile")
+    print(f"N={args.tokens} V={vocab} {str(dtype).replace('torch.', '')} on {dev.type}, TP=1; "
+          f"CPU µs per call: thread (device idle at each call) / process / loop (back to back)")
+    for backend in backends:
         for name, make in (("cross_entropy", ce), ("jsd", jsd)):
-            fwd = per_call_us(make(backend), args.reps)
-            both = per_call_us(lambda f=make(backend): f().sum().backward(), args.reps)
-            print(f"{backend:13s} {name:14s} forward {fwd:7.1f} us   forward+backward {both:7.1f} us (thread CPU)")
-    base = per_call_us(lambda: s.float().sum().backward(), args.reps)
-    print(f"{'torch':13s} {'s.float().sum().backward()':29s} {base:7.1f} us (for scale)")
+            fwd = per_call_us(make(backend), args.reps, dev)
+            both = per_call_us(lambda f=make(backend): f().sum().backward(), args.reps, dev)
+            print(f"{backend:13s} {name:14s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
+                  f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}")
+    base = per_call_us(lambda: s.float().sum().backward(), args.reps, dev)
+    print(f"{'torch':13s} {'s.float().sum().backward()':29s} {base[0]:7.1f} / {base[1]:7.1f} / {base[2]:7.1f} "
+          f"(for scale)")
     prof = cProfile.Profile()
-    f = jsd("triton")
+    f = ce(backends[0])
+    _sync(dev)
     prof.enable()
     for _ in range(args.reps):
         f().sum().backward()
     prof.disable()
-    torch.cuda.synchronize()
+    _sync(dev)
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(35)
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+    print(f"cProfile: {backends[0]} cross_entropy forward + backward, {args.reps} calls")
     print(out.getvalue())
 
 
