@@ -23,11 +23,25 @@ from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_sp
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
+Logits = Tensor | head.Head  # logits [..., V_local], or a lazy hidden @ weight.T shard
 
 
 class _Prepared:
     """A call after local validation and the metadata gather: what selection and the run need."""
 
+    spec: OpSpec
+    inputs: tuple[Tensor, ...]
+    index: Tensor | None
+    options: dict[str, Any]
+    lead: tuple[int, ...]
+    topk: bool
+    needs_grad: tuple[bool, ...]
+    request: Request
+    layout: shards.Layout
+    forced: str | None
+    forced_by: str
+    heads: Any  # head.stand_ins' description of Head inputs, or None
+    metadata: Any
     __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
                  "forced", "forced_by", "heads", "metadata")
 
@@ -299,6 +313,20 @@ class _Plan:
     """What every call with one signature shares (see ``vtp_runtime.plan``): the backend,
     the ``Call`` it gets, and how the per-call tensors are shaped around it."""
 
+    spec: OpSpec
+    backend: Backend
+    call: Call
+    n: int
+    n_inputs: int
+    lead: tuple[int, ...]
+    out_shape: tuple[int, ...] | None
+    topk: bool
+    ignore_index: int
+    metadata: Any
+    state_type: Any
+    heads: Any
+    stand_ins: tuple[Tensor, ...]
+    max_v_local: int
     __slots__ = ("spec", "backend", "call", "n", "n_inputs", "lead", "out_shape", "topk", "ignore_index",
                  "metadata", "state_type", "heads", "stand_ins", "max_v_local")
 
@@ -434,7 +462,7 @@ def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
 
 # -- public functions ----------------------------------------------------------------------
 
-def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
+def loss(op: str, *tensors: Any, **options: Any) -> Any:
     """Compute ``op`` on vocabulary-sharded logits; see the typed helpers for each op.
 
     ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
@@ -457,7 +485,7 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
 
-def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> dispatch.Explanation:
+def explain(op: str, *tensors: Any, gather: bool = False, **options: Any) -> dispatch.Explanation:
     """Which backend ``loss(op, *tensors, **options)`` would use and why not the others.
 
     By default this rank's view, with no communication, so it may be called on one rank only
@@ -489,7 +517,7 @@ def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> 
     return ex
 
 
-def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+def cross_entropy(logits: Logits, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, **options: Any) -> Tensor:
     """Cross entropy of ``logits`` [..., V_local] against global ``labels`` [...] (int).
 
@@ -500,7 +528,7 @@ def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, l
                 label_smoothing=label_smoothing, z_loss=z_loss, **options)
 
 
-def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, return_entropy: bool = False,
+def logprobs(logits: Logits, index: Tensor, *, ignore_index: int = -100, return_entropy: bool = False,
              **options: Any) -> Tensor | tuple[Tensor, Tensor]:
     """``log softmax(logits / T)`` at global vocabulary ids ``index`` (int, ``[...]`` or
     ``[..., k]``): shaped like ``logits.shape[:-1]`` or with a trailing top-k dimension;
@@ -517,13 +545,13 @@ def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, return_
     return loss("logprobs", logits, index, ignore_index=ignore_index, return_entropy=return_entropy, **options)
 
 
-def entropy(logits: Tensor, **options: Any) -> Tensor:
+def entropy(logits: Logits, **options: Any) -> Tensor:
     """Entropy ``-sum p log p`` of ``softmax(logits / T)`` over the global vocabulary.
     Takes ``mask=`` (bool, True = keep) or ``labels=`` with ``ignore_index``."""
     return loss("entropy", logits, **options)
 
 
-def kl(student_logits: Tensor, teacher_logits: Tensor | topk.TopK, *, reverse: bool = False,
+def kl(student_logits: Logits, teacher_logits: Logits | topk.TopK, *, reverse: bool = False,
        tail: bool = False, **options: Any) -> Tensor:
     """Forward ``KL(p_teacher || p_student)``, or reverse ``KL(p_student || p_teacher)``.
 
@@ -538,7 +566,7 @@ def kl(student_logits: Tensor, teacher_logits: Tensor | topk.TopK, *, reverse: b
     return loss("kl", student_logits, teacher_logits, reverse=reverse, **options)
 
 
-def jsd(student_logits: Tensor, teacher_logits: Tensor, *, beta: float = 0.5, **options: Any) -> Tensor:
+def jsd(student_logits: Logits, teacher_logits: Logits, *, beta: float = 0.5, **options: Any) -> Tensor:
     """Generalized JSD ``b KL(p_t||M) + (1-b) KL(p_s||M)``, ``M = b p_t + (1-b) p_s``;
     ``beta=0`` is forward KL(teacher||student), ``beta=1`` reverse KL(student||teacher)."""
     return loss("jsd", student_logits, teacher_logits, beta=beta, **options)
