@@ -2,12 +2,7 @@
 # The GPU tests and the fused-head benchmark behind docs/benchmarks.md ("Fused head"), run on
 # the H200 machine (device tool) from the repository root with liger-kernel, cut-cross-entropy
 # and pytest-timeout carried as wheels in .whl/. Logs go under $OUT.
-set -o pipefail
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+. "$(dirname "$0")/gpu_setup.sh"
 STEPS=${STEPS:-tests,tp,head}
 if [[ $STEPS == *tests* ]]; then
   timeout 220 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 150 tests/test_triton_gpu.py \

@@ -3,12 +3,7 @@
 # head at N=8192, log-probs with the entropy against log-probs alone, the CPU cost per call,
 # and (when present) the no-host-sync and CUDA-graph tests. H200 machine (device tool), repo
 # root, with liger-kernel, cut-cross-entropy and pytest-timeout carried as wheels in .whl/.
-set -o pipefail
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+. "$(dirname "$0")/gpu_setup.sh"
 STEPS=${STEPS:-tests,head,entropy,cpu}
 if [[ $STEPS == *tests* ]]; then
   native=$(ls tests/test_native_gpu.py 2>/dev/null)

@@ -1,12 +1,7 @@
 #!/bin/bash
 # The exact command behind docs/benchmarks.md, run on the H200 machine (device tool) from the
 # repository root, with liger-kernel carried as a wheel in .whl/. Writes logs under $OUT.
-set -o pipefail
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . 2>&1 | tail -2
+. "$(dirname "$0")/gpu_setup.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 STEPS=${STEPS:-tests,profile,bench}
