@@ -131,9 +131,15 @@ def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
             for op, spec in OPS.items()}
 
 
+_KERNELS = None
+
+
 def _kernels():
-    from . import kernels  # imported on first use: importing this module never needs triton
-    return kernels
+    global _KERNELS
+    if _KERNELS is None:  # imported on first use: importing this module never needs triton
+        from . import kernels
+        _KERNELS = kernels
+    return _KERNELS
 
 
 def _cdiv(a: int, b: int) -> int:
