@@ -84,8 +84,11 @@ def _plan(op, inputs, index, mask, group_name, temperature, ignore_index, label_
     return api._planned(op, tensors, given, traced), tensors, given
 
 
+# Optional[...] rather than "| None": the schema is inferred from the annotations, and torch
+# before 2.6 reads only Optional there
 @torch.library.custom_op("vtp_runtime::forward", mutates_args=())
-def forward_op(op: str, inputs: list[Tensor], index: Optional[Tensor], mask: Optional[Tensor], group_name: str,
+def forward_op(op: str, inputs: list[Tensor], index: Optional[Tensor], mask: Optional[Tensor],  # noqa: UP045
+               group_name: str,
                temperature: float, ignore_index: int, label_smoothing: float, z_loss: float, beta: float,
                reverse: bool, return_entropy: bool, vocab_start: int, vocab_end: int, global_vocab_size: int,
                backend: str, backend_source: str, needs_grad: list[bool], topk: bool) -> tuple[Tensor, Tensor]:
@@ -124,8 +127,9 @@ def _(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoo
 
 
 @torch.library.custom_op("vtp_runtime::backward", mutates_args=())
-def backward_op(grad: Tensor, statistics: Tensor, inputs: list[Tensor], index: Optional[Tensor],
-                mask: Optional[Tensor], op: str, group_name: str, temperature: float, ignore_index: int,
+def backward_op(grad: Tensor, statistics: Tensor, inputs: list[Tensor], index: Optional[Tensor],  # noqa: UP045
+                mask: Optional[Tensor], op: str, group_name: str, temperature: float,  # noqa: UP045
+                ignore_index: int,
                 label_smoothing: float, z_loss: float, beta: float, reverse: bool, return_entropy: bool,
                 vocab_start: int, vocab_end: int, global_vocab_size: int, backend: str, backend_source: str,
                 needs_grad: list[bool], topk: bool) -> list[Tensor]:
@@ -228,7 +232,8 @@ def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
         spec.name, rows, index, mask, group_name, float(options["temperature"]), int(ignore_index),
         float(options.get("label_smoothing", 0.0)), float(options.get("z_loss", 0.0)),
         float(options.get("beta", 0.5)), bool(options.get("reverse", False)),
-        bool(options.get("return_entropy", False)), -1 if vocab_start is None else vocab_start, -1 if vocab_start is None else options["vocab_end"],
+        bool(options.get("return_entropy", False)),
+        -1 if vocab_start is None else vocab_start, -1 if vocab_start is None else options["vocab_end"],
         -1 if options["global_vocab_size"] is None else options["global_vocab_size"],
         forced[0], forced[1], needs_grad, topk)
     if options.get("return_entropy"):
