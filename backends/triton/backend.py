@@ -36,6 +36,7 @@ from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import OPS, kl_direction
 
 from . import layout
+from .launch import launch
 
 LOG2E = 1.4426950408889634
 _ONE_INPUT_KIND = {"cross_entropy": layout.CE, "logprobs": layout.LOGPROBS, "entropy": layout.ENTROPY}
@@ -66,9 +67,12 @@ class LaunchConfig:
     # JSD: the hardware lg2.approx through inline PTX. NVIDIA only, so off unless a config
     # asks for it (CUDA_CONFIG does); other targets get Triton's portable tl.log2.
     fast_log2: bool = False
+    # launch a kernel already compiled for these arguments through its launcher, without
+    # Triton's per-launch JIT dispatch (launch.py); checked on CUDA with triton 3.6 and 3.9
+    fast_launch: bool = False
 
 
-CUDA_CONFIG = LaunchConfig(fast_log2=True)
+CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
 # Triton's interpreter runs programs one by one in numpy: small tiles keep the tests fast
 # and make the small test shapes cover several tiles and several splits per row.
 INTERPRETER_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32,
@@ -279,7 +283,7 @@ class TritonBackend(Backend):
         idx_arg = idx if idx is not None else values
         keep_arg = keep if keep is not None else values
         rows_b, s_a, s_b = _geometry(z)
-        k.stats1_kernel[(n * splits,)](
+        launch(k.stats1_kernel, (n * splits,), cfg.fast_launch,
             z_ptr=z, rows_b=rows_b, stride_a=s_a, stride_b=s_b, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
             part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local,
             vocab_start=call.vocab_start, vocab_size=call.vocab_size, splits=splits, chunk=chunk, k2=k2,
@@ -289,7 +293,7 @@ class TritonBackend(Backend):
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
-        k.finish1_kernel[(_cdiv(n, cfg.block_rows),)](
+        launch(k.finish1_kernel, (_cdiv(n, cfg.block_rows),), cfg.fast_launch,
             part_ptr=part, n_parts=n_parts, n_rows=n, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
             val_ptr=values, stat_ptr=stats, vocab_size=call.vocab_size, k2=k2, ignore_index=ignore,
             smoothing=smoothing, z_loss=z_loss,
@@ -315,7 +319,7 @@ class TritonBackend(Backend):
         keep_arg = keep if keep is not None else values
         rows_b, a_a, a_b = _geometry(a)
         _, b_a, b_b = _geometry(b)
-        k.stats2_kernel[(n * splits,)](
+        launch(k.stats2_kernel, (n * splits,), cfg.fast_launch,
             a_ptr=a, b_ptr=b, rows_b=rows_b, sa_a=a_a, sa_b=a_b, sb_a=b_a, sb_b=b_b, keep_ptr=keep_arg,
             part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local, splits=splits, chunk=chunk,
             k2=k2, WITH_KL=True, HAS_KEEP=keep is not None, FINISH=finish, BLOCK=cfg.block_stats,
@@ -323,7 +327,7 @@ class TritonBackend(Backend):
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
-        k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
+        launch(k.finish2_kernel, (_cdiv(n, cfg.block_rows),), cfg.fast_launch,
             part_ptr=part, n_parts=n_parts, n_rows=n, keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats, k2=k2,
             beta=0.0,  # read only by the JSD kind
             KIND=layout.KL, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
@@ -345,14 +349,14 @@ class TritonBackend(Backend):
         splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
         div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
         if splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
-            k.jsd_row_kernel[(n,)](
+            launch(k.jsd_row_kernel, (n,), cfg.fast_launch,
                 s_ptr=student, t_ptr=teacher, rows_b=rows_b, ss_a=s_a, ss_b=s_b, st_a=t_a, st_b=t_b,
                 keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats, v_local=v_local, k2=k2, beta=beta,
                 HAS_KEEP=keep is not None, FAST_LOG2=cfg.fast_log2, BLOCK_STATS=cfg.block_stats,
                 BLOCK_DIV=cfg.block_div, num_warps=cfg.warps_div)
             return values, state
         part = torch.empty((splits, n, layout.PAIR_FIELDS), dtype=torch.float32, device=dev)
-        k.stats2_kernel[(n * splits,)](
+        launch(k.stats2_kernel, (n * splits,), cfg.fast_launch,
             a_ptr=student, b_ptr=teacher, rows_b=rows_b, sa_a=s_a, sa_b=s_b, sb_a=t_a, sb_b=t_b,
             keep_ptr=keep_arg, part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local,
             splits=splits, chunk=_chunk(v_local, splits, cfg.block_stats), k2=k2,
@@ -360,14 +364,14 @@ class TritonBackend(Backend):
             num_warps=cfg.warps_stats)
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, layout.DIV_FIELDS), dtype=torch.float32, device=dev)
-        k.jsd_div_kernel[(n * div_splits,)](
+        launch(k.jsd_div_kernel, (n * div_splits,), cfg.fast_launch,
             s_ptr=student, t_ptr=teacher, rows_b=rows_b, ss_a=s_a, ss_b=s_b, st_a=t_a, st_b=t_b,
             keep_ptr=keep_arg, stats_part_ptr=part, n_stats_parts=n_parts, part_ptr=part2, stat_ptr=stats,
             n_rows=n, v_local=v_local, splits=div_splits, chunk=_chunk(v_local, div_splits, cfg.block_div),
             k2=k2, beta=beta,
             HAS_KEEP=keep is not None, FAST_LOG2=cfg.fast_log2, BLOCK=cfg.block_div, num_warps=cfg.warps_div)
         part2, n_parts2 = _gather(part2, call.group)
-        k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
+        launch(k.finish2_kernel, (_cdiv(n, cfg.block_rows),), cfg.fast_launch,
             part_ptr=part2, n_parts=n_parts2, n_rows=n, keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats,
             k2=k2, beta=beta,
             KIND=layout.JSD, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
@@ -393,7 +397,7 @@ class TritonBackend(Backend):
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
         rows_b, s_a, s_b = _geometry(z)
-        k.backward1_kernel[(n * splits,)](
+        launch(k.backward1_kernel, (n * splits,), cfg.fast_launch,
             z_ptr=z, rows_b=rows_b, stride_a=s_a, stride_b=s_b, dz_ptr=dz, grad_ptr=grad.contiguous(),
             idx_ptr=idx if idx is not None else stats,
             n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
@@ -428,7 +432,7 @@ class TritonBackend(Backend):
             splits, chunk = self._bwd_splits(cfg, n, v_local)
             rows_b, a_a, a_b = _geometry(a)
             _, b_a, b_b = _geometry(b)
-            k.backward2_kernel[(n * splits,)](
+            launch(k.backward2_kernel, (n * splits,), cfg.fast_launch,
                 a_ptr=a, b_ptr=b, rows_b=rows_b, sa_a=a_a, sa_b=a_b, sb_a=b_a, sb_b=b_b,
                 da_ptr=da if need_a else db, db_ptr=db if need_b else da,  # NEED_A / NEED_B gate the writes
                 grad_ptr=grad.contiguous(), keep_ptr=keep if keep is not None else stats, stat_ptr=stats,
