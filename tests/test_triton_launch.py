@@ -41,15 +41,16 @@ def kernel(monkeypatch):
 
     monkeypatch.setattr(fn, "run", jit_run)
     runtime = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
-    driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 0,
-                                                                get_current_stream=lambda device: 1234))
+    active = types.SimpleNamespace(device=0, get_current_stream=lambda device: 1234 + device)
+    active.get_current_device = lambda: active.device
+    driver = types.SimpleNamespace(active=active)
     monkeypatch.setattr(launch_mod, "_runtime", (JITFunction, runtime, driver))
     monkeypatch.setattr(launch_mod, "_kept", {})
-    return fn, log, runtime
+    return fn, log, runtime, active
 
 
 def test_second_launch_skips_the_jit(kernel):
-    fn, log, _ = kernel
+    fn, log, _, active = kernel
     x, y = torch.zeros(32), torch.zeros(32)
     for _ in range(3):
         launch_mod.launch(fn, (7,), True, x_ptr=x, y_ptr=y, n=100, scale=0.5, BLOCK=16, num_warps=4)
@@ -59,9 +60,9 @@ def test_second_launch_skips_the_jit(kernel):
     assert log[1][1] == (7, 1, 1, 1234, "function", "metadata", None, None, None, x, y, 100, 0.5, 16)
 
 
-@pytest.mark.parametrize("change", ["dtype", "alignment", "int", "constexpr", "names", "num_warps"])
+@pytest.mark.parametrize("change", ["dtype", "alignment", "int", "constexpr", "names", "num_warps", "device"])
 def test_what_the_jit_specializes_on_goes_through_it_again(kernel, change):
-    fn, log, _ = kernel
+    fn, log, _, active = kernel
     base = torch.zeros(64)
     args = dict(x_ptr=base[:32], y_ptr=base[:32], n=100, scale=0.5, BLOCK=16, num_warps=4)
     launch_mod.launch(fn, (7,), True, **args)
@@ -76,8 +77,10 @@ def test_what_the_jit_specializes_on_goes_through_it_again(kernel, change):
         other["BLOCK"] = 32
     elif change == "names":
         other = {"y_ptr": args["y_ptr"], **{k: v for k, v in args.items() if k != "y_ptr"}}
-    else:
+    elif change == "num_warps":
         other["num_warps"] = 8
+    else:
+        active.device = 1  # another GPU is current: the JIT compiles for it
     launch_mod.launch(fn, (7,), True, **other)
     launch_mod.launch(fn, (7,), True, **{**other, "scale": 0.25})  # same names, same order
     # a float is not specialized on: the third launch reuses the second's kernel
@@ -85,7 +88,7 @@ def test_what_the_jit_specializes_on_goes_through_it_again(kernel, change):
 
 
 def test_hooks_and_other_objects_take_the_jit(kernel):
-    fn, log, runtime = kernel
+    fn, log, runtime, _ = kernel
     x = torch.zeros(32)
     args = dict(x_ptr=x, y_ptr=x, n=100, scale=0.5, BLOCK=16, num_warps=4)
     launch_mod.launch(fn, (7,), True, **args)

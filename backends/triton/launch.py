@@ -10,8 +10,8 @@ enter_hook, exit_hook, *args)`` with every argument in signature order), as Trit
 and 3.9 do.
 
 The key of a kept kernel holds everything the JIT specializes on, conservatively: the
-argument names in call order, each tensor's dtype and whether its address is a multiple of
-16, each int and constexpr exactly, each float as a float. Launch hooks (a profiler's) or
+current device, the argument names in call order, each tensor's dtype and whether its
+address is a multiple of 16, each int and constexpr exactly, each float as a float. Launch hooks (a profiler's) or
 pre-run hooks send every launch through the JIT, as do objects that are not plain JIT
 functions (Triton's interpreter, test doubles).
 """
@@ -54,7 +54,8 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
             or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)):
         kernel[grid](**args)
         return
-    key = _key(args)
+    device = driver.active.get_current_device()  # the JIT keeps compiled kernels per device too
+    key = _key(device, args)
     kept = _kept.setdefault(kernel, {})
     compiled = kept.get(key) if key is not None else None
     if compiled is None:
@@ -64,15 +65,15 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
                 kept.clear()
             kept[key] = compiled
         return
-    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    stream = driver.active.get_current_stream(device)
     values = [args[name] for name in kernel.arg_names]
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, None, runtime.launch_enter_hook,
                  runtime.launch_exit_hook, *values)
 
 
-def _key(args: dict[str, Any]) -> tuple | None:
-    key: list[Any] = [tuple(args)]
+def _key(device: Any, args: dict[str, Any]) -> tuple | None:
+    key: list[Any] = [device, tuple(args)]
     for value in args.values():
         kind = type(value)
         if kind is torch.Tensor:
