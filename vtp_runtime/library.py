@@ -45,8 +45,14 @@ def _group(name: str):
         return None
     group = _GROUPS.get(name)
     if group is None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        group = _GROUPS[name] = _resolve_process_group(name)
+        from torch.distributed import distributed_c10d as c10d
+        if hasattr(c10d, "_resolve_process_group"):  # torch 2.11, 2.13
+            group = c10d._resolve_process_group(name)
+        else:  # the registry it reads
+            group = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
+            if group is None:
+                raise RuntimeError(f"no process group is registered as {name!r}")
+        _GROUPS[name] = group
     return group
 
 
