@@ -6,5 +6,7 @@ second copy of every backend class, so it is refused.
 """
 
 if __name__ != "vtp_runtime.backends":
-    raise ImportError(f"import the built-in backends as vtp_runtime.backends.<name>, not as {__name__!r} "
-                      f"(one module, one set of classes)")
+    raise ImportError(
+        f"import the built-in backends as vtp_runtime.backends.<name>, not as {__name__!r} "
+        f"(one module, one set of classes)"
+    )

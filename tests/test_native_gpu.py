@@ -269,6 +269,7 @@ def test_compile_inductor_fullgraph():
         got.backward()
         want.backward()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
-        torch.testing.assert_close(zc.grad, ze.grad, rtol=1e-2, atol=1e-5)
-        torch.testing.assert_close(tc.grad, te.grad, rtol=1e-2, atol=1e-5)
+        # bf16 gradients of six ops are summed in bf16, in another order when compiled
+        torch.testing.assert_close(zc.grad, ze.grad, rtol=1e-2, atol=1e-4)
+        torch.testing.assert_close(tc.grad, te.grad, rtol=1e-2, atol=1e-4)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1

@@ -1,8 +1,8 @@
 """vtp_runtime: exact vocabulary-parallel losses on logits sharded over the vocabulary.
 
-    import vtp_runtime as vtp
-    loss = vtp.loss("jsd", student_logits, teacher_logits, beta=0.3, tp_group=group)
-    loss = vtp.cross_entropy(vtp.Head(hidden, weight_shard), labels, reduction="mean", tp_group=group)
+import vtp_runtime as vtp
+loss = vtp.loss("jsd", student_logits, teacher_logits, beta=0.3, tp_group=group)
+loss = vtp.cross_entropy(vtp.Head(hidden, weight_shard), labels, reduction="mean", tp_group=group)
 """
 
 from .api import cross_entropy, entropy, explain, jsd, kl, logprobs, loss
@@ -18,8 +18,30 @@ from .topk import TopK
 __version__ = "0.1.0"
 
 __all__ = [
-    "loss", "cross_entropy", "logprobs", "entropy", "kl", "jsd", "explain", "use_backend", "Head",
-    "VocabParallelHead", "TopK",
-    "Explanation", "Backend", "Call", "OpCapability", "Request", "SavedState", "FEATURES", "OPS", "hookimpl",
-    "register", "VtpError", "ShardError", "BackendUnavailable", "UnknownBackend", "PluginError",
+    "loss",
+    "cross_entropy",
+    "logprobs",
+    "entropy",
+    "kl",
+    "jsd",
+    "explain",
+    "use_backend",
+    "Head",
+    "VocabParallelHead",
+    "TopK",
+    "Explanation",
+    "Backend",
+    "Call",
+    "OpCapability",
+    "Request",
+    "SavedState",
+    "FEATURES",
+    "OPS",
+    "hookimpl",
+    "register",
+    "VtpError",
+    "ShardError",
+    "BackendUnavailable",
+    "UnknownBackend",
+    "PluginError",
 ]

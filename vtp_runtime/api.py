@@ -23,13 +23,40 @@ from .ops import COMMON_OPTIONS, OPS, OpSpec, check_options, features_of, get_sp
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
+Logits = Tensor | head.Head  # logits [..., V_local], or a lazy hidden @ weight.T shard
 
 
 class _Prepared:
     """A call after local validation and the metadata gather: what selection and the run need."""
 
-    __slots__ = ("spec", "inputs", "index", "options", "lead", "topk", "needs_grad", "request", "layout",
-                 "forced", "forced_by", "heads", "metadata")
+    spec: OpSpec
+    inputs: tuple[Tensor, ...]
+    index: Tensor | None
+    options: dict[str, Any]
+    lead: tuple[int, ...]
+    topk: bool
+    needs_grad: tuple[bool, ...]
+    request: Request
+    layout: shards.Layout
+    forced: str | None
+    forced_by: str
+    heads: Any  # head.stand_ins' description of Head inputs, or None
+    metadata: Any
+    __slots__ = (
+        "spec",
+        "inputs",
+        "index",
+        "options",
+        "lead",
+        "topk",
+        "needs_grad",
+        "request",
+        "layout",
+        "forced",
+        "forced_by",
+        "heads",
+        "metadata",
+    )
 
 
 def _local_checks(spec: OpSpec, inputs, index, options) -> None:
@@ -46,14 +73,18 @@ def _local_checks(spec: OpSpec, inputs, index, options) -> None:
     if len(inputs) == 2:
         student, teacher = inputs
         if student.shape != teacher.shape:
-            raise ValueError(f"student_logits {tuple(student.shape)} and teacher_logits "
-                             f"{tuple(teacher.shape)} must have the same shape")
+            raise ValueError(
+                f"student_logits {tuple(student.shape)} and teacher_logits "
+                f"{tuple(teacher.shape)} must have the same shape"
+            )
         if student.dtype != teacher.dtype:
-            raise TypeError(f"student_logits ({student.dtype}) and teacher_logits ({teacher.dtype}) "
-                            f"must have the same dtype")
+            raise TypeError(
+                f"student_logits ({student.dtype}) and teacher_logits ({teacher.dtype}) must have the same dtype"
+            )
         if student.device != teacher.device:
-            raise ValueError(f"student_logits ({student.device}) and teacher_logits "
-                             f"({teacher.device}) must be on the same device")
+            raise ValueError(
+                f"student_logits ({student.device}) and teacher_logits ({teacher.device}) must be on the same device"
+            )
     lead = tuple(logits.shape[:-1])
     extra = {spec.index: index} if spec.index else {"mask": options["mask"], "labels": options["labels"]}
     for name, t in extra.items():
@@ -80,8 +111,10 @@ def _local_checks(spec: OpSpec, inputs, index, options) -> None:
     if start is not None:
         v_local = logits.shape[-1]
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start and end - start == v_local):
-            raise ValueError(f"vocab_start={start}, vocab_end={end} must be ints with 0 <= vocab_start "
-                             f"and vocab_end - vocab_start == V_local = {v_local}")
+            raise ValueError(
+                f"vocab_start={start}, vocab_end={end} must be ints with 0 <= vocab_start "
+                f"and vocab_end - vocab_start == V_local = {v_local}"
+            )
     gv = options["global_vocab_size"]
     if gv is not None and not (isinstance(gv, int) and gv > 0):
         raise ValueError(f"global_vocab_size must be a positive int, got {gv!r}")
@@ -93,9 +126,14 @@ def _local_checks(spec: OpSpec, inputs, index, options) -> None:
 def _fingerprint(spec: OpSpec, options, index, topk: bool, needs_grad, lead_ndim: int) -> str:
     """``name=value|...`` of everything about a call that every rank must agree on (beyond the
     shapes and dtypes gathered on their own); shown per option when ranks disagree."""
-    parts = [f"op={spec.name}", f"top-k size={index.shape[-1] if topk else 0}",
-             f"requires_grad={needs_grad}", f"mask={options.get('mask') is not None}",
-             f"labels={options.get('labels') is not None}", f"leading dims={lead_ndim}"]
+    parts = [
+        f"op={spec.name}",
+        f"top-k size={index.shape[-1] if topk else 0}",
+        f"requires_grad={needs_grad}",
+        f"mask={options.get('mask') is not None}",
+        f"labels={options.get('labels') is not None}",
+        f"leading dims={lead_ndim}",
+    ]
     for name in sorted(options):
         if name in ("tp_group", "mask", "labels", "backend", "vocab_start", "vocab_end", "global_vocab_size"):
             continue  # compared elsewhere, or per rank by nature
@@ -157,8 +195,9 @@ def _local(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | None
         p.needs_grad, p.forced, p.forced_by = traced.needs_grad, traced.forced, traced.forced_by
     registered = REGISTRY.backends()  # under VTP_STRICT_PLUGINS=1, a plugin that failed raises here
     if p.forced is not None and p.forced not in registered:
-        raise UnknownBackend(f"unknown backend {p.forced!r} (from {p.forced_by}); registered backends: "
-                             f"{', '.join(sorted(registered))}")
+        raise UnknownBackend(
+            f"unknown backend {p.forced!r} (from {p.forced_by}); registered backends: {', '.join(sorted(registered))}"
+        )
     return p
 
 
@@ -169,16 +208,31 @@ def _local_call(p: _Prepared, compiled: bool) -> shards.LocalCall:
     checksums = None
     if shards.check_enabled():
         normalizer = options["normalizer"]
-        checksums = shards.checksums(p.index if p.spec.index else options["labels"], options.get("mask"),
-                                     normalizer if isinstance(normalizer, Tensor) else None, device)
+        checksums = shards.checksums(
+            p.index if p.spec.index else options["labels"],
+            options.get("mask"),
+            normalizer if isinstance(normalizer, Tensor) else None,
+            device,
+        )
     return shards.LocalCall(
-        op=p.spec.name, v_local=logits.shape[-1], vocab_start=options["vocab_start"],
-        vocab_end=options["vocab_end"], global_vocab_size=options["global_vocab_size"],
-        num_tokens=math.prod(p.lead), dtype=logits.dtype, device_type=device.type,
-        options_fingerprint=(_fingerprint(p.spec, options, p.index, p.topk, p.needs_grad, len(p.lead))
-                             + head.fingerprint(p.heads) + ("|torch.compile=True" if compiled else "")),
-        forced=p.forced, forced_by=p.forced_by, available=dispatch.local_availability(device.type),
-        checksums=checksums)
+        op=p.spec.name,
+        v_local=logits.shape[-1],
+        vocab_start=options["vocab_start"],
+        vocab_end=options["vocab_end"],
+        global_vocab_size=options["global_vocab_size"],
+        num_tokens=math.prod(p.lead),
+        dtype=logits.dtype,
+        device_type=device.type,
+        options_fingerprint=(
+            _fingerprint(p.spec, options, p.index, p.topk, p.needs_grad, len(p.lead))
+            + head.fingerprint(p.heads)
+            + ("|torch.compile=True" if compiled else "")
+        ),
+        forced=p.forced,
+        forced_by=p.forced_by,
+        available=dispatch.local_availability(device.type),
+        checksums=checksums,
+    )
 
 
 def _device_of(tensors: tuple) -> torch.device | None:
@@ -186,8 +240,9 @@ def _device_of(tensors: tuple) -> torch.device | None:
     return first.device if isinstance(first, Tensor) else None
 
 
-def _gather(op: str, tensors: tuple, given: dict[str, Any], group, table: list[list[int]] | None,
-            traced: Traced | None) -> tuple[_Prepared, shards.Layout]:
+def _gather(
+    op: str, tensors: tuple, given: dict[str, Any], group, table: list[list[int]] | None, traced: Traced | None
+) -> tuple[_Prepared, shards.Layout]:
     """``_local``, then the metadata gather and its checks. Any local failure, of any type,
     travels through the gather as a flag instead of being raised before it (which would leave
     the other ranks waiting in the gather forever); then every rank raises, this one its own
@@ -210,16 +265,30 @@ def _gather(op: str, tensors: tuple, given: dict[str, Any], group, table: list[l
     return p, layout
 
 
-def _request(p: _Prepared, tp_size: int, vocab_size: int, num_tokens: int, even_shards: bool,
-             empty_shard: bool, compiled: bool = False) -> Request:
+def _request(
+    p: _Prepared,
+    tp_size: int,
+    vocab_size: int,
+    num_tokens: int,
+    even_shards: bool,
+    empty_shard: bool,
+    compiled: bool = False,
+) -> Request:
     logits = p.inputs[0]
     return Request(
-        op=p.spec.name, device_type=logits.device.type, dtype=logits.dtype, tp_size=tp_size,
-        vocab_size=vocab_size, num_tokens=num_tokens, even_shards=even_shards, empty_shard=empty_shard,
-        features=features_of(p.spec.name, p.options, topk=p.topk,
-                             teacher_grad=len(p.inputs) == 2 and p.needs_grad[1]),
-        head_inputs=p.heads is not None, head_per_token=p.heads is not None and _head_reduction(p.options) == "none",
-        compiled=compiled)
+        op=p.spec.name,
+        device_type=logits.device.type,
+        dtype=logits.dtype,
+        tp_size=tp_size,
+        vocab_size=vocab_size,
+        num_tokens=num_tokens,
+        even_shards=even_shards,
+        empty_shard=empty_shard,
+        features=features_of(p.spec.name, p.options, topk=p.topk, teacher_grad=len(p.inputs) == 2 and p.needs_grad[1]),
+        head_inputs=p.heads is not None,
+        head_per_token=p.heads is not None and _head_reduction(p.options) == "none",
+        compiled=compiled,
+    )
 
 
 def _head_reduction(options) -> str:
@@ -229,19 +298,28 @@ def _head_reduction(options) -> str:
     return "none" if options.get("return_entropy") else options.get("reduction", "none")
 
 
-def _prepare(op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None,
-             traced: Traced | None = None) -> _Prepared:
+def _prepare(
+    op: str, tensors: tuple, given: dict[str, Any], table: list[list[int]] | None = None, traced: Traced | None = None
+) -> _Prepared:
     group = given.get("tp_group")
     if shards.group_size(group) == 1:  # the hot path of single-device training: no gather
         p = _local(op, tensors, given, traced)
-        layout = shards.single_rank_layout(p.inputs[0].shape[-1], p.options["vocab_start"],
-                                           p.options["global_vocab_size"], math.prod(p.lead))
+        layout = shards.single_rank_layout(
+            p.inputs[0].shape[-1], p.options["vocab_start"], p.options["global_vocab_size"], math.prod(p.lead)
+        )
         p.metadata = None
     else:
         p, layout = _gather(op, tensors, given, group, table, traced)
     p.layout = layout
-    p.request = _request(p, layout.tp_size, layout.vocab_size, layout.num_tokens, layout.even_shards,
-                         0 in layout.sizes, compiled=traced is not None)
+    p.request = _request(
+        p,
+        layout.tp_size,
+        layout.vocab_size,
+        layout.num_tokens,
+        layout.even_shards,
+        0 in layout.sizes,
+        compiled=traced is not None,
+    )
     return p
 
 
@@ -290,8 +368,10 @@ def _state_type(backend: Backend, state) -> type[SavedState] | None:
     if state is None:
         return None
     if not isinstance(state, SavedState):
-        raise TypeError(f"backend {backend.name!r}: forward must return (values, state) with state a "
-                        f"vtp_runtime.SavedState dataclass or None, got {type(state).__name__}")
+        raise TypeError(
+            f"backend {backend.name!r}: forward must return (values, state) with state a "
+            f"vtp_runtime.SavedState dataclass or None, got {type(state).__name__}"
+        )
     return type(state)
 
 
@@ -299,8 +379,36 @@ class _Plan:
     """What every call with one signature shares (see ``vtp_runtime.plan``): the backend,
     the ``Call`` it gets, and how the per-call tensors are shaped around it."""
 
-    __slots__ = ("spec", "backend", "call", "n", "n_inputs", "lead", "out_shape", "topk", "ignore_index",
-                 "metadata", "state_type", "heads", "stand_ins", "max_v_local")
+    spec: OpSpec
+    backend: Backend
+    call: Call
+    n: int
+    n_inputs: int
+    lead: tuple[int, ...]
+    out_shape: tuple[int, ...] | None
+    topk: bool
+    ignore_index: int
+    metadata: Any
+    state_type: Any
+    heads: Any
+    stand_ins: tuple[Tensor, ...]
+    max_v_local: int
+    __slots__ = (
+        "spec",
+        "backend",
+        "call",
+        "n",
+        "n_inputs",
+        "lead",
+        "out_shape",
+        "topk",
+        "ignore_index",
+        "metadata",
+        "state_type",
+        "heads",
+        "stand_ins",
+        "max_v_local",
+    )
 
 
 def _make_plan(p: _Prepared) -> _Plan:
@@ -310,9 +418,16 @@ def _make_plan(p: _Prepared) -> _Plan:
     call_options["temperature"] = float(options["temperature"])
     made = _Plan()
     made.spec, made.backend, made.n, made.n_inputs = spec, backend, layout.num_tokens, len(spec.inputs)
-    made.call = Call(request=p.request, group=options["tp_group"], rank=layout.rank,
-                     vocab_start=layout.vocab_start, vocab_end=layout.vocab_end, options=call_options,
-                     needs_grad=p.needs_grad, topk=p.topk)
+    made.call = Call(
+        request=p.request,
+        group=options["tp_group"],
+        rank=layout.rank,
+        vocab_start=layout.vocab_start,
+        vocab_end=layout.vocab_end,
+        options=call_options,
+        needs_grad=p.needs_grad,
+        topk=p.topk,
+    )
     made.lead, made.topk, made.metadata, made.state_type = p.lead, p.topk, p.metadata, None
     made.ignore_index = options.get("ignore_index", -100)
     # the backend returns [N] (or [N, k]); a view back to the leading dims only where they
@@ -339,10 +454,11 @@ def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor:
             keep = labels.reshape(n) != made.ignore_index
             mask = keep if mask is None else mask & keep
     if made.heads is not None:
-        values = head.run_call(backend, made.call, made.heads, made.stand_ins, index, mask,
-                               _head_reduction(options), made.max_v_local)
+        values = head.run_call(
+            backend, made.call, made.heads, made.stand_ins, index, mask, _head_reduction(options), made.max_v_local
+        )
     else:
-        rows = tuple(_rows(t, n, backend.input_layout) for t in tensors[:made.n_inputs])
+        rows = tuple(_rows(t, n, backend.input_layout) for t in tensors[: made.n_inputs])
         values = _VocabParallelFunction.apply(backend, made.call, index, mask, *rows)
     if made.call.options.get("return_entropy"):
         return _logprobs_and_entropy(values, made.lead, made.topk, index, options, made.ignore_index)
@@ -393,16 +509,19 @@ def _planned(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | No
     return made
 
 
-def _logprobs_and_entropy(values: Tensor, lead: tuple, topk: bool, index: Tensor, options,
-                          ignore_index: int) -> tuple[Tensor, Tensor]:
+def _logprobs_and_entropy(
+    values: Tensor, lead: tuple, topk: bool, index: Tensor, options, ignore_index: int
+) -> tuple[Tensor, Tensor]:
     """``logprobs`` with ``return_entropy``: the backend's ``[N, k + 1]`` values split into the
     log-probs and the entropy, each reduced by the same rules. For ``reduction="mean"`` an
     entropy counts where some entry of its token's index is not ``ignore_index``."""
     lp, h = values[:, :-1], values[:, -1]
     lp = lp.reshape(*lead, lp.shape[1]) if topk else lp.reshape(lead)
     kept = (index != ignore_index).any(1) if topk else index != ignore_index
-    return (_reduce(lp, options, index, None, ignore_index),
-            _reduce(h.reshape(lead), options, None, kept, ignore_index))
+    return (
+        _reduce(lp, options, index, None, ignore_index),
+        _reduce(h.reshape(lead), options, None, kept, ignore_index),
+    )
 
 
 def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
@@ -434,7 +553,8 @@ def _reduce(values: Tensor, options, index, mask, ignore_index: int) -> Tensor:
 
 # -- public functions ----------------------------------------------------------------------
 
-def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
+
+def loss(op: str, *tensors: Any, **options: Any) -> Any:
     """Compute ``op`` on vocabulary-sharded logits; see the typed helpers for each op.
 
     ``tensors`` are the op's inputs in order (logits [, labels/index] or student, teacher),
@@ -447,6 +567,7 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     """
     if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
         from .library import traced_loss
+
         return traced_loss(op, tensors, options)
     if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
         return topk.kl(*tensors, **options)
@@ -457,7 +578,7 @@ def loss(op: str, *tensors: Tensor, **options: Any) -> Tensor:
     return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
 
-def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> dispatch.Explanation:
+def explain(op: str, *tensors: Any, gather: bool = False, **options: Any) -> dispatch.Explanation:
     """Which backend ``loss(op, *tensors, **options)`` would use and why not the others.
 
     By default this rank's view, with no communication, so it may be called on one rank only
@@ -483,25 +604,42 @@ def explain(op: str, *tensors: Tensor, gather: bool = False, **options: Any) -> 
     even = vocab_size == v_local * world and start in (None, rank * v_local)
     request = _request(p, world, vocab_size, math.prod(p.lead), even, v_local == 0)
     ex = dispatch.explain_request(request, None, p.forced, p.forced_by)
-    ex.view = (f"this rank's view: rank {rank} of {world}, other ranks assumed alike "
-               f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
-               f"checks them all")
+    ex.view = (
+        f"this rank's view: rank {rank} of {world}, other ranks assumed alike "
+        f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
+        f"checks them all"
+    )
     return ex
 
 
-def cross_entropy(logits: Tensor, labels: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0, **options: Any) -> Tensor:
+def cross_entropy(
+    logits: Logits,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    **options: Any,
+) -> Tensor:
     """Cross entropy of ``logits`` [..., V_local] against global ``labels`` [...] (int).
 
     ``(1-e)(lse - x[y]) + e(lse - mean_j x_j) + z_loss * lse^2`` with ``x = logits / T`` and
     the mean over the global vocabulary. ``ignore_index`` tokens give exactly 0.
     """
-    return loss("cross_entropy", logits, labels, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, z_loss=z_loss, **options)
+    return loss(
+        "cross_entropy",
+        logits,
+        labels,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        **options,
+    )
 
 
-def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, return_entropy: bool = False,
-             **options: Any) -> Tensor | tuple[Tensor, Tensor]:
+def logprobs(
+    logits: Logits, index: Tensor, *, ignore_index: int = -100, return_entropy: bool = False, **options: Any
+) -> Tensor | tuple[Tensor, Tensor]:
     """``log softmax(logits / T)`` at global vocabulary ids ``index`` (int, ``[...]`` or
     ``[..., k]``): shaped like ``logits.shape[:-1]`` or with a trailing top-k dimension;
     entries equal to ``ignore_index`` give 0.
@@ -517,14 +655,20 @@ def logprobs(logits: Tensor, index: Tensor, *, ignore_index: int = -100, return_
     return loss("logprobs", logits, index, ignore_index=ignore_index, return_entropy=return_entropy, **options)
 
 
-def entropy(logits: Tensor, **options: Any) -> Tensor:
+def entropy(logits: Logits, **options: Any) -> Tensor:
     """Entropy ``-sum p log p`` of ``softmax(logits / T)`` over the global vocabulary.
     Takes ``mask=`` (bool, True = keep) or ``labels=`` with ``ignore_index``."""
     return loss("entropy", logits, **options)
 
 
-def kl(student_logits: Tensor, teacher_logits: Tensor | topk.TopK, *, reverse: bool = False,
-       tail: bool = False, **options: Any) -> Tensor:
+def kl(
+    student_logits: Logits,
+    teacher_logits: Logits | topk.TopK,
+    *,
+    reverse: bool = False,
+    tail: bool = False,
+    **options: Any,
+) -> Tensor:
     """Forward ``KL(p_teacher || p_student)``, or reverse ``KL(p_student || p_teacher)``.
 
     A teacher given as ``vtp.TopK(logprobs, index)`` (its top-k log-probs and global ids,
@@ -533,12 +677,14 @@ def kl(student_logits: Tensor, teacher_logits: Tensor | topk.TopK, *, reverse: b
     if isinstance(teacher_logits, topk.TopK):
         return topk.kl(student_logits, teacher_logits, reverse=reverse, tail=tail, **options)
     if tail is not False:
-        raise ValueError("tail= applies to a teacher given as vtp.TopK(logprobs, index); with dense "
-                         "teacher logits the KL already covers the whole vocabulary")
+        raise ValueError(
+            "tail= applies to a teacher given as vtp.TopK(logprobs, index); with dense "
+            "teacher logits the KL already covers the whole vocabulary"
+        )
     return loss("kl", student_logits, teacher_logits, reverse=reverse, **options)
 
 
-def jsd(student_logits: Tensor, teacher_logits: Tensor, *, beta: float = 0.5, **options: Any) -> Tensor:
+def jsd(student_logits: Logits, teacher_logits: Logits, *, beta: float = 0.5, **options: Any) -> Tensor:
     """Generalized JSD ``b KL(p_t||M) + (1-b) KL(p_s||M)``, ``M = b p_t + (1-b) p_s``;
     ``beta=0`` is forward KL(teacher||student), ``beta=1`` reverse KL(student||teacher)."""
     return loss("jsd", student_logits, teacher_logits, beta=beta, **options)

@@ -62,7 +62,7 @@ INPUT_LAYOUTS = {
     "contiguous": "[N, V_local], contiguous",
     "unit_vocab_stride": "[N, V_local], stride 1 on the vocabulary dim, rows of any stride (0 too)",
     "unit_vocab_stride_3d": "as unit_vocab_stride, or a 3-D [A, B, V_local] view whose rows have no single "
-                            "stride (e.g. logits[:, :-1]), stride 1 on the vocabulary dim",
+    "stride (e.g. logits[:, :-1]), stride 1 on the vocabulary dim",
     "any": "[N, V_local] of any strides",
 }
 
@@ -197,8 +197,14 @@ class SavedState:
         raise NotImplementedError(f"{type(self).__name__} cannot be saved inside torch.compile")
 
     @classmethod
-    def from_statistics(cls, call: Call, inputs: tuple[torch.Tensor, ...], index: torch.Tensor | None,
-                        mask: torch.Tensor | None, statistics: torch.Tensor) -> SavedState:
+    def from_statistics(
+        cls,
+        call: Call,
+        inputs: tuple[torch.Tensor, ...],
+        index: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        statistics: torch.Tensor,
+    ) -> SavedState:
         """The state forward returned, rebuilt from the call's inputs (as forward got them)
         and ``statistics()``."""
         raise NotImplementedError(f"{cls.__name__} cannot be rebuilt inside torch.compile")
@@ -267,8 +273,9 @@ class Backend:
             return [f"does not implement op {request.op!r}"]
         out = []
         if cap.device_types is not None and request.device_type not in cap.device_types:
-            out.append(f"device type {request.device_type!r} not supported "
-                       f"(supports {', '.join(sorted(cap.device_types))})")
+            out.append(
+                f"device type {request.device_type!r} not supported (supports {', '.join(sorted(cap.device_types))})"
+            )
         if request.dtype not in cap.dtypes:
             names = ", ".join(sorted(str(d).replace("torch.", "") for d in cap.dtypes))
             out.append(f"dtype {str(request.dtype).replace('torch.', '')} not supported (supports {names})")
@@ -287,8 +294,10 @@ class Backend:
         elif request.head_per_token and not cap.head_per_token:
             out.append("head inputs with a per-token result not supported (use reduction='sum' or 'mean')")
         if request.compiled and not cap.compiled:
-            out.append("cannot run inside torch.compile (its saved state is not the op's inputs plus "
-                       "fixed-width statistics: OpCapability(compiled=False))")
+            out.append(
+                "cannot run inside torch.compile (its saved state is not the op's inputs plus "
+                "fixed-width statistics: OpCapability(compiled=False))"
+            )
         return out
 
     def reasons(self, request: Request) -> list[str]:
@@ -296,12 +305,12 @@ class Backend:
         return self.probe_reasons(request.device_type) + self.capability_reasons(request)
 
     # -- compute -----------------------------------------------------------------------
-    def forward(self, call: Call, inputs: tuple[torch.Tensor, ...], index: torch.Tensor | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, SavedState | None]:
+    def forward(
+        self, call: Call, inputs: tuple[torch.Tensor, ...], index: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, SavedState | None]:
         raise NotImplementedError
 
-    def backward(self, call: Call, state: SavedState | None,
-                 grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(self, call: Call, state: SavedState | None, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
 
     # -- the fused head (vtp_runtime/head.py), for backends declaring head_inputs --------
@@ -311,8 +320,9 @@ class Backend:
         driver, which calls ``forward``/``head_backward`` on each chunk's logits."""
         return None
 
-    def head_backward(self, call: Call, state: SavedState | None, grad: torch.Tensor,
-                      scratch: tuple[bool, ...]) -> tuple[torch.Tensor | None, ...]:
+    def head_backward(
+        self, call: Call, state: SavedState | None, grad: torch.Tensor, scratch: tuple[bool, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
         """``backward`` of one token chunk under the generic head driver. ``scratch[i]``:
         input i is a logits buffer the driver owns and refills before any later use, so
         its gradient may be written into it in place (one ``[rows, V_local]`` buffer less).
@@ -328,8 +338,9 @@ def check_backend(backend: Backend) -> None:
     if not isinstance(backend.priority, int):
         raise ValueError(f"backend {name!r}: priority must be an int")
     if not isinstance(backend.input_layout, str) or backend.input_layout not in INPUT_LAYOUTS:
-        raise ValueError(f"backend {name!r}: input_layout must be one of {', '.join(INPUT_LAYOUTS)}, "
-                         f"got {backend.input_layout!r}")
+        raise ValueError(
+            f"backend {name!r}: input_layout must be one of {', '.join(INPUT_LAYOUTS)}, got {backend.input_layout!r}"
+        )
     ops = getattr(backend, "ops", None)
     if not isinstance(ops, Mapping) or not ops:
         raise ValueError(f"backend {name!r}: ops must be a non-empty mapping op -> OpCapability")

@@ -33,18 +33,29 @@ OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", default=None,
-                        help="comma-separated ops (default: all; with --head: cross_entropy,jsd)")
-    parser.add_argument("--backends", default="triton",
-                        help="comma-separated vtp_runtime backends to time (default: triton; eager is slow)")
-    parser.add_argument("--peers", default=None,
-                        help="comma-separated peers: torch (dense PyTorch), liger, and with --head cce "
-                             "(cut-cross-entropy); '' for none (default: all of them that are installed)")
+    parser.add_argument(
+        "--ops", default=None, help="comma-separated ops (default: all; with --head: cross_entropy,jsd)"
+    )
+    parser.add_argument(
+        "--backends",
+        default="triton",
+        help="comma-separated vtp_runtime backends to time (default: triton; eager is slow)",
+    )
+    parser.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated peers: torch (dense PyTorch), liger, and with --head cce "
+        "(cut-cross-entropy); '' for none (default: all of them that are installed)",
+    )
     parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size V")
     parser.add_argument("--tp", default="1,2,4,8", help="TP sizes: per-rank shard V/TP on one GPU")
     parser.add_argument("--tokens", default="1024,8192", help="token counts N")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                        help="logits dtype (default: bfloat16)")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float16", "float32"),
+        help="logits dtype (default: bfloat16)",
+    )
     parser.add_argument("--beta", type=float, default=0.5, help="JSD beta")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
     parser.add_argument("--reps", type=int, default=30, help="timed calls; the median is reported (default 30)")
@@ -52,11 +63,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead", action="store_true", help="also measure CPU dispatch overhead per call")
     parser.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time against shard size (matplotlib)")
-    parser.add_argument("--head", type=int, metavar="H", default=None,
-                        help="time the fused linear head at hidden size H instead: vtp ops on vtp.Head(h, W) "
-                             "against h @ W.T then the op, and fused-linear peers (see vtp_runtime/bench_head.py)")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="with --head: cpu tries it at tiny sizes (no memory figures); default cuda")
+    parser.add_argument(
+        "--head",
+        type=int,
+        metavar="H",
+        default=None,
+        help="time the fused linear head at hidden size H instead: vtp ops on vtp.Head(h, W) "
+        "against h @ W.T then the op, and fused-linear peers (see vtp_runtime/bench_head.py)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="with --head: cpu tries it at tiny sizes (no memory figures); default cuda",
+    )
 
 
 @dataclass
@@ -87,11 +107,13 @@ def model_bytes(op: str, n: int, v: int, itemsize: int) -> int:
 # -- arms: each returns a closure running forward + backward once ------------------------------
 # make_inputs, vtp_arm, time_loop and time_stream are public: benchmarks/*.py build on them.
 
+
 def make_inputs(op: str, n: int, v: int, dtype, device, seed: int):
     """``(logits, other)`` for ``op``: logits ``[n, v]`` of ``dtype`` requiring grad, and a
     frozen teacher ``[n, v]`` (kl, jsd), int64 labels ``[n]`` (cross_entropy, logprobs,
     logprobs_entropy) or None."""
     import torch
+
     g = torch.Generator(device=device).manual_seed(seed)
     z = (torch.randn(n, v, generator=g, device=device, dtype=torch.float32) * 2).to(dtype).requires_grad_(True)
     other = None
@@ -108,17 +130,21 @@ def vtp_arm(backend: str, op: str, z, other, beta: float):
     import torch
 
     import vtp_runtime as vtp
+
     args = (z, other) if other is not None else (z,)
     opts = {"beta": beta} if op == "jsd" else {}
     if op == "logprobs_entropy":
+
         def run_pair():  # both outputs, a gradient of ones through each
             lp, h = vtp.logprobs(z, other, return_entropy=True, backend=backend)
             return torch.autograd.grad((lp, h), (z,), (torch.ones_like(lp), torch.ones_like(h)))
+
         return run_pair
 
     def run():
         out = vtp.loss(op, *args, backend=backend, **opts)
         return torch.autograd.grad(out, (z,), torch.ones_like(out))
+
     return run
 
 
@@ -143,35 +169,44 @@ def _torch_arm(op, z, other, beta):
         else:  # TRL GKD's generalized JSD: materialized log-probs and log-mixture
             ls, lt = F.log_softmax(z.float(), -1), F.log_softmax(other.float(), -1)
             lm = torch.logsumexp(torch.stack([ls + math.log1p(-beta), lt + math.log(beta)]), dim=0)
-            out = (beta * F.kl_div(lm, lt, reduction="none", log_target=True)
-                   + (1 - beta) * F.kl_div(lm, ls, reduction="none", log_target=True)).sum(-1)
+            out = (
+                beta * F.kl_div(lm, lt, reduction="none", log_target=True)
+                + (1 - beta) * F.kl_div(lm, ls, reduction="none", log_target=True)
+            ).sum(-1)
         return torch.autograd.grad(out, (z,), torch.ones_like(out))
+
     return run
 
 
 def _liger_arm(op, z, other, beta):
     import torch
     import torch.nn.functional as F
+
     if op == "jsd":
         from liger_kernel.transformers import LigerJSD
+
         jsd = LigerJSD(beta=beta)
 
         def run():  # Liger takes log-probs: the log_softmax is part of the arm
             loss = jsd(F.log_softmax(z, -1), F.log_softmax(other, -1))
             return torch.autograd.grad(loss, (z,))
+
         return run
     if op == "cross_entropy":
         from liger_kernel.transformers import LigerCrossEntropyLoss
+
         ce = LigerCrossEntropyLoss(reduction="sum")
 
         def run():
             return torch.autograd.grad(ce(z, other), (z,))
+
         return run
     return None
 
 
 def _liger_vp_arm(op, z, other):
     import torch
+
     if op != "cross_entropy":
         return None
     from liger_kernel.ops.vocab_parallel_cross_entropy import LigerVocabParallelCEFunction
@@ -179,15 +214,18 @@ def _liger_vp_arm(op, z, other):
     def run():  # world 1: no group; Liger's [S, B, V] layout as a view
         loss = LigerVocabParallelCEFunction.apply(z.unsqueeze(1), other, None, -100, 0.0, "pytorch", "global")
         return torch.autograd.grad(loss, (z,), torch.ones_like(loss))
+
     return run
 
 
 # -- timing -------------------------------------------------------------------------------------
 
+
 def time_loop(fn, warmup: int, reps: int) -> float:
     """Median milliseconds of one ``fn()`` on the current CUDA stream, each call timed with
     CUDA events and synchronized, after ``warmup`` calls."""
     import torch
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -207,6 +245,7 @@ def time_stream(fn, reps: int) -> float:
     a training loop sees when Python runs ahead of the GPU (max of CPU and GPU cost per call),
     where ``time_loop``'s per-call sync adds the CPU issue time to the GPU time."""
     import torch
+
     fn()
     torch.cuda.synchronize()
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -220,6 +259,7 @@ def time_stream(fn, reps: int) -> float:
 
 def _time_graph(fn, reps: int) -> float:
     import torch
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graphs asks
@@ -245,6 +285,7 @@ def _time_graph(fn, reps: int) -> float:
 
 def _peak(fn) -> float:
     import torch
+
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     fn()
@@ -255,6 +296,7 @@ def _peak(fn) -> float:
 def copy_bandwidth(reps: int = 20) -> float:
     """Device-to-device copy in GB/s, counting bytes read + written (1 GiB buffers)."""
     import torch
+
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     ms = time_loop(lambda: dst.copy_(src), 3, reps)
@@ -267,6 +309,7 @@ def dispatch_overhead(calls: int = 2000) -> dict:
     import torch
 
     import vtp_runtime as vtp
+
     z = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
     y = torch.randint(0, 256, (4,), device="cuda")
@@ -293,6 +336,7 @@ def dispatch_overhead(calls: int = 2000) -> dict:
 
 # -- driver -------------------------------------------------------------------------------------
 
+
 class _Progress:
     """rich's progress bar when rich is installed, else one plain line per step."""
 
@@ -302,10 +346,15 @@ class _Progress:
         try:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
             # on stderr, so that stdout holds only the table
-            self._rich = Progress(TextColumn("{task.description}"), BarColumn(),
-                                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                  console=Console(stderr=True))
+            self._rich = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+            )
             self._rich.start()
             self._task = self._rich.add_task("bench", total=total)
         except ImportError:
@@ -337,8 +386,10 @@ def _arms(op, backends, peers, tp):
 
 def run(args) -> int:
     import torch
+
     if args.head is not None:
         from . import bench_head
+
         return bench_head.run(args)
     args.ops = args.ops or ",".join(OPS)
     args.peers = "torch,liger" if args.peers is None else args.peers
@@ -360,8 +411,13 @@ def run(args) -> int:
     itemsize = torch.finfo(dtype).bits // 8
 
     copy_gbps = copy_bandwidth()
-    plan = [(op, tp, n, arm, kind) for op in ops for n in tokens for tp in tps
-            for arm, kind in _arms(op, backends, peers, tp)]
+    plan = [
+        (op, tp, n, arm, kind)
+        for op in ops
+        for n in tokens
+        for tp in tps
+        for arm, kind in _arms(op, backends, peers, tp)
+    ]
     progress = _Progress(len(plan))
     rows: list[Row] = []
     seed = 0
@@ -372,10 +428,15 @@ def run(args) -> int:
             seed += 1
             try:
                 z, other = make_inputs(op, n, v_local, dtype, "cuda", seed)
-                fn = (vtp_arm(arm, op, z, other, args.beta) if kind == "vtp" else
-                      _torch_arm(op, z, other, args.beta) if kind == "torch" else
-                      _liger_arm(op, z, other, args.beta) if kind == "liger" else
-                      _liger_vp_arm(op, z, other))
+                fn = (
+                    vtp_arm(arm, op, z, other, args.beta)
+                    if kind == "vtp"
+                    else _torch_arm(op, z, other, args.beta)
+                    if kind == "torch"
+                    else _liger_arm(op, z, other, args.beta)
+                    if kind == "liger"
+                    else _liger_vp_arm(op, z, other)
+                )
                 row.peak_gib = _peak(fn)
                 row.ms = time_loop(fn, args.warmup, args.reps)
                 row.stream_ms = time_stream(fn, args.reps)
@@ -402,11 +463,23 @@ def run(args) -> int:
     print_table(rows, copy_gbps, overhead)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": _version("triton"), "liger_kernel": _version("liger-kernel"),
-                       "copy_gbps": copy_gbps, "vocab": args.vocab, "dtype": args.dtype, "beta": args.beta,
-                       "argv": sys.argv, "dispatch_overhead_us": overhead,
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": _version("triton"),
+                    "liger_kernel": _version("liger-kernel"),
+                    "copy_gbps": copy_gbps,
+                    "vocab": args.vocab,
+                    "dtype": args.dtype,
+                    "beta": args.beta,
+                    "argv": sys.argv,
+                    "dispatch_overhead_us": overhead,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
     if args.plot:
         _plot(rows, args.plot, args.vocab)
     return 0
@@ -421,6 +494,7 @@ def replot(json_path: str, png_path: str) -> None:
 
 def _version(dist: str) -> str | None:
     from importlib import metadata
+
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -434,36 +508,49 @@ def _fmt(x, spec):
 def print_table(rows: list[Row], copy_gbps: float, overhead: dict | None) -> None:
     """The measurements as the text table ``vtp-runtime bench`` prints."""
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
-    head = f"{'op':16s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} " \
-           f"{'graph ms':>8s} {'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
+    head = (
+        f"{'op':16s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} "
+        f"{'graph ms':>8s} {'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r.op:16s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {_fmt(r.ms, '8.3f')} "
-              f"{_fmt(r.stream_ms, '9.3f')} "
-              f"{_fmt(r.graph_ms, '8.3f')} {_fmt(r.gbps, '6.0f')} {_fmt(r.pct_copy, '5.0f')} "
-              f"{_fmt(r.peak_gib, '8.2f')}  {r.error}")
+        print(
+            f"{r.op:16s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {_fmt(r.ms, '8.3f')} "
+            f"{_fmt(r.stream_ms, '9.3f')} "
+            f"{_fmt(r.graph_ms, '8.3f')} {_fmt(r.gbps, '6.0f')} {_fmt(r.pct_copy, '5.0f')} "
+            f"{_fmt(r.peak_gib, '8.2f')}  {r.error}"
+        )
     ratios = entropy_overhead(rows)
     if ratios:
-        print("logprobs_entropy / logprobs time (best of loop and graph; target <= 1.1): "
-              + ", ".join(f"{arm} TP{tp} N={n} {x:.2f}" for (arm, tp, n), x in ratios.items()))
+        print(
+            "logprobs_entropy / logprobs time (best of loop and graph; target <= 1.1): "
+            + ", ".join(f"{arm} TP{tp} N={n} {x:.2f}" for (arm, tp, n), x in ratios.items())
+        )
     if overhead:
-        print("CPU time per call at TP=1, steady state (us): "
-              + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
+        print("CPU time per call at TP=1, steady state (us): " + ", ".join(f"{k} {v:.1f}" for k, v in overhead.items()))
 
 
 def entropy_overhead(rows: list[Row]) -> dict[tuple[str, int, int], float]:
     """``{(arm, tp, tokens): time of logprobs_entropy / time of logprobs}`` where both ran."""
-    best = {(r.op, r.arm, r.tp, r.tokens): min(t for t in (r.ms, r.graph_ms) if t is not None)
-            for r in rows if r.ms is not None}
-    return {key[1:]: t / best[("logprobs",) + key[1:]] for key, t in best.items()
-            if key[0] == "logprobs_entropy" and ("logprobs",) + key[1:] in best}
+    best = {
+        (r.op, r.arm, r.tp, r.tokens): min(t for t in (r.ms, r.graph_ms) if t is not None)
+        for r in rows
+        if r.ms is not None
+    }
+    return {
+        key[1:]: t / best[("logprobs",) + key[1:]]
+        for key, t in best.items()
+        if key[0] == "logprobs_entropy" and ("logprobs",) + key[1:] in best
+    }
 
 
 def _plot(rows, path: str, vocab: int) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     ops = sorted({r.op for r in rows}, key=lambda o: OPS.index(o) if o in OPS else 99)
     tokens = sorted({r.tokens for r in rows})
     arms = sorted({r.arm for r in rows})
@@ -473,8 +560,11 @@ def _plot(rows, path: str, vocab: int) -> None:
         for j, op in enumerate(ops):
             ax = axes[i][j]
             for arm in sorted({r.arm for r in rows if r.op == op}):
-                pts = sorted((r.v_local, min(t for t in (r.ms, r.graph_ms) if t is not None))
-                             for r in rows if r.op == op and r.arm == arm and r.tokens == n and r.ms is not None)
+                pts = sorted(
+                    (r.v_local, min(t for t in (r.ms, r.graph_ms) if t is not None))
+                    for r in rows
+                    if r.op == op and r.arm == arm and r.tokens == n and r.ms is not None
+                )
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=arm, color=colors[arm])
             ax.set_title(f"{op}, N={n}")

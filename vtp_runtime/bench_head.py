@@ -63,21 +63,26 @@ def _arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
             return lambda: grads(F.cross_entropy(h @ w.T, y))
         if arm == "liger":
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
             loss = LigerFusedLinearCrossEntropyLoss()
             return lambda: grads(loss(w, h, y))
         if arm == "cce":
             from cut_cross_entropy import linear_cross_entropy
+
             return lambda: grads(linear_cross_entropy(h, w, y))
     if op == "jsd":
         if arm == "materialized":
+
             def run():
                 with torch.no_grad():
                     zt = ht @ wt.T
                 return grads(vtp.jsd(h @ w.T, zt, beta=beta, reduction="mean", backend=backend))
+
             return run
         if arm == "fused":
-            return lambda: grads(vtp.jsd(vtp.Head(h, w), vtp.Head(ht, wt), beta=beta, reduction="mean",
-                                         backend=backend))
+            return lambda: grads(
+                vtp.jsd(vtp.Head(h, w), vtp.Head(ht, wt), beta=beta, reduction="mean", backend=backend)
+            )
     raise ValueError(f"no arm {arm!r} for {op}")
 
 
@@ -90,6 +95,7 @@ def _arms(op: str, peers: set[str]) -> list[str]:
 
 def _available(peer: str) -> bool:
     import importlib.util
+
     module = {"liger": "liger_kernel", "cce": "cut_cross_entropy", "torch": "torch"}[peer]
     return importlib.util.find_spec(module) is not None
 
@@ -105,12 +111,14 @@ def _time(fn, device: str, warmup: int, reps: int) -> float:
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
     from .bench import time_loop
+
     return time_loop(fn, 0, reps)
 
 
 def _temporaries(fn) -> float:
     """GiB allocated during one call beyond what was held before it and the gradients it returns."""
     import torch
+
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -122,10 +130,14 @@ def _temporaries(fn) -> float:
 
 def run(args) -> int:
     import torch
+
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
-        print("vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False); "
-              "pass --device cpu to try --head at tiny sizes on the CPU", file=sys.stderr)
+        print(
+            "vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "pass --device cpu to try --head at tiny sizes on the CPU",
+            file=sys.stderr,
+        )
         return 2
     ops = [o for o in args.ops.split(",") if o] if args.ops else list(HEAD_OPS)
     unknown = [o for o in ops if o not in HEAD_OPS]
@@ -147,9 +159,15 @@ def run(args) -> int:
     dtype = getattr(torch, args.dtype)
     hidden = args.head
     rows: list[HeadRow] = []
-    plan = [(op, tp, n, backend, arm) for op in ops for tp in (int(t) for t in args.tp.split(","))
-            for n in (int(x) for x in args.tokens.split(",")) for backend in backends
-            for arm in _arms(op, peers) if arm in ("materialized", "fused") or backend == backends[0]]
+    plan = [
+        (op, tp, n, backend, arm)
+        for op in ops
+        for tp in (int(t) for t in args.tp.split(","))
+        for n in (int(x) for x in args.tokens.split(","))
+        for backend in backends
+        for arm in _arms(op, peers)
+        if arm in ("materialized", "fused") or backend == backends[0]
+    ]
     for i, (op, tp, n, backend, arm) in enumerate(plan):
         v_local = args.vocab // tp
         name = arm if arm not in ("materialized", "fused") else f"{arm}:{backend}"
@@ -157,14 +175,18 @@ def run(args) -> int:
         try:
             g = torch.Generator(device=device).manual_seed(i)
             h = torch.randn(n, hidden, generator=g, device=device, dtype=torch.float32).to(dtype).requires_grad_(True)
-            w = (torch.randn(v_local, hidden, generator=g, device=device, dtype=torch.float32)
-                 * hidden ** -0.5).to(dtype).requires_grad_(True)
+            w = (
+                (torch.randn(v_local, hidden, generator=g, device=device, dtype=torch.float32) * hidden**-0.5)
+                .to(dtype)
+                .requires_grad_(True)
+            )
             y = torch.randint(0, v_local, (n,), generator=g, device=device)
             ht = wt = None
             if op == "jsd":
                 ht = torch.randn(n, hidden, generator=g, device=device, dtype=torch.float32).to(dtype)
-                wt = (torch.randn(v_local, hidden, generator=g, device=device, dtype=torch.float32)
-                      * hidden ** -0.5).to(dtype)
+                wt = (torch.randn(v_local, hidden, generator=g, device=device, dtype=torch.float32) * hidden**-0.5).to(
+                    dtype
+                )
             fn = _arm(op, arm, backend, h, w, y, ht, wt, args.beta)
             row.ms = _time(fn, device, args.warmup, args.reps)  # warm first: no compilation in the peak
             if device == "cuda":
@@ -179,22 +201,56 @@ def run(args) -> int:
         rows.append(row)
         print(f"[{i + 1}/{len(plan)}] {op} {name} TP{tp} N={n}", file=sys.stderr, flush=True)
     for r in rows:
-        ref = next((m for m in rows if m.op == r.op and m.tp == r.tp and m.tokens == r.tokens
-                    and m.arm == "materialized:" + r.arm.split(":")[-1] and m.ms), None)
+        ref = next(
+            (
+                m
+                for m in rows
+                if m.op == r.op
+                and m.tp == r.tp
+                and m.tokens == r.tokens
+                and m.arm == "materialized:" + r.arm.split(":")[-1]
+                and m.ms
+            ),
+            None,
+        )
         if ref is None:
-            ref = next((m for m in rows if m.op == r.op and m.tp == r.tp and m.tokens == r.tokens
-                        and m.arm.startswith("materialized") and m.ms), None)
+            ref = next(
+                (
+                    m
+                    for m in rows
+                    if m.op == r.op
+                    and m.tp == r.tp
+                    and m.tokens == r.tokens
+                    and m.arm.startswith("materialized")
+                    and m.ms
+                ),
+                None,
+            )
         if r.ms is not None and ref is not None and ref.ms:
             r.vs_mat = r.ms / ref.ms
     print_table(rows)
     if args.json:
         from .bench import _version
+
         with open(args.json, "w") as f:
-            json.dump({"mode": "head", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                       "torch": torch.__version__, "triton": _version("triton"),
-                       "liger_kernel": _version("liger-kernel"), "cut_cross_entropy": _version("cut-cross-entropy"),
-                       "vocab": args.vocab, "hidden": hidden, "dtype": args.dtype, "beta": args.beta,
-                       "argv": sys.argv, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "mode": "head",
+                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                    "triton": _version("triton"),
+                    "liger_kernel": _version("liger-kernel"),
+                    "cut_cross_entropy": _version("cut-cross-entropy"),
+                    "vocab": args.vocab,
+                    "hidden": hidden,
+                    "dtype": args.dtype,
+                    "beta": args.beta,
+                    "argv": sys.argv,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
     if args.plot:
         plot(rows, args.plot, args.vocab, hidden)
     return 0
@@ -205,13 +261,17 @@ def _fmt(x, spec):
 
 
 def print_table(rows) -> None:
-    head = (f"{'op':14s} {'arm':20s} {'TP':>2s} {'N':>6s} {'H':>5s} {'V_local':>7s} {'ms':>9s} {'vs_mat':>6s} "
-            f"{'temp GiB':>8s}  note")
+    head = (
+        f"{'op':14s} {'arm':20s} {'TP':>2s} {'N':>6s} {'H':>5s} {'V_local':>7s} {'ms':>9s} {'vs_mat':>6s} "
+        f"{'temp GiB':>8s}  note"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r.op:14s} {r.arm:20s} {r.tp:2d} {r.tokens:6d} {r.hidden:5d} {r.v_local:7d} {_fmt(r.ms, '9.3f')} "
-              f"{_fmt(r.vs_mat, '6.3f')} {_fmt(r.temp_gib, '8.3f')}  {r.error}")
+        print(
+            f"{r.op:14s} {r.arm:20s} {r.tp:2d} {r.tokens:6d} {r.hidden:5d} {r.v_local:7d} {_fmt(r.ms, '9.3f')} "
+            f"{_fmt(r.vs_mat, '6.3f')} {_fmt(r.temp_gib, '8.3f')}  {r.error}"
+        )
 
 
 def replot(json_path: str, png_path: str) -> None:
@@ -224,8 +284,10 @@ def replot(json_path: str, png_path: str) -> None:
 def plot(rows, path: str, vocab: int, hidden: int) -> None:
     """Time and temporaries against N, one column per (op, TP)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     panels = sorted({(r.op, r.tp) for r in rows}, key=lambda p: (HEAD_OPS.index(p[0]), p[1]))
     arms = sorted({r.arm for r in rows})
     colors = {arm: plt.get_cmap("tab10")(i % 10) for i, arm in enumerate(arms)}

@@ -16,8 +16,10 @@ COMMANDS = {
 }
 
 
-DESCRIPTION = ("Exact vocabulary-parallel losses on vocabulary-sharded logits. "
-               "Run 'vtp-runtime COMMAND --help' for a command's options.")
+DESCRIPTION = (
+    "Exact vocabulary-parallel losses on vocabulary-sharded logits. "
+    "Run 'vtp-runtime COMMAND --help' for a command's options."
+)
 
 
 def main(argv: list[str] | None = None) -> int:

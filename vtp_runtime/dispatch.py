@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Mapping
 
 from .backend import Backend, Request
 from .errors import BackendUnavailable, add_note
@@ -37,6 +37,7 @@ def use_backend(name: str, op: str | None = None) -> Iterator[None]:
     REGISTRY.get(name)  # unknown names fail here, listing the registered ones
     if op is not None:
         from .ops import get_spec
+
         get_spec(op)
     token = _OVERRIDES.set(_OVERRIDES.get() + ((op, name),))
     try:
@@ -61,8 +62,9 @@ def forced_backend(op: str, argument: str | None) -> tuple[str | None, str]:
 
 def local_availability(device_type: str) -> tuple[int, ...]:
     """Keys of the backends registered here whose environment probe passes."""
-    return tuple(backend_key(b.name, b.priority) for b in REGISTRY.backends().values()
-                 if not b.probe_reasons(device_type))
+    return tuple(
+        backend_key(b.name, b.priority) for b in REGISTRY.backends().values() if not b.probe_reasons(device_type)
+    )
 
 
 @dataclass
@@ -79,11 +81,12 @@ class Explanation:
 
     def __str__(self) -> str:
         r = self.request
-        lines = [f"vtp_runtime: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
-                 f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
-                 f"shards={'even' if r.even_shards else 'uneven'}{', one empty' if r.empty_shard else ''} "
-                 f"features={','.join(sorted(r.features)) or '-'}"
-                 + (" inputs=head" if r.head_inputs else "")]
+        lines = [
+            f"vtp_runtime: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
+            f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
+            f"shards={'even' if r.even_shards else 'uneven'}{', one empty' if r.empty_shard else ''} "
+            f"features={','.join(sorted(r.features)) or '-'}" + (" inputs=head" if r.head_inputs else "")
+        ]
         if self.view:
             lines.append(f"({self.view})")
         if self.forced:
@@ -109,13 +112,16 @@ def _reasons(backend: Backend, request: Request, layout: Layout | None) -> tuple
     out = []
     if key not in layout.available:
         missing = [r for r, keys in enumerate(layout.available_per_rank) if key not in keys]
-        out.append(f"not available on rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                   f"(not installed there, or its environment probe failed)")
+        out.append(
+            f"not available on rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+            f"(not installed there, or its environment probe failed)"
+        )
     return out + backend.capability_reasons(request), backend.probe_reasons(request.device_type)
 
 
-def explain_request(request: Request, layout: Layout | None, forced: str | None = None,
-                    forced_by: str = "") -> Explanation:
+def explain_request(
+    request: Request, layout: Layout | None, forced: str | None = None, forced_by: str = ""
+) -> Explanation:
     """Pure selection: the same inputs give the same answer on every rank."""
     backends = REGISTRY.backends()
     if forced is not None:
@@ -136,8 +142,12 @@ _CACHE: dict = {}
 
 def select(request: Request, layout: Layout | None, forced: str | None, forced_by: str) -> Backend:
     """The backend for this call, or the same BackendUnavailable on every rank."""
-    key = (request, None if layout is None or layout.tp_size == 1 else
-           (layout.available, layout.available_per_rank), forced, REGISTRY.version)
+    key = (
+        request,
+        None if layout is None or layout.tp_size == 1 else (layout.available, layout.available_per_rank),
+        forced,
+        REGISTRY.version,
+    )
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -176,8 +186,10 @@ def _debug_log(ex: Explanation, layout: Layout | None) -> None:
 def _unavailable_message(ex: Explanation) -> str:
     if ex.forced:
         why = ex.reasons.get(ex.forced, [])
-        head = (f"backend {ex.forced!r} was forced by {ex.forced_by} but cannot run this call; "
-                f"it does not fall back. Remove the override or change the call.")
+        head = (
+            f"backend {ex.forced!r} was forced by {ex.forced_by} but cannot run this call; "
+            f"it does not fall back. Remove the override or change the call."
+        )
         blocks = [f"`{ex.forced}` is not supported because:"] + [f"    {r}" for r in why]
     else:
         head = "no registered backend can run this call."
@@ -186,7 +198,9 @@ def _unavailable_message(ex: Explanation) -> str:
             blocks.append(f"`{name}` is not supported because:")
             blocks.extend(f"    {r}" for r in why)
     r = ex.request
-    call = (f"call: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
-            f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
-            f"features={','.join(sorted(r.features)) or '-'}")
+    call = (
+        f"call: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
+        f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
+        f"features={','.join(sorted(r.features)) or '-'}"
+    )
     return "\n".join([head, call, *blocks])

@@ -40,7 +40,8 @@ one rounding per chunk, on top of fp32 accumulation within each chunk's matmul.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -81,8 +82,15 @@ class Head:
 
     __slots__ = ("hidden", "weight", "bias", "reduce_hidden_grad", "chunk_rows")
 
-    def __init__(self, hidden: Tensor, weight: Tensor, bias: Tensor | None = None,
-                 reduce_hidden_grad: bool = True, *, chunk_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        reduce_hidden_grad: bool = True,
+        *,
+        chunk_rows: int | None = None,
+    ) -> None:
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.reduce_hidden_grad, self.chunk_rows = reduce_hidden_grad, chunk_rows
 
@@ -104,8 +112,10 @@ class Head:
         return torch.nn.functional.linear(self.hidden, self.weight, self.bias)
 
     def __repr__(self) -> str:
-        return (f"Head(hidden={tuple(self.hidden.shape)}, weight={tuple(self.weight.shape)}, "
-                f"bias={None if self.bias is None else tuple(self.bias.shape)}, dtype={self.dtype})")
+        return (
+            f"Head(hidden={tuple(self.hidden.shape)}, weight={tuple(self.weight.shape)}, "
+            f"bias={None if self.bias is None else tuple(self.bias.shape)}, dtype={self.dtype})"
+        )
 
 
 def _check(head: Head, name: str) -> None:
@@ -122,18 +132,23 @@ def _check(head: Head, name: str) -> None:
     if h.dim() < 1:
         raise ValueError(f"{name}: Head.hidden must be [..., H], got a scalar")
     if w.dim() != 2 or w.shape[1] != h.shape[-1]:
-        raise ValueError(f"{name}: Head.weight must be [V_local, H] with H = hidden.shape[-1] = "
-                         f"{h.shape[-1]}, got {tuple(w.shape)}")
+        raise ValueError(
+            f"{name}: Head.weight must be [V_local, H] with H = hidden.shape[-1] = {h.shape[-1]}, got {tuple(w.shape)}"
+        )
     if b is not None and tuple(b.shape) != (w.shape[0],):
         raise ValueError(f"{name}: Head.bias must be [V_local] = [{w.shape[0]}], got {tuple(b.shape)}")
     dtypes = {t.dtype for t in (h, w, b) if t is not None}
     if len(dtypes) > 1:
-        raise TypeError(f"{name}: Head.hidden ({h.dtype}), weight ({w.dtype})"
-                        + ("" if b is None else f" and bias ({b.dtype})") + " must share one dtype")
+        raise TypeError(
+            f"{name}: Head.hidden ({h.dtype}), weight ({w.dtype})"
+            + ("" if b is None else f" and bias ({b.dtype})")
+            + " must share one dtype"
+        )
     devices = {t.device for t in (h, w, b) if t is not None}
     if len(devices) > 1:
-        raise ValueError(f"{name}: Head.hidden, weight and bias must be on one device, got "
-                         + ", ".join(sorted(map(str, devices))))
+        raise ValueError(
+            f"{name}: Head.hidden, weight and bias must be on one device, got " + ", ".join(sorted(map(str, devices)))
+        )
     if not isinstance(head.reduce_hidden_grad, bool):
         raise TypeError(f"{name}: Head.reduce_hidden_grad must be a bool, got {head.reduce_hidden_grad!r}")
     rows = head.chunk_rows
@@ -177,8 +192,10 @@ def fingerprint(heads: Sequence[Head | None] | None) -> str:
             parts.append("logits")
         else:
             grads = "".join(str(int(_needs(t))) for t in (h.hidden, h.weight, h.bias))
-            parts.append(f"head:H={h.hidden.shape[-1]},bias={int(h.bias is not None)},grads={grads},"
-                         f"reduce={int(h.reduce_hidden_grad)},rows={h.chunk_rows}")
+            parts.append(
+                f"head:H={h.hidden.shape[-1]},bias={int(h.bias is not None)},grads={grads},"
+                f"reduce={int(h.reduce_hidden_grad)},rows={h.chunk_rows}"
+            )
     return "|inputs=" + ";".join(parts)
 
 
@@ -198,6 +215,7 @@ def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int 
 
 
 # -- one call -------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(eq=False)
 class HeadInput:
@@ -366,8 +384,7 @@ class ChunkedDriver(HeadDriver):
                 vals, state = run.backend.forward(call, inputs, run.index_at(lo, hi), run.mask_at(lo, hi))
                 values.append(vals)
                 if grad_now:
-                    run.accumulate(lo, hi, run.backend.head_backward(call, state, torch.ones_like(vals),
-                                                                     run.scratch))
+                    run.accumulate(lo, hi, run.backend.head_backward(call, state, torch.ones_like(vals), run.scratch))
                 elif run.needs_grad:
                     run.states.append(state)
         finally:
@@ -384,8 +401,11 @@ class ChunkedDriver(HeadDriver):
         try:
             for (lo, hi), state in zip(run.chunks(), run.states):
                 run.chunk_logits(lo, hi)
-                run.accumulate(lo, hi, run.backend.head_backward(run.chunk_call(hi - lo), state,
-                                                                 grad[lo:hi].contiguous(), run.scratch))
+                run.accumulate(
+                    lo,
+                    hi,
+                    run.backend.head_backward(run.chunk_call(hi - lo), state, grad[lo:hi].contiguous(), run.scratch),
+                )
         finally:
             run.release_buffers()
 
@@ -399,11 +419,15 @@ def _empty_values(run: HeadRun) -> Tensor:
     shape = (0, run.index.shape[1]) if run.call.topk else (0,)
     if run.call.options.get("return_entropy"):  # the log-probs, then the entropy
         shape = (0, (run.index.shape[1] if run.call.topk else 1) + 1)
-    return torch.empty(shape, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-                       device=(x.weight if x.is_head else x.logits).device)
+    return torch.empty(
+        shape,
+        dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+        device=(x.weight if x.is_head else x.logits).device,
+    )
 
 
 # -- autograd ---------------------------------------------------------------------------------
+
 
 class _HeadFunction(torch.autograd.Function):
     @staticmethod
@@ -440,7 +464,8 @@ def _backward(ctx, grad):
                 "backward ran twice through a vtp call with Head inputs and reduction='sum'/'mean': its "
                 "gradients are computed in the forward pass and handed over (scaled in place) by the first "
                 "backward. Run backward once, or use reduction='none' (gradients recomputed in backward) "
-                "and reduce the result yourself.")
+                "and reduce the result yourself."
+            )
         if grad.numel():
             scale = grad.reshape(-1)[0]  # the upstream gradient of a sum/mean is one number
             for g in grads:
@@ -454,9 +479,16 @@ def _backward(ctx, grad):
     return (None, None, *(None if g is None else g.view(shape) for g, shape in zip(grads, ctx.shapes)))
 
 
-
-def run_call(backend: Backend, call: Call, heads: Sequence[Head | None], inputs: Sequence[Tensor],
-             index: Tensor | None, mask: Tensor | None, reduction: str, max_v_local: int) -> Tensor:
+def run_call(
+    backend: Backend,
+    call: Call,
+    heads: Sequence[Head | None],
+    inputs: Sequence[Tensor],
+    index: Tensor | None,
+    mask: Tensor | None,
+    reduction: str,
+    max_v_local: int,
+) -> Tensor:
     """Values ``[N]`` (``[N, k]``) of ``call`` whose inputs are ``heads`` (a Head, or None
     where ``inputs`` holds that input's logits ``[..., V_local]``)."""
     n = call.request.num_tokens
@@ -472,17 +504,37 @@ def run_call(backend: Backend, call: Call, heads: Sequence[Head | None], inputs:
             run_inputs.append(HeadInput(logits=rows, needs=(False, False, False, _needs(z))))
         else:
             flat += [head.hidden, head.weight, head.bias]
-            run_inputs.append(HeadInput(
-                hidden=head.hidden.reshape(n, head.hidden.shape[-1]), weight=head.weight, bias=head.bias,
-                reduce_hidden_grad=head.reduce_hidden_grad,
-                needs=(_needs(head.hidden), _needs(head.weight), _needs(head.bias), False)))
+            run_inputs.append(
+                HeadInput(
+                    hidden=head.hidden.reshape(n, head.hidden.shape[-1]),
+                    weight=head.weight,
+                    bias=head.bias,
+                    reduce_hidden_grad=head.reduce_hidden_grad,
+                    needs=(_needs(head.hidden), _needs(head.weight), _needs(head.bias), False),
+                )
+            )
     itemsize = next(h.weight.element_size() for h in heads if h is not None)
-    run = HeadRun(backend=backend, call=call, inputs=run_inputs, index=index, mask=mask, num_tokens=n,
-                  rows=chunk_rows(n, max_v_local, itemsize, min(requested) if requested else None),
-                  scalar=reduction != "none")
+    run = HeadRun(
+        backend=backend,
+        call=call,
+        inputs=run_inputs,
+        index=index,
+        mask=mask,
+        num_tokens=n,
+        rows=chunk_rows(n, max_v_local, itemsize, min(requested) if requested else None),
+        scalar=reduction != "none",
+    )
     driver = backend.head_driver(call) or CHUNKED
     return _HeadFunction.apply(run, driver, *flat)
 
 
-__all__ = ["Head", "HeadDriver", "ChunkedDriver", "HeadRun", "HeadInput", "HeadGradientConsumed",
-           "CHUNK_BYTES", "chunk_rows"]
+__all__ = [
+    "Head",
+    "HeadDriver",
+    "ChunkedDriver",
+    "HeadRun",
+    "HeadInput",
+    "HeadGradientConsumed",
+    "CHUNK_BYTES",
+    "chunk_rows",
+]

@@ -30,30 +30,53 @@ from .ops import FEATURES, OPS
 from .registry import REGISTRY, PluginLoadWarning
 
 DISTRIBUTIONS = ("vtp-runtime", "torch", "triton", "liger-kernel", "intel-extension-for-pytorch", "pluggy")
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--explain", metavar="OP", choices=list(OPS),
-                        help=f"explain the backend choice for a call of OP ({', '.join(OPS)})")
+    parser.add_argument(
+        "--explain",
+        metavar="OP",
+        choices=list(OPS),
+        help=f"explain the backend choice for a call of OP ({', '.join(OPS)})",
+    )
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="logits dtype (--explain)")
     parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size (--explain)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--explain)")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank (--explain)")
     parser.add_argument("--uneven", action="store_true", help="uneven vocabulary shards (--explain)")
     parser.add_argument("--empty-shard", action="store_true", help="one rank holds V_local = 0 (--explain)")
-    parser.add_argument("--feature", action="append", default=[], choices=FEATURES,
-                        help="a feature the call uses, e.g. temperature (repeatable; --explain)")
+    parser.add_argument(
+        "--feature",
+        action="append",
+        default=[],
+        choices=FEATURES,
+        help="a feature the call uses, e.g. temperature (repeatable; --explain)",
+    )
     parser.add_argument("--device", default=None, help="device type (--explain; default: this machine's)")
     parser.add_argument("--backend", default=None, help="explain a call forced to this backend (--explain)")
-    parser.add_argument("--head", nargs="?", const="scalar", default=None, choices=("scalar", "per-token"),
-                        help="inputs are vtp.Head (--explain): scalar = reduction sum/mean (default), "
-                             "per-token = reduction none")
+    parser.add_argument(
+        "--head",
+        nargs="?",
+        const="scalar",
+        default=None,
+        choices=("scalar", "per-token"),
+        help="inputs are vtp.Head (--explain): scalar = reduction sum/mean (default), per-token = reduction none",
+    )
 
 
 # -- facts ---------------------------------------------------------------------------------
+
 
 def default_device() -> str:
     if torch.cuda.is_available():
@@ -74,11 +97,19 @@ def versions() -> dict[str, str | None]:
 
 
 def devices() -> list[dict[str, Any]]:
-    found = [{"type": "cpu", "count": 1, "names": [platform.processor() or platform.machine()],
-              "threads": torch.get_num_threads()}]
+    found = [
+        {
+            "type": "cpu",
+            "count": 1,
+            "names": [platform.processor() or platform.machine()],
+            "threads": torch.get_num_threads(),
+        }
+    ]
     if torch.cuda.is_available():
-        names = [f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
-                 for i in range(torch.cuda.device_count())]
+        names = [
+            f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
+            for i in range(torch.cuda.device_count())
+        ]
         found.append({"type": "cuda", "count": len(names), "names": names})
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         names = [torch.xpu.get_device_name(i) for i in range(torch.xpu.device_count())]
@@ -97,9 +128,18 @@ def op_reasons(backend: Backend, op: str, device_type: str) -> list[str] | None:
     return out
 
 
-def simulated_request(op: str, dtype: torch.dtype, vocab: int, tp: int, tokens: int = 1024,
-                      uneven: bool = False, device_type: str = "cpu", empty_shard: bool = False,
-                      features: frozenset[str] = frozenset(), head: str | None = None) -> Request:
+def simulated_request(
+    op: str,
+    dtype: torch.dtype,
+    vocab: int,
+    tp: int,
+    tokens: int = 1024,
+    uneven: bool = False,
+    device_type: str = "cpu",
+    empty_shard: bool = False,
+    features: frozenset[str] = frozenset(),
+    head: str | None = None,
+) -> Request:
     """The Request every rank of a ``tp``-way call would build, without a process group.
     ``head``: None (logits), "scalar" (vtp.Head inputs, sum/mean) or "per-token" (Head, "none")."""
     if op not in OPS:
@@ -107,9 +147,19 @@ def simulated_request(op: str, dtype: torch.dtype, vocab: int, tp: int, tokens: 
     if vocab < 1 or tp < 1 or tokens < 0:
         raise ValueError("vocab and tp must be >= 1 and tokens >= 0")
     even = not uneven and not empty_shard and vocab % tp == 0
-    return Request(op=op, device_type=device_type, dtype=dtype, tp_size=tp, vocab_size=vocab,
-                   num_tokens=tokens, even_shards=even, empty_shard=empty_shard, features=frozenset(features),
-                   head_inputs=head is not None, head_per_token=head == "per-token")
+    return Request(
+        op=op,
+        device_type=device_type,
+        dtype=dtype,
+        tp_size=tp,
+        vocab_size=vocab,
+        num_tokens=tokens,
+        even_shards=even,
+        empty_shard=empty_shard,
+        features=frozenset(features),
+        head_inputs=head is not None,
+        head_per_token=head == "per-token",
+    )
 
 
 def collect() -> dict[str, Any]:
@@ -127,26 +177,58 @@ def collect() -> dict[str, Any]:
         for op in OPS:
             why = op_reasons(b, op, device)
             cap = b.ops.get(op)
-            ops[op] = ({"implemented": False, "available": False, "reasons": [f"does not implement {op}"]}
-                       if why is None or cap is None else
-                       {"implemented": True, "available": not why, "reasons": why,
-                        "dtypes": sorted(str(d).replace("torch.", "") for d in cap.dtypes),
-                        "features": sorted(cap.features),
-                        "devices": None if cap.device_types is None else sorted(cap.device_types),
-                        "tp_sizes": None if cap.tp_sizes is None else sorted(cap.tp_sizes),
-                        "even_shards_only": cap.even_shards_only, "head_inputs": cap.head_inputs,
-                        "head_per_token": cap.head_per_token})
-        backends[name] = {"priority": b.priority, "plugin": owner.name if owner else "",
-                          "source": owner.source if owner else "", "ops": ops}
-    plugins = [{"name": r.name, "distribution": r.dist, "version": r.version, "status": r.status,
-                "backends": list(r.backends), "error": r.error, "target": r.value} for r in REGISTRY.plugins]
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k.startswith("VTP_") or k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
-    return {"versions": versions(), "devices": devices(), "device_type": device, "environment": env,
-            "plugins": plugins, "plugin_error": error, "backends": backends}
+            ops[op] = (
+                {"implemented": False, "available": False, "reasons": [f"does not implement {op}"]}
+                if why is None or cap is None
+                else {
+                    "implemented": True,
+                    "available": not why,
+                    "reasons": why,
+                    "dtypes": sorted(str(d).replace("torch.", "") for d in cap.dtypes),
+                    "features": sorted(cap.features),
+                    "devices": None if cap.device_types is None else sorted(cap.device_types),
+                    "tp_sizes": None if cap.tp_sizes is None else sorted(cap.tp_sizes),
+                    "even_shards_only": cap.even_shards_only,
+                    "head_inputs": cap.head_inputs,
+                    "head_per_token": cap.head_per_token,
+                }
+            )
+        backends[name] = {
+            "priority": b.priority,
+            "plugin": owner.name if owner else "",
+            "source": owner.source if owner else "",
+            "ops": ops,
+        }
+    plugins = [
+        {
+            "name": r.name,
+            "distribution": r.dist,
+            "version": r.version,
+            "status": r.status,
+            "backends": list(r.backends),
+            "error": r.error,
+            "target": r.value,
+        }
+        for r in REGISTRY.plugins
+    ]
+    env = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith("VTP_") or k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+    }
+    return {
+        "versions": versions(),
+        "devices": devices(),
+        "device_type": device,
+        "environment": env,
+        "plugins": plugins,
+        "plugin_error": error,
+        "backends": backends,
+    }
 
 
 # -- rendering -----------------------------------------------------------------------------
+
 
 def _cell(entry: dict) -> str:
     return "yes" if entry["available"] else ("-" if not entry["implemented"] else "no")
@@ -165,13 +247,15 @@ def render_plain(data: dict[str, Any]) -> str:
     for p in data["plugins"]:
         src = f"{p['distribution']} {p['version']}".strip() or "in-process"
         what = ", ".join(p["backends"]) if p["status"] == "loaded" else p["error"]
-        lines.append(f"  {p['status'].upper() if p['status'] == 'failed' else p['status']:<8} {p['name']:<32} "
-                     f"{src:<28} {what}")
+        lines.append(
+            f"  {p['status'].upper() if p['status'] == 'failed' else p['status']:<8} {p['name']:<32} {src:<28} {what}"
+        )
     if data["plugin_error"]:
         lines.append(f"  error: {data['plugin_error']}")
     ops = list(OPS)
-    lines.append(f"backends on {data['device_type']} "
-                 "(priority order; yes = can run, no = see below, - = not implemented):")
+    lines.append(
+        f"backends on {data['device_type']} (priority order; yes = can run, no = see below, - = not implemented):"
+    )
     lines.append(f"  {'backend':<20} {'prio':>4}  " + "  ".join(f"{op:<13}" for op in ops))
     for name, b in data["backends"].items():
         lines.append(f"  {name:<20} {b['priority']:>4}  " + "  ".join(f"{_cell(b['ops'][op]):<13}" for op in ops))
@@ -206,8 +290,12 @@ def render_rich(data: dict[str, Any], console) -> None:
     style = {"loaded": "green", "failed": "bold red", "skipped": "yellow", "disabled": "yellow"}
     for p in data["plugins"]:
         what = ", ".join(p["backends"]) if p["status"] == "loaded" else p["error"]
-        t.add_row(f"[{style[p['status']]}]{p['status']}[/]", p["name"],
-                  f"{p['distribution']} {p['version']}".strip() or "in-process", what)
+        t.add_row(
+            f"[{style[p['status']]}]{p['status']}[/]",
+            p["name"],
+            f"{p['distribution']} {p['version']}".strip() or "in-process",
+            what,
+        )
     console.print(t)
     if data["plugin_error"]:
         console.print(f"[bold red]{data['plugin_error']}[/]", markup=False)
@@ -230,15 +318,29 @@ def render_rich(data: dict[str, Any], console) -> None:
 
 def explain_data(ex: dispatch.Explanation) -> dict[str, Any]:
     r = ex.request
-    return {"request": {"op": r.op, "device_type": r.device_type, "dtype": str(r.dtype).replace("torch.", ""),
-                        "tp_size": r.tp_size, "vocab_size": r.vocab_size, "num_tokens": r.num_tokens,
-                        "even_shards": r.even_shards, "empty_shard": r.empty_shard, "features": sorted(r.features),
-                        "head_inputs": r.head_inputs, "head_per_token": r.head_per_token},
-            "selected": ex.backend, "forced": ex.forced, "forced_by": ex.forced_by,
-            "reasons": {name: list(why) for name, why in ex.reasons.items()}}
+    return {
+        "request": {
+            "op": r.op,
+            "device_type": r.device_type,
+            "dtype": str(r.dtype).replace("torch.", ""),
+            "tp_size": r.tp_size,
+            "vocab_size": r.vocab_size,
+            "num_tokens": r.num_tokens,
+            "even_shards": r.even_shards,
+            "empty_shard": r.empty_shard,
+            "features": sorted(r.features),
+            "head_inputs": r.head_inputs,
+            "head_per_token": r.head_per_token,
+        },
+        "selected": ex.backend,
+        "forced": ex.forced,
+        "forced_by": ex.forced_by,
+        "reasons": {name: list(why) for name, why in ex.reasons.items()},
+    }
 
 
 # -- command -------------------------------------------------------------------------------
+
 
 def _use_rich(args) -> bool:
     if args.json or not sys.stdout.isatty():
@@ -274,9 +376,18 @@ def _run(args: argparse.Namespace) -> int:
 def _explain(args) -> int:
     try:
         REGISTRY.ensure_loaded()
-        request = simulated_request(args.explain, DTYPES[args.dtype], args.vocab, args.tp, args.tokens,
-                                    args.uneven, args.device or default_device(), args.empty_shard,
-                                    frozenset(args.feature), args.head)
+        request = simulated_request(
+            args.explain,
+            DTYPES[args.dtype],
+            args.vocab,
+            args.tp,
+            args.tokens,
+            args.uneven,
+            args.device or default_device(),
+            args.empty_shard,
+            frozenset(args.feature),
+            args.head,
+        )
         forced, forced_by = dispatch.forced_backend(args.explain, args.backend)
         ex = dispatch.explain_request(request, layout=None, forced=forced, forced_by=forced_by or "--backend")
     except (VtpError, ValueError) as exc:
@@ -286,6 +397,8 @@ def _explain(args) -> int:
         print(json.dumps(explain_data(ex), indent=2))
     else:
         print(ex)
-        print("(every rank assumed to be like this machine; on a cluster, vtp.explain(..., gather=True) "
-              "on every rank checks the real ranks)")
+        print(
+            "(every rank assumed to be like this machine; on a cluster, vtp.explain(..., gather=True) "
+            "on every rank checks the real ranks)"
+        )
     return 0 if ex.backend else 1

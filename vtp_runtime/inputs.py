@@ -84,8 +84,16 @@ class _Torch:
 class _Layout:
     """What a logits DTensor's mesh and placement say about the shards, on this rank."""
 
-    __slots__ = ("mesh", "placements", "vocab_mesh_dim", "batch_sharded", "group", "vocab_start",
-                 "vocab_end", "vocab_size")
+    __slots__ = (
+        "mesh",
+        "placements",
+        "vocab_mesh_dim",
+        "batch_sharded",
+        "group",
+        "vocab_start",
+        "vocab_end",
+        "vocab_size",
+    )
     mesh: Any  # DeviceMesh
     placements: tuple
     vocab_mesh_dim: int | None  # None: the vocabulary is replicated
@@ -133,19 +141,24 @@ def _new_layout(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Layout
                 lay.batch_sharded = True
         elif not p.is_replicate():
             what = "a pending reduction (Partial)" if p.is_partial() else "not a plain Shard or Replicate"
-            raise ValueError(f"the logits DTensor has placement {p} on mesh dimension {i}, {what}; "
-                             f"vtp_runtime takes Shard(-1) on the vocabulary's mesh dimension and "
-                             f"Shard/Replicate elsewhere: redistribute it first (.redistribute(mesh, placements))")
+            raise ValueError(
+                f"the logits DTensor has placement {p} on mesh dimension {i}, {what}; "
+                f"vtp_runtime takes Shard(-1) on the vocabulary's mesh dimension and "
+                f"Shard/Replicate elsewhere: redistribute it first (.redistribute(mesh, placements))"
+            )
     if len(vocab_dims) > 1:
-        raise ValueError(f"the logits DTensor shards the vocabulary on mesh dimensions {vocab_dims} "
-                         f"(placements {placements}); shard it on exactly one")
+        raise ValueError(
+            f"the logits DTensor shards the vocabulary on mesh dimensions {vocab_dims} "
+            f"(placements {placements}); shard it on exactly one"
+        )
     lay.vocab_mesh_dim = vocab_dims[0] if vocab_dims else None
     if lay.vocab_mesh_dim is None:
         lay.group, lay.vocab_start, lay.vocab_end = None, None, None
         return lay
     if mesh.get_coordinate() is None:
-        raise ValueError("this rank is not part of the logits DTensor's device mesh; call vtp_runtime "
-                         "only on the ranks of the mesh")
+        raise ValueError(
+            "this rank is not part of the logits DTensor's device mesh; call vtp_runtime only on the ranks of the mesh"
+        )
     lay.group = mesh.get_group(lay.vocab_mesh_dim)
     # The bounds torch's chunking gives this rank; they do not depend on the other dimensions
     # (so the layout is cached without them). The local tensor is checked against them after
@@ -169,46 +182,55 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
     if not isinstance(logits, DTensor):
         given = [name for name, t in _named_tensors(spec, tensors, options) if isinstance(t, DTensor)]
         if given:
-            raise TypeError(f"{', '.join(given)} {'is a DTensor' if len(given) == 1 else 'are DTensors'} but "
-                            f"{spec.inputs[0]} is not; pass the logits as a DTensor too, or pass this "
-                            f"rank's local parts (.to_local())")
+            raise TypeError(
+                f"{', '.join(given)} {'is a DTensor' if len(given) == 1 else 'are DTensors'} but "
+                f"{spec.inputs[0]} is not; pass the logits as a DTensor too, or pass this "
+                f"rank's local parts (.to_local())"
+            )
         return tensors, options, None
 
     lay = _layout(logits, names)
     options = dict(options)
     if lay.vocab_mesh_dim is not None:
         _check_layout_options(lay, options)
-        options.update(tp_group=lay.group, vocab_start=lay.vocab_start, vocab_end=lay.vocab_end,
-                       global_vocab_size=lay.vocab_size)
+        options.update(
+            tp_group=lay.group, vocab_start=lay.vocab_start, vocab_end=lay.vocab_end, global_vocab_size=lay.vocab_size
+        )
 
     local = [logits.to_local()]
     for name, t in zip(spec.inputs[1:], tensors[1:n_logits]):
         if isinstance(t, DTensor):
             if t.device_mesh != lay.mesh or _placements(t, names) != lay.placements or t.shape != logits.shape:
-                raise ValueError(f"{name} is a DTensor of shape {tuple(t.shape)} with placements "
-                                 f"{tuple(t.placements)}; it must be laid out like {spec.inputs[0]} "
-                                 f"(shape {tuple(logits.shape)}, placements {lay.placements}, same mesh): "
-                                 f"{name}.redistribute({spec.inputs[0]}.device_mesh, {spec.inputs[0]}.placements)")
+                raise ValueError(
+                    f"{name} is a DTensor of shape {tuple(t.shape)} with placements "
+                    f"{tuple(t.placements)}; it must be laid out like {spec.inputs[0]} "
+                    f"(shape {tuple(logits.shape)}, placements {lay.placements}, same mesh): "
+                    f"{name}.redistribute({spec.inputs[0]}.device_mesh, {spec.inputs[0]}.placements)"
+                )
             t = t.to_local()
         local.append(t)
     for name, t in zip((spec.index,) if spec.index else (), tensors[n_logits:]):
         local.append(_local_part(name, t, lay, names))
-    local.extend(tensors[n_logits + (1 if spec.index else 0):])  # too many: _prepare says so
+    local.extend(tensors[n_logits + (1 if spec.index else 0) :])  # too many: _prepare says so
     for name in ("mask", "labels"):
         if options.get(name) is not None:
             options[name] = _local_part(name, options[name], lay, names)
     normalizer = options.get("normalizer")
     if isinstance(normalizer, DTensor):
         if not all(p.is_replicate() for p in normalizer.placements):
-            raise ValueError(f"normalizer is a DTensor with placements {tuple(normalizer.placements)}; pass "
-                             f"a replicated one (.full_tensor() or .redistribute(mesh, [Replicate()] * ndim))")
+            raise ValueError(
+                f"normalizer is a DTensor with placements {tuple(normalizer.placements)}; pass "
+                f"a replicated one (.full_tensor() or .redistribute(mesh, [Replicate()] * ndim))"
+            )
         options["normalizer"] = normalizer.to_local()
 
     reduced = options.get("reduction", "none") != "none"
     if reduced and lay.batch_sharded and options.get("reduction") == "mean" and options.get("normalizer") is None:
-        raise ValueError(f"reduction='mean' on logits whose batch is sharded across the mesh (placements "
-                         f"{lay.placements}) would average per-rank means; use reduction='sum' with "
-                         f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'")
+        raise ValueError(
+            f"reduction='mean' on logits whose batch is sharded across the mesh (placements "
+            f"{lay.placements}) would average per-rank means; use reduction='sum' with "
+            f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'"
+        )
     return tuple(local), options, _wrapper(lay, tuple(logits.shape[:-1]), reduced, names)
 
 
@@ -227,8 +249,10 @@ def _local_part(name: str, t, lay: _Layout, names: _Torch):
     target = tuple(names.Replicate() if i == lay.vocab_mesh_dim else p for i, p in enumerate(lay.placements))
     placements = _placements(t, names)
     if t.device_mesh != lay.mesh or (placements != target and not all(p.is_replicate() for p in placements)):
-        raise ValueError(f"{name} is a DTensor with placements {placements}; it must be on the logits' mesh "
-                         f"and either replicated or placed {target} (the logits' batch sharding)")
+        raise ValueError(
+            f"{name} is a DTensor with placements {placements}; it must be on the logits' mesh "
+            f"and either replicated or placed {target} (the logits' batch sharding)"
+        )
     if placements != target:  # replicated: keep this rank's batch (no communication)
         t = t.redistribute(lay.mesh, target)
     return t.to_local()
@@ -244,16 +268,19 @@ def _same_group(a, b) -> bool:
 def _check_layout_options(lay: _Layout, options: dict[str, Any]) -> None:
     group = options.get("tp_group")
     if group is not None and not _same_group(group, lay.group):
-        raise ValueError(f"tp_group is not the process group of mesh dimension {lay.vocab_mesh_dim}, which "
-                         f"shards the logits DTensor's vocabulary; leave tp_group out (the DTensor gives it)")
+        raise ValueError(
+            f"tp_group is not the process group of mesh dimension {lay.vocab_mesh_dim}, which "
+            f"shards the logits DTensor's vocabulary; leave tp_group out (the DTensor gives it)"
+        )
     if options.get("vocab_start") is not None or options.get("vocab_end") is not None:
-        raise ValueError(f"vocab_start/vocab_end come from the logits DTensor's placement (this rank holds "
-                         f"[{lay.vocab_start}, {lay.vocab_end})); leave them out, or pass plain local tensors "
-                         f"(.to_local()) to use another tiling")
+        raise ValueError(
+            f"vocab_start/vocab_end come from the logits DTensor's placement (this rank holds "
+            f"[{lay.vocab_start}, {lay.vocab_end})); leave them out, or pass plain local tensors "
+            f"(.to_local()) to use another tiling"
+        )
     given = options.get("global_vocab_size")
     if given is not None and given != lay.vocab_size:
-        raise ValueError(f"global_vocab_size={given!r} but the logits DTensor's vocabulary has "
-                         f"V={lay.vocab_size}")
+        raise ValueError(f"global_vocab_size={given!r} but the logits DTensor's vocabulary has V={lay.vocab_size}")
 
 
 def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch) -> Wrap:
@@ -261,15 +288,15 @@ def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch) -> Wrap:
     without the vocabulary."""
     DTensor, Replicate, Partial = names.DTensor, names.Replicate, names.Partial
     if reduced:  # a scalar: each batch shard holds its part of the sum
-        placements = tuple(Partial() if p.is_shard() and i != lay.vocab_mesh_dim else Replicate()
-                           for i, p in enumerate(lay.placements))
+        placements = tuple(
+            Partial() if p.is_shard() and i != lay.vocab_mesh_dim else Replicate() for i, p in enumerate(lay.placements)
+        )
     else:  # the logits' batch sharding; replicated over the vocabulary's mesh dimension
         placements = tuple(Replicate() if i == lay.vocab_mesh_dim else p for i, p in enumerate(lay.placements))
 
     def wrap(out: Tensor):
-        shape = () if reduced else lead + tuple(out.shape[len(lead):])  # + (k,) for top-k log-probs
-        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-        return DTensor.from_local(out, lay.mesh, placements, run_check=False, shape=torch.Size(shape),
-                                  stride=stride)
+        shape = () if reduced else lead + tuple(out.shape[len(lead) :])  # + (k,) for top-k log-probs
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return DTensor.from_local(out, lay.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
     return wrap

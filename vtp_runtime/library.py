@@ -46,6 +46,7 @@ def _group(name: str):
     group = _GROUPS.get(name)
     if group is None:
         from torch.distributed import distributed_c10d as c10d
+
         if hasattr(c10d, "_resolve_process_group"):  # torch 2.11, 2.13
             group = c10d._resolve_process_group(name)
         else:  # the registry it reads
@@ -56,9 +57,21 @@ def _group(name: str):
     return group
 
 
-def _given(op: str, group_name: str, mask: Tensor | None, temperature: float, ignore_index: int,
-           label_smoothing: float, z_loss: float, beta: float, reverse: bool, return_entropy: bool,
-           vocab_start: int, vocab_end: int, global_vocab_size: int) -> dict[str, Any]:
+def _given(
+    op: str,
+    group_name: str,
+    mask: Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    beta: float,
+    reverse: bool,
+    return_entropy: bool,
+    vocab_start: int,
+    vocab_end: int,
+    global_vocab_size: int,
+) -> dict[str, Any]:
     """The options of an eager call that the op's arguments stand for (-1: not given)."""
     given: dict[str, Any] = {"tp_group": _group(group_name), "temperature": temperature}
     if vocab_start >= 0:
@@ -81,30 +94,94 @@ def _given(op: str, group_name: str, mask: Tensor | None, temperature: float, ig
     return given
 
 
-def _plan(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-          return_entropy, vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad):
+def _plan(
+    op,
+    inputs,
+    index,
+    mask,
+    group_name,
+    temperature,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    beta,
+    reverse,
+    return_entropy,
+    vocab_start,
+    vocab_end,
+    global_vocab_size,
+    backend,
+    backend_source,
+    needs_grad,
+):
     tensors = tuple(inputs) + ((index,) if index is not None else ())
-    given = _given(op, group_name, mask, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-                   return_entropy, vocab_start, vocab_end, global_vocab_size)
+    given = _given(
+        op,
+        group_name,
+        mask,
+        temperature,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        beta,
+        reverse,
+        return_entropy,
+        vocab_start,
+        vocab_end,
+        global_vocab_size,
+    )
     traced = api.Traced(tuple(needs_grad), backend or None, backend_source)
     return api._planned(op, tensors, given, traced), tensors, given
 
 
-# Optional[...] rather than "| None": the schema is inferred from the annotations, and torch
-# before 2.6 reads only Optional there
+# Optional[...] rather than "| None" in the custom ops' signatures: the schema is inferred
+# from them, and torch before 2.6 reads only Optional there
 @torch.library.custom_op("vtp_runtime::forward", mutates_args=())
-def forward_op(op: str, inputs: list[Tensor], index: Optional[Tensor], mask: Optional[Tensor],  # noqa: UP045
-               group_name: str,
-               temperature: float, ignore_index: int, label_smoothing: float, z_loss: float, beta: float,
-               reverse: bool, return_entropy: bool, vocab_start: int, vocab_end: int, global_vocab_size: int,
-               backend: str, backend_source: str, needs_grad: list[bool], topk: bool) -> tuple[Tensor, Tensor]:
+def forward_op(
+    op: str,
+    inputs: list[Tensor],
+    index: Optional[Tensor],  # noqa: UP045
+    mask: Optional[Tensor],  # noqa: UP045
+    group_name: str,
+    temperature: float,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    beta: float,
+    reverse: bool,
+    return_entropy: bool,
+    vocab_start: int,
+    vocab_end: int,
+    global_vocab_size: int,
+    backend: str,
+    backend_source: str,
+    needs_grad: list[bool],
+    topk: bool,
+) -> tuple[Tensor, Tensor]:
     """Per-token values ``[N]`` (``[N, k]`` top-k log-probs; with ``return_entropy`` ``[N, k + 1]``,
     the entropy last) and the ``[N, W]`` statistics
     backward needs, for ``inputs`` as ``[N, V_local]`` rows, ``index`` int64 ``[N]``/``[N, k]``,
     ``mask`` bool ``[N]`` (already combined with labels). Replicated on every rank."""
-    made, _, _ = _plan(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoothing, z_loss,
-                       beta, reverse, return_entropy, vocab_start, vocab_end, global_vocab_size, backend,
-                       backend_source, needs_grad)
+    made, _, _ = _plan(
+        op,
+        inputs,
+        index,
+        mask,
+        group_name,
+        temperature,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        beta,
+        reverse,
+        return_entropy,
+        vocab_start,
+        vocab_end,
+        global_vocab_size,
+        backend,
+        backend_source,
+        needs_grad,
+    )
     values, state = made.backend.forward(made.call, tuple(inputs), index, mask)
     if state is None:
         raise RuntimeError(f"backend {made.backend.name!r} returned no state; it cannot run inside torch.compile")
@@ -112,14 +189,35 @@ def forward_op(op: str, inputs: list[Tensor], index: Optional[Tensor], mask: Opt
     stats = state.statistics()
     width = statistics_width(op, made.call.options)
     if tuple(stats.shape) != (values.shape[0], width):
-        raise RuntimeError(f"backend {made.backend.name!r}: statistics() gave shape {tuple(stats.shape)}, "
-                           f"expected [N, {width}] = {(values.shape[0], width)}")
+        raise RuntimeError(
+            f"backend {made.backend.name!r}: statistics() gave shape {tuple(stats.shape)}, "
+            f"expected [N, {width}] = {(values.shape[0], width)}"
+        )
     return values, stats
 
 
 @forward_op.register_fake
-def _(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-      return_entropy, vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad, topk):
+def _(
+    op,
+    inputs,
+    index,
+    mask,
+    group_name,
+    temperature,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    beta,
+    reverse,
+    return_entropy,
+    vocab_start,
+    vocab_end,
+    global_vocab_size,
+    backend,
+    backend_source,
+    needs_grad,
+    topk,
+):
     z = inputs[0]
     n = z.shape[0]
     dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
@@ -133,40 +231,107 @@ def _(op, inputs, index, mask, group_name, temperature, ignore_index, label_smoo
 
 
 @torch.library.custom_op("vtp_runtime::backward", mutates_args=())
-def backward_op(grad: Tensor, statistics: Tensor, inputs: list[Tensor], index: Optional[Tensor],  # noqa: UP045
-                mask: Optional[Tensor], op: str, group_name: str, temperature: float,  # noqa: UP045
-                ignore_index: int,
-                label_smoothing: float, z_loss: float, beta: float, reverse: bool, return_entropy: bool,
-                vocab_start: int, vocab_end: int, global_vocab_size: int, backend: str, backend_source: str,
-                needs_grad: list[bool], topk: bool) -> list[Tensor]:
+def backward_op(
+    grad: Tensor,
+    statistics: Tensor,
+    inputs: list[Tensor],
+    index: Optional[Tensor],  # noqa: UP045
+    mask: Optional[Tensor],  # noqa: UP045
+    op: str,
+    group_name: str,
+    temperature: float,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    beta: float,
+    reverse: bool,
+    return_entropy: bool,
+    vocab_start: int,
+    vocab_end: int,
+    global_vocab_size: int,
+    backend: str,
+    backend_source: str,
+    needs_grad: list[bool],
+    topk: bool,
+) -> list[Tensor]:
     """The gradients of the inputs in ``needs_grad`` (only those), from the forward's plan
     and statistics. No collective."""
     from . import plan
+
     tensors = tuple(inputs) + ((index,) if index is not None else ())
-    given = _given(op, group_name, mask, temperature, ignore_index, label_smoothing, z_loss, beta, reverse,
-                   return_entropy, vocab_start, vocab_end, global_vocab_size)
+    given = _given(
+        op,
+        group_name,
+        mask,
+        temperature,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        beta,
+        reverse,
+        return_entropy,
+        vocab_start,
+        vocab_end,
+        global_vocab_size,
+    )
     forced = (backend or None, backend_source)
     key = plan.signature(op, tensors, given, forced, api.REGISTRY.version, tuple(needs_grad))
     made = None if key is None else plan.lookup(key)
     if made is None or made.state_type is None:
-        raise RuntimeError(f"vtp_runtime: no plan for the backward of this {op} call: its forward ran under "
-                           f"another registry of backends, or more than {2 * plan.MAX_PLANS} other signatures "
-                           f"ran since; run backward sooner, or call vtp_runtime.plan.clear() on no rank in between")
+        raise RuntimeError(
+            f"vtp_runtime: no plan for the backward of this {op} call: its forward ran under "
+            f"another registry of backends, or more than {2 * plan.MAX_PLANS} other signatures "
+            f"ran since; run backward sooner, or call vtp_runtime.plan.clear() on no rank in between"
+        )
     state = made.state_type.from_statistics(made.call, tuple(inputs), index, mask, statistics)
     grads = made.backend.backward(made.call, state, grad.contiguous())
     return [g for g, need in zip(grads, needs_grad) if need]
 
 
 @backward_op.register_fake
-def _(grad, statistics, inputs, index, mask, op, group_name, temperature, ignore_index, label_smoothing, z_loss,
-      beta, reverse, return_entropy, vocab_start, vocab_end, global_vocab_size, backend, backend_source, needs_grad,
-      topk):
+def _(
+    grad,
+    statistics,
+    inputs,
+    index,
+    mask,
+    op,
+    group_name,
+    temperature,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    beta,
+    reverse,
+    return_entropy,
+    vocab_start,
+    vocab_end,
+    global_vocab_size,
+    backend,
+    backend_source,
+    needs_grad,
+    topk,
+):
     return [torch.empty_like(t) for t, need in zip(inputs, needs_grad) if need]
 
 
-_SCALARS = ("group_name", "temperature", "ignore_index", "label_smoothing", "z_loss", "beta", "reverse",
-            "return_entropy", "vocab_start", "vocab_end", "global_vocab_size", "backend", "backend_source",
-            "needs_grad", "topk")
+_SCALARS = (
+    "group_name",
+    "temperature",
+    "ignore_index",
+    "label_smoothing",
+    "z_loss",
+    "beta",
+    "reverse",
+    "return_entropy",
+    "vocab_start",
+    "vocab_end",
+    "global_vocab_size",
+    "backend",
+    "backend_source",
+    "needs_grad",
+    "topk",
+)
 
 
 def _setup_context(ctx, inputs, output):
@@ -181,8 +346,11 @@ def _backward(ctx, grad_values, grad_statistics):
     tensors, (index, mask, stats) = list(saved[:n]), saved[n:]
     scalars = dict(zip(_SCALARS, ctx.scalars))
     needs_grad = scalars["needs_grad"]
-    grads = iter(backward_op(grad_values, stats, tensors, index, mask, ctx.op, *ctx.scalars)) if any(needs_grad) \
+    grads = (
+        iter(backward_op(grad_values, stats, tensors, index, mask, ctx.op, *ctx.scalars))
+        if any(needs_grad)
         else iter(())
+    )
     input_grads = [next(grads) if need else None for need in needs_grad]
     return (None, input_grads) + (None,) * (2 + len(_SCALARS))
 
@@ -204,9 +372,11 @@ def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
     n_inputs = len(spec.inputs)
     for t in tensors:
         if type(t) not in (Tensor, torch.nn.Parameter):
-            raise TypeError(f"inside torch.compile vtp_runtime takes plain tensors, got {type(t).__name__}; "
-                            f"pass a DTensor's local shard (.to_local()) with tp_group, vocab_start and "
-                            f"vocab_end, and call a Head outside the compiled region")
+            raise TypeError(
+                f"inside torch.compile vtp_runtime takes plain tensors, got {type(t).__name__}; "
+                f"pass a DTensor's local shard (.to_local()) with tp_group, vocab_start and "
+                f"vocab_end, and call a Head outside the compiled region"
+            )
     given = options
     api._check_arguments(op, tensors, given)
     options = {**api._DEFAULTS[spec.name], **given}
@@ -235,13 +405,26 @@ def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
             mask = keep if mask is None else mask & keep
     vocab_start = options["vocab_start"]
     values, _ = forward_op(
-        spec.name, rows, index, mask, group_name, float(options["temperature"]), int(ignore_index),
-        float(options.get("label_smoothing", 0.0)), float(options.get("z_loss", 0.0)),
-        float(options.get("beta", 0.5)), bool(options.get("reverse", False)),
+        spec.name,
+        rows,
+        index,
+        mask,
+        group_name,
+        float(options["temperature"]),
+        int(ignore_index),
+        float(options.get("label_smoothing", 0.0)),
+        float(options.get("z_loss", 0.0)),
+        float(options.get("beta", 0.5)),
+        bool(options.get("reverse", False)),
         bool(options.get("return_entropy", False)),
-        -1 if vocab_start is None else vocab_start, -1 if vocab_start is None else options["vocab_end"],
+        -1 if vocab_start is None else vocab_start,
+        -1 if vocab_start is None else options["vocab_end"],
         -1 if options["global_vocab_size"] is None else options["global_vocab_size"],
-        forced[0], forced[1], needs_grad, topk)
+        forced[0],
+        forced[1],
+        needs_grad,
+        topk,
+    )
     if options.get("return_entropy"):
         return api._logprobs_and_entropy(values, lead, topk, index, options, ignore_index)
     if len(lead) != 1:

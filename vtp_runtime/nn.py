@@ -43,9 +43,16 @@ class VocabParallelHead(nn.Module):
     bounds, checked on load.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, tp_group: Any = None, bias: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 reduce_hidden_grad: bool = True) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        vocab_size: int,
+        tp_group: Any = None,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        reduce_hidden_grad: bool = True,
+    ) -> None:
         super().__init__()
         if not (isinstance(hidden_size, int) and hidden_size > 0 and isinstance(vocab_size, int) and vocab_size > 0):
             raise ValueError(f"hidden_size and vocab_size must be positive ints, got {hidden_size!r}, {vocab_size!r}")
@@ -71,8 +78,9 @@ class VocabParallelHead(nn.Module):
                     self.bias.uniform_(-bound, bound)
 
     @classmethod
-    def from_full(cls, weight: Tensor, bias: Tensor | None = None, tp_group: Any = None,
-                  reduce_hidden_grad: bool = True) -> VocabParallelHead:
+    def from_full(
+        cls, weight: Tensor, bias: Tensor | None = None, tp_group: Any = None, reduce_hidden_grad: bool = True
+    ) -> VocabParallelHead:
         """This rank's shard of the full ``[V, H]`` ``weight`` (and ``[V]`` ``bias``), copied,
         in ``weight``'s dtype and device. Every rank passes the same full tensors."""
         if weight.dim() != 2:
@@ -80,8 +88,15 @@ class VocabParallelHead(nn.Module):
         v, h = weight.shape
         if bias is not None and tuple(bias.shape) != (v,):
             raise ValueError(f"bias must be [vocab_size] = [{v}], got {tuple(bias.shape)}")
-        module = cls(h, v, tp_group, bias=bias is not None, dtype=weight.dtype, device="meta",
-                     reduce_hidden_grad=reduce_hidden_grad)
+        module = cls(
+            h,
+            v,
+            tp_group,
+            bias=bias is not None,
+            dtype=weight.dtype,
+            device="meta",
+            reduce_hidden_grad=reduce_hidden_grad,
+        )
         start, end = module.vocab_start, module.vocab_end
         module.weight = nn.Parameter(weight.detach()[start:end].clone())
         if bias is not None:
@@ -112,18 +127,27 @@ class VocabParallelHead(nn.Module):
 
     # -- the state dict holds the shard's bounds, and loading checks them --------------------------
     def get_extra_state(self) -> dict:
-        return {"vocab_start": self.vocab_start, "vocab_end": self.vocab_end, "vocab_size": self.vocab_size,
-                "hidden_size": self.hidden_size, "tp_size": self.tp_size}
+        return {
+            "vocab_start": self.vocab_start,
+            "vocab_end": self.vocab_end,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "tp_size": self.tp_size,
+        }
 
     def set_extra_state(self, state: dict) -> None:
         mine = (self.vocab_start, self.vocab_end, self.vocab_size)
         theirs = (state.get("vocab_start"), state.get("vocab_end"), state.get("vocab_size"))
         if theirs != mine:
-            raise ValueError(f"this state dict holds vocabulary rows [{theirs[0]}, {theirs[1]}) of {theirs[2]} "
-                             f"(TP size {state.get('tp_size')}), but this module (rank {self.rank} of {self.tp_size}) "
-                             f"holds [{mine[0]}, {mine[1]}) of {mine[2]}; load it with the same TP size, or "
-                             f"build the module from the full weight with VocabParallelHead.from_full")
+            raise ValueError(
+                f"this state dict holds vocabulary rows [{theirs[0]}, {theirs[1]}) of {theirs[2]} "
+                f"(TP size {state.get('tp_size')}), but this module (rank {self.rank} of {self.tp_size}) "
+                f"holds [{mine[0]}, {mine[1]}) of {mine[2]}; load it with the same TP size, or "
+                f"build the module from the full weight with VocabParallelHead.from_full"
+            )
 
     def extra_repr(self) -> str:
-        return (f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, rank {self.rank} of {self.tp_size} "
-                f"holds [{self.vocab_start}, {self.vocab_end}), bias={self.bias is not None}")
+        return (
+            f"hidden_size={self.hidden_size}, vocab_size={self.vocab_size}, rank {self.rank} of {self.tp_size} "
+            f"holds [{self.vocab_start}, {self.vocab_end}), bias={self.bias is not None}"
+        )

@@ -37,8 +37,9 @@ jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -75,16 +76,35 @@ _MASKING = {"mask": None, "labels": None, "ignore_index": -100}
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
-        OpSpec("cross_entropy", ("logits",), "labels",
-               {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0},
-               ("label_smoothing", "z_loss", "temperature")),
-        OpSpec("logprobs", ("logits",), "index", {"ignore_index": -100, "return_entropy": False},
-               ("topk", "temperature", "return_entropy")),
+        OpSpec(
+            "cross_entropy",
+            ("logits",),
+            "labels",
+            {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0},
+            ("label_smoothing", "z_loss", "temperature"),
+        ),
+        OpSpec(
+            "logprobs",
+            ("logits",),
+            "index",
+            {"ignore_index": -100, "return_entropy": False},
+            ("topk", "temperature", "return_entropy"),
+        ),
         OpSpec("entropy", ("logits",), None, dict(_MASKING), ("mask", "temperature")),
-        OpSpec("kl", ("student_logits", "teacher_logits"), None, {"reverse": False, **_MASKING},
-               ("mask", "temperature", "reverse", "teacher_grad")),
-        OpSpec("jsd", ("student_logits", "teacher_logits"), None, {"beta": 0.5, **_MASKING},
-               ("mask", "temperature", "teacher_grad")),
+        OpSpec(
+            "kl",
+            ("student_logits", "teacher_logits"),
+            None,
+            {"reverse": False, **_MASKING},
+            ("mask", "temperature", "reverse", "teacher_grad"),
+        ),
+        OpSpec(
+            "jsd",
+            ("student_logits", "teacher_logits"),
+            None,
+            {"beta": 0.5, **_MASKING},
+            ("mask", "temperature", "teacher_grad"),
+        ),
     )
 }
 # per op, the (feature, how a call uses it) pairs features_of tests: built once, it is on every call's path
@@ -107,8 +127,14 @@ COMMON_OPTIONS: dict[str, Any] = {
 # so that equal values agree: temperature=2 on one rank and 2.0, np.float32(2) or
 # torch.tensor(2.) on another.
 FLOAT_OPTIONS = frozenset({"temperature", "label_smoothing", "z_loss", "beta", "normalizer"})
-SCALAR_OPTIONS = FLOAT_OPTIONS | {"ignore_index", "vocab_start", "vocab_end", "global_vocab_size", "reverse",
-                                   "return_entropy"}
+SCALAR_OPTIONS = FLOAT_OPTIONS | {
+    "ignore_index",
+    "vocab_start",
+    "vocab_end",
+    "global_vocab_size",
+    "reverse",
+    "return_entropy",
+}
 
 
 def _python_scalar(name: str, value: Any) -> Any:
@@ -117,8 +143,10 @@ def _python_scalar(name: str, value: Any) -> Any:
         if value.dim() != 0:
             return value
         if value.device.type != "cpu":
-            raise ValueError(f"{name} is a tensor on {value.device}; pass a Python number (reading a "
-                             f"device tensor would wait for the device)")
+            raise ValueError(
+                f"{name} is a tensor on {value.device}; pass a Python number (reading a "
+                f"device tensor would wait for the device)"
+            )
         return value.item()
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         return value.item()
@@ -133,8 +161,11 @@ def normalize_options(options: dict[str, Any], given: Iterable[str]) -> None:
         if name not in SCALAR_OPTIONS:
             continue
         value = options[name]
-        if type(value) not in (int, float, bool) and value is not None and not (
-                name == "normalizer" and isinstance(value, torch.Tensor)):
+        if (
+            type(value) not in (int, float, bool)
+            and value is not None
+            and not (name == "normalizer" and isinstance(value, torch.Tensor))
+        ):
             value = _python_scalar(name, value)
         if type(value) is int and name in FLOAT_OPTIONS:
             value = float(value)
@@ -160,8 +191,7 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
     if isinstance(n, torch.Tensor):  # e.g. HF Trainer's num_items_in_batch; not read (no host sync):
         if n.numel() != 1 or n.is_complex():  # a value that is not finite and > 0 gives NaN instead
             raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(n.shape)}")
-    elif n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n)
-                                and n > 0):
+    elif n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n > 0):
         raise ValueError(f"normalizer must be a finite number > 0 (e.g. num_items_in_batch), got {n!r}")
     if not isinstance(options.get("ignore_index", -100), int):
         raise ValueError(f"ignore_index must be an int, got {options['ignore_index']!r}")
@@ -191,8 +221,7 @@ def kl_direction(op: str, options: Mapping[str, Any]) -> bool | None:
     return None
 
 
-def features_of(op: str, options: Mapping[str, Any], *, topk: bool,
-                teacher_grad: bool) -> frozenset[str]:
+def features_of(op: str, options: Mapping[str, Any], *, topk: bool, teacher_grad: bool) -> frozenset[str]:
     """The features (see FEATURES) a call uses; dispatch matches them against capabilities.
     ``options`` holds every option of ``op`` (defaults filled in)."""
     return frozenset([f for f, uses in _FEATURE_TESTS[op] if uses(options, topk, teacher_grad)])

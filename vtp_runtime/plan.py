@@ -61,8 +61,14 @@ def metadata_mode(host_transport: bool) -> str:
     return "gather" if host_transport else "once"
 
 
-def signature(op: str, tensors: tuple, given: dict[str, Any], forced: tuple, registry_version: int,
-              needs_grad: tuple[bool, ...] | None = None) -> tuple | None:
+def signature(
+    op: str,
+    tensors: tuple,
+    given: dict[str, Any],
+    forced: tuple,
+    registry_version: int,
+    needs_grad: tuple[bool, ...] | None = None,
+) -> tuple | None:
     """The key of a call's plan, or None when the call cannot have one (then it takes the
     full path every time). ``needs_grad``: given by a call from a compiled graph (whose
     tensors do not require grad inside the op), read from the tensors otherwise. Built on

@@ -116,20 +116,22 @@ class Registry:
             if not open_:
                 raise PluginError(f"plugin {record.name!r} called register() after its hook returned")
             if isinstance(backend, type):
-                raise PluginError(f"register() takes a Backend instance, got the class "
-                                  f"{backend.__name__}; call register({backend.__name__}())")
+                raise PluginError(
+                    f"register() takes a Backend instance, got the class "
+                    f"{backend.__name__}; call register({backend.__name__}())"
+                )
             if not isinstance(backend, Backend):
                 raise PluginError(f"register() takes a vtp_runtime.Backend, got {type(backend).__name__}")
             check_backend(backend)
             if backend.name in new:
-                raise PluginError(f"plugin {record.name!r} ({record.source}) registers backend "
-                                  f"{backend.name!r} twice")
+                raise PluginError(f"plugin {record.name!r} ({record.source}) registers backend {backend.name!r} twice")
             if backend.name in self._backends:
                 first = self._owner[backend.name]
                 raise PluginError(
                     f"backend {backend.name!r} is registered twice: first by {first.name!r} ({first.source}), "
                     f"then by {record.name!r} ({record.source}); the second is skipped. Uninstall one "
-                    f"of them, or choose one with VTP_PLUGINS")
+                    f"of them, or choose one with VTP_PLUGINS"
+                )
             new[backend.name] = backend
 
         # A fresh manager per plugin: only this plugin's hook runs, and a plugin that fails
@@ -141,8 +143,10 @@ class Registry:
                 pm.register(plugin, name=record.name)
                 pm.check_pending()  # a misspelled hook name fails here instead of doing nothing
                 if not pm.get_hookcallers(plugin):
-                    raise PluginError(f"plugin {record.name!r} ({record.source}) has no "
-                                      f"vtp_runtime_register_backends hook implementation")
+                    raise PluginError(
+                        f"plugin {record.name!r} ({record.source}) has no "
+                        f"vtp_runtime_register_backends hook implementation"
+                    )
                 pm.hook.vtp_runtime_register_backends(register=register)
             finally:
                 open_ = False
@@ -202,12 +206,17 @@ class Registry:
             else:
                 failed += self._load(ep.load, record)
         if allowed - seen and not disabled:
-            warnings.warn(f"vtp_runtime: VTP_PLUGINS names {', '.join(sorted(allowed - seen))}, which "
-                          f"no installed distribution provides", PluginLoadWarning, stacklevel=4)
+            warnings.warn(
+                f"vtp_runtime: VTP_PLUGINS names {', '.join(sorted(allowed - seen))}, which "
+                f"no installed distribution provides",
+                PluginLoadWarning,
+                stacklevel=4,
+            )
         if failed and _env_flag("VTP_STRICT_PLUGINS"):
             self._strict_error = PluginError(
                 "backend plugins failed to load (VTP_STRICT_PLUGINS=1 makes this an error):\n"
-                + "\n".join(f"  {r.name} ({r.source}): {r.error}" for r in failed))
+                + "\n".join(f"  {r.name} ({r.source}): {r.error}" for r in failed)
+            )
 
     def _load(self, load: Callable[[], object], record: PluginRecord) -> list[PluginRecord]:
         """Import and register one plugin in isolation; the failed record, if it fails."""
@@ -218,10 +227,13 @@ class Registry:
             record.status, record.error, record.backends = "failed", f"{type(exc).__name__}: {exc}", ()
             self.plugins.append(record)
             if not _env_flag("VTP_STRICT_PLUGINS"):
-                warnings.warn(f"vtp_runtime: backend plugin {record.name!r} ({record.source}) failed to "
-                              f"load and is skipped: {record.error}. Other backends are unaffected; "
-                              f"set VTP_STRICT_PLUGINS=1 to make this an error.", PluginLoadWarning,
-                              stacklevel=5)
+                warnings.warn(
+                    f"vtp_runtime: backend plugin {record.name!r} ({record.source}) failed to "
+                    f"load and is skipped: {record.error}. Other backends are unaffected; "
+                    f"set VTP_STRICT_PLUGINS=1 to make this an error.",
+                    PluginLoadWarning,
+                    stacklevel=5,
+                )
             return [record]
 
     # -- lookup ------------------------------------------------------------------------
@@ -234,8 +246,9 @@ class Registry:
     def get(self, name: str) -> Backend:
         backends = self.backends()
         if name not in backends:
-            raise UnknownBackend(f"unknown backend {name!r}; registered backends: "
-                                 f"{', '.join(sorted(backends)) or '(none)'}")
+            raise UnknownBackend(
+                f"unknown backend {name!r}; registered backends: {', '.join(sorted(backends)) or '(none)'}"
+            )
         return backends[name]
 
     def owner(self, name: str) -> PluginRecord | None:

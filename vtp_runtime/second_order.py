@@ -16,7 +16,8 @@ MESSAGE = (
     "second-order gradients through vtp_runtime ops are not supported: a gradient of {op} taken with "
     "create_graph=True was differentiated (a gradient penalty, say). Detach that gradient (g.detach()) "
     "where the penalty needs no gradient of its own, or compute the loss the penalty differentiates "
-    "with plain PyTorch ops (torch.nn.functional.log_softmax on logits gathered over the vocabulary).")
+    "with plain PyTorch ops (torch.nn.functional.log_softmax on logits gathered over the vocabulary)."
+)
 
 
 class _SecondOrderError(torch.autograd.Function):

@@ -32,13 +32,28 @@ DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "npu")
 
 # Fixed fields of the metadata vector, in order. "error" is 1 on a rank whose call failed
 # locally (every other field is then 0); the check_* fields are written on the device.
-FIELDS = ("magic", "error", "v_local", "vocab_start", "vocab_end", "global_vocab_size", "num_tokens",
-          "dtype", "device_type", "op", "options", "forced", "check", "check_index", "check_mask",
-          "check_normalizer")
+FIELDS = (
+    "magic",
+    "error",
+    "v_local",
+    "vocab_start",
+    "vocab_end",
+    "global_vocab_size",
+    "num_tokens",
+    "dtype",
+    "device_type",
+    "op",
+    "options",
+    "forced",
+    "check",
+    "check_index",
+    "check_mask",
+    "check_normalizer",
+)
 F = {name: i for i, name in enumerate(FIELDS)}
 META_SIZE = len(FIELDS) + MAX_BACKEND_SLOTS
 CHECKSUMS = ("check_index", "check_mask", "check_normalizer")
-_INT64 = range(-2**63, 2**63)
+_INT64 = range(-(2**63), 2**63)
 
 TEXT_BYTES = 4096  # per rank, in the texts exchanged on error paths (longer ones are cut)
 
@@ -69,15 +84,20 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return (h ^ (h >> 29)).sum()
 
 
-def checksums(index: torch.Tensor | None, mask: torch.Tensor | None,
-              normalizer: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def checksums(
+    index: torch.Tensor | None, mask: torch.Tensor | None, normalizer: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
     """int64 ``[3]`` on ``device``: checksums of the labels/index, the mask and the bits of a
     tensor normalizer (0 where absent). Device work only; the gather reads them."""
     zero = torch.zeros((), dtype=torch.int64, device=device)
     n = None if normalizer is None else normalizer.to(device=device, dtype=torch.float64).reshape(1)
-    return torch.stack([zero if index is None else _checksum(index),
-                        zero if mask is None else _checksum(mask),
-                        zero if n is None else n.view(torch.int64)[0]])
+    return torch.stack(
+        [
+            zero if index is None else _checksum(index),
+            zero if mask is None else _checksum(mask),
+            zero if n is None else n.view(torch.int64)[0],
+        ]
+    )
 
 
 @dataclass
@@ -115,20 +135,32 @@ class Layout:
     available_per_rank: tuple[frozenset[int], ...]
 
 
-def single_rank_layout(v_local: int, vocab_start: int | None, global_vocab_size: int | None,
-                       num_tokens: int) -> Layout:
+def single_rank_layout(v_local: int, vocab_start: int | None, global_vocab_size: int | None, num_tokens: int) -> Layout:
     """The layout of a call without a TP group (or a group of one): no gather needed."""
     if vocab_start not in (None, 0):
-        raise ShardError(f"vocab_start={vocab_start}, but a single rank must hold the whole vocabulary "
-                         f"from id 0; pass tp_group for a sharded vocabulary")
+        raise ShardError(
+            f"vocab_start={vocab_start}, but a single rank must hold the whole vocabulary "
+            f"from id 0; pass tp_group for a sharded vocabulary"
+        )
     if global_vocab_size is not None and global_vocab_size != v_local:
-        raise ShardError(f"global_vocab_size={global_vocab_size} but the shards add up to V={v_local} "
-                         f"(a single rank); pass tp_group for a sharded vocabulary")
+        raise ShardError(
+            f"global_vocab_size={global_vocab_size} but the shards add up to V={v_local} "
+            f"(a single rank); pass tp_group for a sharded vocabulary"
+        )
     if v_local == 0:
         raise ShardError("the global vocabulary is empty (V_local = 0 on every rank)")
-    return Layout(rank=0, tp_size=1, vocab_start=0, vocab_end=v_local, vocab_size=v_local,
-                  sizes=(v_local,), num_tokens=num_tokens, even_shards=True, available=frozenset(),
-                  available_per_rank=())
+    return Layout(
+        rank=0,
+        tp_size=1,
+        vocab_start=0,
+        vocab_end=v_local,
+        vocab_size=v_local,
+        sizes=(v_local,),
+        num_tokens=num_tokens,
+        even_shards=True,
+        available=frozenset(),
+        available_per_rank=(),
+    )
 
 
 def encode(local: LocalCall) -> list[int]:
@@ -142,18 +174,24 @@ def encode(local: LocalCall) -> list[int]:
     row[F["num_tokens"]] = local.num_tokens
     for name in ("vocab_start", "vocab_end", "global_vocab_size", "num_tokens"):
         if row[F[name]] not in _INT64:
-            raise ValueError(f"{name}={getattr(local, name)} is out of range: vocabulary ids and token "
-                             f"counts must be below 2**63")
+            raise ValueError(
+                f"{name}={getattr(local, name)} is out of range: vocabulary ids and token counts must be below 2**63"
+            )
     row[F["dtype"]] = DTYPES.index(local.dtype) if local.dtype in DTYPES else 99
-    row[F["device_type"]] = (DEVICE_TYPES.index(local.device_type) if local.device_type in DEVICE_TYPES
-                             else 100 + stable_hash(local.device_type) % 1000)
+    row[F["device_type"]] = (
+        DEVICE_TYPES.index(local.device_type)
+        if local.device_type in DEVICE_TYPES
+        else 100 + stable_hash(local.device_type) % 1000
+    )
     row[F["op"]] = list(OPS).index(local.op)
     row[F["options"]] = stable_hash(local.options_fingerprint)
     row[F["forced"]] = stable_hash(local.forced) if local.forced else 0
     row[F["check"]] = int(local.checksums is not None)
     if len(local.available) > MAX_BACKEND_SLOTS:
-        raise RuntimeError(f"more than {MAX_BACKEND_SLOTS} backends are available; uninstall some, or "
-                           f"load fewer plugins with VTP_PLUGINS")
+        raise RuntimeError(
+            f"more than {MAX_BACKEND_SLOTS} backends are available; uninstall some, or "
+            f"load fewer plugins with VTP_PLUGINS"
+        )
     for i, key in enumerate(local.available):
         row[len(FIELDS) + i] = key
     return row
@@ -179,7 +217,7 @@ def pack(local: LocalCall, group, device: torch.device) -> torch.Tensor:
     the host where the group has a CPU transport (gloo, ``cpu:gloo,cuda:nccl``)."""
     row = torch.tensor(encode(local), dtype=torch.int64, device=_metadata_device(group, device))
     if local.checksums is not None:  # device to device: no host read here
-        row[F[CHECKSUMS[0]]:F[CHECKSUMS[-1]] + 1] = local.checksums.to(row.device)
+        row[F[CHECKSUMS[0]] : F[CHECKSUMS[-1]] + 1] = local.checksums.to(row.device)
     return row
 
 
@@ -215,13 +253,16 @@ def _check_checksums(table) -> None:
     if not on:
         return
     if len(on) < len(table):
-        raise ShardError(f"VTP_CHECK=1 is set on {_ranks(on)} but not on "
-                         f"{_ranks(r for r in range(len(table)) if r not in on)}; set it on every rank or none")
+        raise ShardError(
+            f"VTP_CHECK=1 is set on {_ranks(on)} but not on "
+            f"{_ranks(r for r in range(len(table)) if r not in on)}; set it on every rank or none"
+        )
     spec = OPS[list(OPS)[table[0][F["op"]]]]
     names = {"check_index": spec.index or "labels", "check_mask": "mask", "check_normalizer": "normalizer"}
     for field in CHECKSUMS:
-        _disagree(table, field, f"the {names[field]} values, by VTP_CHECK=1 checksum",
-                  show=lambda v: hex(v & (2**64 - 1)))
+        _disagree(
+            table, field, f"the {names[field]} values, by VTP_CHECK=1 checksum", show=lambda v: hex(v & (2**64 - 1))
+        )
 
 
 def _ranks(ranks) -> str:
@@ -236,8 +277,9 @@ def _disagree(table, field: str, what: str, show=None) -> None:
         for r, v in enumerate(values):
             groups.setdefault(v, []).append(r)
         parts = "; ".join(f"{_ranks(rs)}: {show(v) if show else v}" for v, rs in groups.items())
-        raise ShardError(f"the ranks of the TP group disagree on {what} ({parts}); every rank "
-                         f"of tp_group must make the same call")
+        raise ShardError(
+            f"the ranks of the TP group disagree on {what} ({parts}); every rank of tp_group must make the same call"
+        )
 
 
 def _failures(table, local_failure: Exception | None, rank: int, group, device) -> None:
@@ -251,12 +293,12 @@ def _failures(table, local_failure: Exception | None, rank: int, group, device) 
     if exc is not None:
         others = [r for r in failed if r != rank]
         if others:
-            add_note(exc, "the call failed on other ranks too: "
-                     + "; ".join(f"rank {r}: {texts[r]}" for r in others))
+            add_note(exc, "the call failed on other ranks too: " + "; ".join(f"rank {r}: {texts[r]}" for r in others))
         raise exc
-    raise ShardError(f"the call failed on {_ranks(failed)} of tp_group before the metadata gather, so "
-                     f"every rank raises; fix it there:\n"
-                     + "\n".join(f"  rank {r}: {texts[r]}" for r in failed))
+    raise ShardError(
+        f"the call failed on {_ranks(failed)} of tp_group before the metadata gather, so "
+        f"every rank raises; fix it there:\n" + "\n".join(f"  rank {r}: {texts[r]}" for r in failed)
+    )
 
 
 def _fields(text: str) -> dict[str, str]:
@@ -285,35 +327,44 @@ def _detail_text(local: LocalCall) -> str:
     return f"{local.options_fingerprint}|{FORCED}={forced}"
 
 
-def validate(table: list[list[int]], local: LocalCall | None, group, device: torch.device,
-             failure: Exception | None = None) -> Layout:
+def validate(
+    table: list[list[int]], local: LocalCall | None, group, device: torch.device, failure: Exception | None = None
+) -> Layout:
     """Check the gathered table; raise on every rank, or return the layout. ``failure``: this
     rank's local exception (``local`` is None then); ``device``: where the table was gathered."""
     rank, world = group_rank(group), len(table)
-    _disagree(table, "magic", "vtp_runtime metadata version (install the same vtp_runtime on every rank)",
-              show=hex)
+    _disagree(table, "magic", "vtp_runtime metadata version (install the same vtp_runtime on every rank)", show=hex)
     _failures(table, failure, rank, group, device)
     _disagree(table, "op", "the op", show=lambda v: list(OPS)[v])
     _disagree(table, "num_tokens", "the number of tokens")
-    _disagree(table, "dtype", "the logits dtype",
-              show=lambda v: str(DTYPES[v]).replace("torch.", "") if v < len(DTYPES) else v)
-    _disagree(table, "device_type", "the device type",
-              show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
+    _disagree(
+        table,
+        "dtype",
+        "the logits dtype",
+        show=lambda v: str(DTYPES[v]).replace("torch.", "") if v < len(DTYPES) else v,
+    )
+    _disagree(table, "device_type", "the device type", show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
     if len({row[F["options"]] for row in table}) > 1 or len({row[F["forced"]] for row in table}) > 1:
         diff = _differences(gather_texts(_detail_text(local), group, device))
         forced = diff.pop(FORCED, None)
-        what = (f"op options: {'; '.join(f'{k}: {v}' for k, v in diff.items())}" if diff
-                else f"the forced backend (backend=, use_backend, VTP_BACKEND*): {forced}")
-        raise ShardError(f"the ranks of the TP group disagree on {what}; every rank of tp_group must "
-                         f"make the same call")
+        what = (
+            f"op options: {'; '.join(f'{k}: {v}' for k, v in diff.items())}"
+            if diff
+            else f"the forced backend (backend=, use_backend, VTP_BACKEND*): {forced}"
+        )
+        raise ShardError(
+            f"the ranks of the TP group disagree on {what}; every rank of tp_group must make the same call"
+        )
     _check_checksums(table)
     _disagree(table, "global_vocab_size", "global_vocab_size")
 
     sizes = tuple(row[F["v_local"]] for row in table)
     explicit = [row[F["vocab_start"]] >= 0 for row in table]
     if any(explicit) and not all(explicit):
-        raise ShardError(f"vocab_start/vocab_end given on {_ranks(r for r, e in enumerate(explicit) if e)} "
-                         f"but not on the others; pass them on every rank or on none")
+        raise ShardError(
+            f"vocab_start/vocab_end given on {_ranks(r for r, e in enumerate(explicit) if e)} "
+            f"but not on the others; pass them on every rank or on none"
+        )
     if all(explicit) and world > 0:
         starts = tuple(row[F["vocab_start"]] for row in table)
         order = sorted(range(world), key=lambda r: (starts[r], sizes[r]))
@@ -321,21 +372,33 @@ def validate(table: list[list[int]], local: LocalCall | None, group, device: tor
         for r in order:
             if starts[r] != expected:
                 kind = "a gap" if starts[r] > expected else "an overlap"
-                raise ShardError(f"the vocabulary shards do not tile [0, V): {kind} at id {expected} "
-                                 f"(rank {r} starts at {starts[r]}); shards are "
-                                 + ", ".join(f"rank {q}: [{starts[q]}, {starts[q] + sizes[q]})" for q in range(world)))
+                raise ShardError(
+                    f"the vocabulary shards do not tile [0, V): {kind} at id {expected} "
+                    f"(rank {r} starts at {starts[r]}); shards are "
+                    + ", ".join(f"rank {q}: [{starts[q]}, {starts[q] + sizes[q]})" for q in range(world))
+                )
             expected += sizes[r]
     else:
         starts = tuple(sum(sizes[:r]) for r in range(world))
     vocab_size = sum(sizes)
     given = table[0][F["global_vocab_size"]]
     if given >= 0 and given != vocab_size:
-        raise ShardError(f"global_vocab_size={given} but the shards add up to V={vocab_size} "
-                         f"(V_local per rank: {list(sizes)})")
+        raise ShardError(
+            f"global_vocab_size={given} but the shards add up to V={vocab_size} (V_local per rank: {list(sizes)})"
+        )
     if vocab_size == 0:
         raise ShardError("the global vocabulary is empty (V_local = 0 on every rank)")
-    per_rank = tuple(frozenset(k for k in row[len(FIELDS):] if k) for row in table)
+    per_rank = tuple(frozenset(k for k in row[len(FIELDS) :] if k) for row in table)
     even = len(set(sizes)) == 1 and all(starts[r] == r * sizes[0] for r in range(world))
-    return Layout(rank=rank, tp_size=world, vocab_start=starts[rank], vocab_end=starts[rank] + sizes[rank],
-                  vocab_size=vocab_size, sizes=sizes, num_tokens=table[0][F["num_tokens"]],
-                  even_shards=even, available=frozenset.intersection(*per_rank), available_per_rank=per_rank)
+    return Layout(
+        rank=rank,
+        tp_size=world,
+        vocab_start=starts[rank],
+        vocab_end=starts[rank] + sizes[rank],
+        vocab_size=vocab_size,
+        sizes=sizes,
+        num_tokens=table[0][F["num_tokens"]],
+        even_shards=even,
+        available=frozenset.intersection(*per_rank),
+        available_per_rank=per_rank,
+    )

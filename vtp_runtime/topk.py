@@ -57,8 +57,7 @@ class TopK:
     index: Tensor
 
 
-def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool = False,
-       **options: Any) -> Tensor:
+def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool = False, **options: Any) -> Tensor:
     """KL over the teacher's top-k ids (see the module docstring), per token ``[...]`` fp32
     (fp64 for fp64 logits), or reduced. Takes the options of ``kl``: ``temperature`` (the
     student's only: the teacher's log-probs are used as given), ``mask=``/``labels=`` with
@@ -85,8 +84,7 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
     if keep is not None:
         valid = valid & keep[..., None]
     student_index = torch.where(valid, index, torch.full_like(index, ii))
-    lp_s = api.loss("logprobs", student, student_index, ignore_index=ii,
-                    **{k: opts[k] for k in _LOGPROBS_OPTIONS})
+    lp_s = api.loss("logprobs", student, student_index, ignore_index=ii, **{k: opts[k] for k in _LOGPROBS_OPTIONS})
     _check_distinct(index, ii)  # after the collective: a rank that raises leaves none waiting
     lp_t = logprobs.to(lp_s.dtype)
     a, b = (lp_s, lp_t) if opts["reverse"] else (lp_t, lp_s)  # KL(A || B) over the k ids
@@ -108,11 +106,18 @@ def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **optio
         if gather:  # the other ranks may be in the metadata gather already
             _raise_on_every_rank(exc, options.get("tp_group"), student_logits)
         raise
-    return api.explain("logprobs", student_logits, teacher.index, gather=gather, ignore_index=given["ignore_index"],
-                       **{k: given[k] for k in _LOGPROBS_OPTIONS})
+    return api.explain(
+        "logprobs",
+        student_logits,
+        teacher.index,
+        gather=gather,
+        ignore_index=given["ignore_index"],
+        **{k: given[k] for k in _LOGPROBS_OPTIONS},
+    )
 
 
 # -- pieces --------------------------------------------------------------------------------
+
 
 def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str, Any]:
     """This rank's checks of a TopK call; the options with their defaults and ``reverse``,
@@ -121,8 +126,10 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
         raise TypeError(f"teacher must be a vtp.TopK, got {type(teacher).__name__}")
     unknown = sorted(options.keys() - _OPTIONS.keys())
     if unknown:
-        raise TypeError(f"kl with a TopK teacher got unknown option(s) {', '.join(unknown)}; it takes: "
-                        f"reverse, tail, {', '.join(_OPTIONS)}")
+        raise TypeError(
+            f"kl with a TopK teacher got unknown option(s) {', '.join(unknown)}; it takes: "
+            f"reverse, tail, {', '.join(_OPTIONS)}"
+        )
     if not isinstance(tail, bool):
         raise ValueError(f"tail must be a bool, got {tail!r}")
     given = {**_OPTIONS, **options, "reverse": reverse}
@@ -130,14 +137,19 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
     check_options(get_spec("kl"), given)
     lp, index = teacher.logprobs, teacher.index
     if not isinstance(lp, Tensor) or not lp.is_floating_point():
-        raise TypeError(f"TopK.logprobs must be a floating tensor, got "
-                        f"{lp.dtype if isinstance(lp, Tensor) else type(lp).__name__}")
+        raise TypeError(
+            f"TopK.logprobs must be a floating tensor, got {lp.dtype if isinstance(lp, Tensor) else type(lp).__name__}"
+        )
     if not isinstance(index, Tensor) or index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
-        raise TypeError(f"TopK.index must be an integer tensor, got "
-                        f"{index.dtype if isinstance(index, Tensor) else type(index).__name__}")
+        raise TypeError(
+            f"TopK.index must be an integer tensor, got "
+            f"{index.dtype if isinstance(index, Tensor) else type(index).__name__}"
+        )
     if lp.shape != index.shape or index.dim() < 1 or index.shape[-1] < 1:
-        raise ValueError(f"TopK.logprobs {tuple(lp.shape)} and TopK.index {tuple(index.shape)} must have the "
-                         f"same shape [..., k] with k >= 1")
+        raise ValueError(
+            f"TopK.logprobs {tuple(lp.shape)} and TopK.index {tuple(index.shape)} must have the "
+            f"same shape [..., k] with k >= 1"
+        )
     if lp.device != index.device:
         raise ValueError(f"TopK.logprobs ({lp.device}) and TopK.index ({index.device}) must be on one device")
     return given
@@ -158,16 +170,22 @@ def _check_shapes(student, index: Tensor, options: dict[str, Any]) -> None:
     """This rank's student, TopK index and masks agree on the token shape."""
     lead = tuple(index.shape[:-1])
     if isinstance(student, Tensor) and tuple(student.shape[:-1]) != lead:
-        raise ValueError(f"TopK's shape {tuple(index.shape)} must be the student's token shape plus k: "
-                         f"{tuple(student.shape[:-1])} + (k,)")
+        raise ValueError(
+            f"TopK's shape {tuple(index.shape)} must be the student's token shape plus k: "
+            f"{tuple(student.shape[:-1])} + (k,)"
+        )
     for name in ("mask", "labels"):
         t = options[name]
         if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != lead):
-            raise ValueError(f"{name} must be a tensor of the token shape {lead}, got "
-                             f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+            raise ValueError(
+                f"{name} must be a tensor of the token shape {lead}, got "
+                f"{tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+            )
     if options["mask"] is not None and options["mask"].dtype != torch.bool:
         raise TypeError(f"mask must be a bool tensor (True = keep), got {options['mask'].dtype}")
-    if options["labels"] is not None and (options["labels"].is_floating_point() or options["labels"].dtype == torch.bool):
+    if options["labels"] is not None and (
+        options["labels"].is_floating_point() or options["labels"].dtype == torch.bool
+    ):
         raise TypeError(f"labels must be an integer tensor, got {options['labels'].dtype}")
 
 
@@ -188,8 +206,10 @@ def _check_distinct(index: Tensor, ignore_index: int) -> None:
     if bool(repeat.any()):
         where = repeat.any(-1).nonzero()[0].tolist()
         token = tuple(where)
-        raise ValueError(f"TopK.index repeats an id on token {token} (ids {index[token].tolist()}); the k ids "
-                         f"of a token must be distinct (pad with ignore_index={ignore_index})")
+        raise ValueError(
+            f"TopK.index repeats an id on token {token} (ids {index[token].tolist()}); the k ids "
+            f"of a token must be distinct (pad with ignore_index={ignore_index})"
+        )
 
 
 def _kl_over_ids(a: Tensor, b: Tensor, valid: Tensor, tail: bool) -> Tensor:
@@ -223,6 +243,9 @@ def _residual(lp: Tensor) -> tuple[Tensor, Tensor]:
     x = lse.clamp(max=math.log1p(-eps))  # r >= eps inside the log
     near = x > -math.log(2.0)  # log(-expm1(x)) is accurate near 0, log1p(-exp(x)) below -ln 2
     fallback = torch.full_like(x, -1.0)  # a value both branches take without trouble
-    log_r = torch.where(near, torch.log(-torch.expm1(torch.where(near, x, fallback))),
-                        torch.log1p(-torch.exp(torch.where(near, fallback, x))))
+    log_r = torch.where(
+        near,
+        torch.log(-torch.expm1(torch.where(near, x, fallback))),
+        torch.log1p(-torch.exp(torch.where(near, fallback, x))),
+    )
     return r, log_r

@@ -139,9 +139,12 @@ class EagerBackend(Backend):
     # every op with every feature that applies to it, on any device, in every dtype, from logits
     # or from vtp.Head inputs (the core's token-chunk driver computes each chunk's logits), and
     # inside torch.compile
-    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features),
-                            head_inputs=True, compiled=True)
-           for op, spec in OPS.items()}
+    ops = {
+        op: OpCapability(
+            device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features), head_inputs=True, compiled=True
+        )
+        for op, spec in OPS.items()
+    }
 
     def forward(self, call, inputs, index, mask):
         return _math(call)[0](call, inputs, index, mask)
@@ -154,11 +157,16 @@ def _math(call: Call):
     """(forward, backward) of ``call``: ``jsd`` at beta 0 or 1 is a plain KL."""
     if kl_direction(call.op, call.options) is not None:
         return _kl_forward, _kl_backward
-    return {"cross_entropy": (_ce_forward, _ce_backward), "logprobs": (_logprobs_forward, _logprobs_backward),
-            "entropy": (_entropy_forward, _entropy_backward), "jsd": (_jsd_forward, _jsd_backward)}[call.op]
+    return {
+        "cross_entropy": (_ce_forward, _ce_backward),
+        "logprobs": (_logprobs_forward, _logprobs_backward),
+        "entropy": (_entropy_forward, _entropy_backward),
+        "jsd": (_jsd_forward, _jsd_backward),
+    }[call.op]
 
 
 # -- cross entropy -------------------------------------------------------------------------
+
 
 def _ce_forward(call, inputs, labels, mask):
     (z,) = inputs
@@ -212,6 +220,7 @@ def _ce_backward(call, state, grad):
 
 
 # -- log-probs -----------------------------------------------------------------------------
+
 
 def _logprobs_forward(call, inputs, index, mask):
     """Log-probs at the index entries and, with ``return_entropy``, the entropy: its sum
@@ -282,6 +291,7 @@ def _logprobs_backward(call, state, grad):
 
 # -- entropy -------------------------------------------------------------------------------
 
+
 def _entropy_forward(call, inputs, index, mask):
     (z,) = inputs
     n, v = z.shape
@@ -316,6 +326,7 @@ def _entropy_backward(call, state, grad):
 
 
 # -- KL ------------------------------------------------------------------------------------
+
 
 def _kl_forward(call, inputs, index, mask):
     """KL(A || B): forward A = teacher, B = student; reverse A = student, B = teacher."""
@@ -369,6 +380,7 @@ def _kl_backward(call, state, grad):
 
 # -- generalized JSD (interior beta) -------------------------------------------------------
 
+
 def _log_mixture(logp_s: Tensor, logp_t: Tensor, beta: float) -> Tensor:
     return torch.logaddexp(logp_t + math.log(beta), logp_s + math.log1p(-beta))
 
@@ -386,8 +398,9 @@ def _jsd_forward(call, inputs, index, mask):
     log_s = s.log()
     kls = torch.zeros(2, n, dtype=m.dtype, device=student.device)  # KL(p_s||M), KL(p_t||M)
     for lo, hi in _row_chunks(n, v):
-        lps, lpt = (_scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).sub_(log_s[i, lo:hi, None])
-                    for i, z in enumerate(inputs))
+        lps, lpt = (
+            _scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).sub_(log_s[i, lo:hi, None]) for i, z in enumerate(inputs)
+        )
         lm = _log_mixture(lps, lpt, beta)
         kls[0, lo:hi] = _xlogy_rel(lps.exp(), lps - lm).sum(dim=1)
         kls[1, lo:hi] = _xlogy_rel(lpt.exp(), lpt - lm).sum(dim=1)
@@ -409,8 +422,10 @@ def _jsd_backward(call, state, grad):
     grad_s = torch.empty_like(student) if need_s else None
     grad_t = torch.empty_like(teacher) if need_t else None
     for lo, hi in _row_chunks(n, v):
-        lps, lpt = (_scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).sub_(log_s[i, lo:hi, None])
-                    for i, z in enumerate((student, teacher)))
+        lps, lpt = (
+            _scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).sub_(log_s[i, lo:hi, None])
+            for i, z in enumerate((student, teacher))
+        )
         lm = _log_mixture(lps, lpt, beta)
         g = scale[lo:hi, None]
         keep = mask[lo:hi, None] if mask is not None else None

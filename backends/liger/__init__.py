@@ -107,12 +107,14 @@ class _Ctx:
 
 def _ce_module():
     from liger_kernel.ops import vocab_parallel_cross_entropy as mod
+
     return mod
 
 
 def _jsd_primitive():
     import liger_kernel.ops.jsd  # noqa: F401  (declares the jsd_loss_and_grad op)
     from liger_kernel.backends import dispatch
+
     return dispatch
 
 
@@ -127,10 +129,10 @@ class LigerBackend(Backend):
     # layout (a transposed input gives transposed log-probs), so inputs come contiguous
     input_layout = "contiguous"
     ops = {
-        "cross_entropy": OpCapability(**_CAP, even_shards_only=True, repeat_backward=False, head_inputs=True,
-                                      head_per_token=False),
-        "kl": OpCapability(**_CAP, tp_sizes=frozenset({1}),
-                           features=frozenset({"mask", "reverse", "temperature"})),
+        "cross_entropy": OpCapability(
+            **_CAP, even_shards_only=True, repeat_backward=False, head_inputs=True, head_per_token=False
+        ),
+        "kl": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "reverse", "temperature"})),
         "jsd": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "temperature"})),
     }
 
@@ -139,8 +141,10 @@ class LigerBackend(Backend):
         if version is None:
             return ["liger-kernel is not installed (pip install 'vtp-runtime[liger]')"]
         if _version_tuple(version) < MIN_VERSION:
-            return [f"liger-kernel {version} is too old (needs >= {'.'.join(map(str, MIN_VERSION))}; "
-                    f"it lacks LigerVocabParallelCEFunction)"]
+            return [
+                f"liger-kernel {version} is too old (needs >= {'.'.join(map(str, MIN_VERSION))}; "
+                f"it lacks LigerVocabParallelCEFunction)"
+            ]
         reasons = []
         try:
             import triton  # noqa: F401
@@ -162,8 +166,9 @@ class LigerBackend(Backend):
             mod = _ce_module()
             mod.LigerVocabParallelCEFunction  # noqa: B018
         except Exception as exc:
-            return [f"liger-kernel {version}: LigerVocabParallelCEFunction cannot be imported "
-                    f"({type(exc).__name__}: {exc})"]
+            return [
+                f"liger-kernel {version}: LigerVocabParallelCEFunction cannot be imported ({type(exc).__name__}: {exc})"
+            ]
         return []
 
     def head_driver(self, call):
@@ -174,8 +179,10 @@ class LigerBackend(Backend):
     def forward(self, call, inputs, index, mask):
         for t in inputs:
             if not t.is_contiguous():
-                raise RuntimeError(f"liger: inputs must be contiguous [N, V_local] (input_layout = "
-                                   f"'contiguous'); got strides {t.stride()} for shape {tuple(t.shape)}")
+                raise RuntimeError(
+                    f"liger: inputs must be contiguous [N, V_local] (input_layout = "
+                    f"'contiguous'); got strides {t.stride()} for shape {tuple(t.shape)}"
+                )
         if call.op == "cross_entropy":
             return _ce_forward(call, inputs[0], index)
         return _div_forward(call, inputs, mask)
@@ -188,6 +195,7 @@ class LigerBackend(Backend):
 
 # -- cross entropy -------------------------------------------------------------------------
 
+
 @dataclass
 class CrossEntropyState(SavedState):
     """What Liger's forward saved, and the flag that guards its one backward."""
@@ -197,6 +205,7 @@ class CrossEntropyState(SavedState):
     target: Tensor  # int64 [N] labels
     consumed: Tensor  # uint8 [1] on the CPU: 1 once backward has run
 
+
 def _bad_labels(labels: Tensor, call: Call) -> Tensor:
     ii = call.options["ignore_index"]
     return (labels != ii) & ((labels < 0) | (labels >= call.vocab_size))
@@ -205,9 +214,17 @@ def _bad_labels(labels: Tensor, call: Call) -> Tensor:
 def _expected_ctx(call: Call, n: int, v: int, dtype: torch.dtype) -> dict:
     """The attributes Liger's backward reads, rebuilt from the call (verified in forward)."""
     mod = _ce_module()
-    return dict(alpha_eff=0.0, eps_eff=0.0, has_smoothing=False, vocab_start=call.vocab_start, v_local=v,
-                ignore_index=call.options["ignore_index"], orig_dtype=dtype, orig_shape=(n, 1),
-                block_size=mod._select_block_size(v))
+    return dict(
+        alpha_eff=0.0,
+        eps_eff=0.0,
+        has_smoothing=False,
+        vocab_start=call.vocab_start,
+        v_local=v,
+        ignore_index=call.options["ignore_index"],
+        orig_dtype=dtype,
+        orig_shape=(n, 1),
+        block_size=mod._select_block_size(v),
+    )
 
 
 def _ce_forward(call: Call, z: Tensor, labels: Tensor):
@@ -215,21 +232,26 @@ def _ce_forward(call: Call, z: Tensor, labels: Tensor):
     # Liger derives vocab_start = rank * V_local; dispatch only selects it for even shards in
     # rank order, and this re-check costs nothing (host ints).
     if call.vocab_start != call.rank * v:
-        raise RuntimeError(f"liger cross_entropy: rank {call.rank} holds [{call.vocab_start}, {call.vocab_end}) "
-                           f"but Liger would assume [{call.rank * v}, {(call.rank + 1) * v}); "
-                           f"dispatch should have refused this uneven layout")
+        raise RuntimeError(
+            f"liger cross_entropy: rank {call.rank} holds [{call.vocab_start}, {call.vocab_end}) "
+            f"but Liger would assume [{call.rank * v}, {(call.rank + 1) * v}); "
+            f"dispatch should have refused this uneven layout"
+        )
     mod = _ce_module()
     group = call.group if call.request.tp_size > 1 else None
     ctx = _Ctx()
     # [N, V] -> [N, 1, V]: Liger's [S, B, V] layout, a view (no copy for contiguous rows)
-    loss = mod.LigerVocabParallelCEFunction.forward(ctx, z.unsqueeze(1), labels, group,
-                                                    call.options["ignore_index"], 0.0, "pytorch", "global")
+    loss = mod.LigerVocabParallelCEFunction.forward(
+        ctx, z.unsqueeze(1), labels, group, call.options["ignore_index"], 0.0, "pytorch", "global"
+    )
     state = {k: val for k, val in vars(ctx).items() if k != "saved_tensors"}
     expected = _expected_ctx(call, n, v, z.dtype)
     if state != expected:
-        raise RuntimeError(f"liger-kernel {liger_version()}: LigerVocabParallelCEFunction saved {state}, "
-                           f"expected {expected}; this liger-kernel version is not supported by the liger "
-                           f"backend (force another backend, e.g. VTP_BACKEND=eager)")
+        raise RuntimeError(
+            f"liger-kernel {liger_version()}: LigerVocabParallelCEFunction saved {state}, "
+            f"expected {expected}; this liger-kernel version is not supported by the liger "
+            f"backend (force another backend, e.g. VTP_BACKEND=eager)"
+        )
     exp_buf, sum_exp, target = ctx.saved_tensors
     value = loss.view(n)
     value = torch.where(_bad_labels(labels, call), torch.full_like(value, math.nan), value)
@@ -245,7 +267,8 @@ def _ce_backward(call: Call, state: CrossEntropyState, grad):
             "gradient into the softmax buffer it saved, so a second backward (retain_graph=True, or "
             "create_graph=True followed by another backward) cannot be computed from it. Run backward "
             "once, or use a backend without this limit for this call, e.g. backend='eager' / "
-            "VTP_BACKEND_CROSS_ENTROPY=eager.")
+            "VTP_BACKEND_CROSS_ENTROPY=eager."
+        )
     n, v = exp_buf.shape
     ctx = _Ctx()
     ctx.saved_tensors = (exp_buf, sum_exp, target)
@@ -260,8 +283,10 @@ def _ce_backward(call: Call, state: CrossEntropyState, grad):
 
 # -- cross entropy from a Head at TP = 1: Liger's fused linear cross entropy ----------------
 
+
 def _flce_module():
     from liger_kernel.ops import fused_linear_cross_entropy as mod
+
     return mod
 
 
@@ -284,13 +309,20 @@ class FusedLinearCrossEntropy(HeadDriver):
         weight = x.weight.detach().requires_grad_(grads and nw)
         bias = None if x.bias is None else x.bias.detach()
         out = _flce_module().fused_linear_cross_entropy_forward(
-            _input=hidden, weight=weight, target=torch.where(bad, torch.full_like(labels, ii), labels), bias=bias,
-            ignore_index=ii, reduction="none")
+            _input=hidden,
+            weight=weight,
+            target=torch.where(bad, torch.full_like(labels, ii), labels),
+            bias=bias,
+            ignore_index=ii,
+            reduction="none",
+        )
         loss = out[0]
         if loss.dim() != 1:
-            raise RuntimeError(f"liger-kernel {liger_version()}: fused_linear_cross_entropy_forward did not return "
-                               f"per-token losses for reduction='none'; this version is not supported by the liger "
-                               f"backend's fused head (force another backend, e.g. backend='triton')")
+            raise RuntimeError(
+                f"liger-kernel {liger_version()}: fused_linear_cross_entropy_forward did not return "
+                f"per-token losses for reduction='none'; this version is not supported by the liger "
+                f"backend's fused head (force another backend, e.g. backend='triton')"
+            )
         value = torch.where(bad, torch.full_like(loss, math.nan), loss.float())
         if grads:
             d_hidden, d_weight, d_bias = out[-3:]  # the last three in every version
@@ -303,14 +335,17 @@ class FusedLinearCrossEntropy(HeadDriver):
         return value
 
     def backward(self, run: HeadRun, grad: Tensor) -> None:
-        raise RuntimeError("the liger backend's fused linear cross entropy has no per-token backward; "
-                           "dispatch refuses reduction='none' with Head inputs for it")
+        raise RuntimeError(
+            "the liger backend's fused linear cross entropy has no per-token backward; "
+            "dispatch refuses reduction='none' with Head inputs for it"
+        )
 
 
 FUSED_LINEAR_CE = FusedLinearCrossEntropy()
 
 
 # -- KL and JSD (TP = 1) -------------------------------------------------------------------
+
 
 @dataclass
 class DivergenceState(SavedState):
@@ -320,6 +355,7 @@ class DivergenceState(SavedState):
     dlogq: Tensor  # fp32 [N, V] Liger's gradient w.r.t. the student log-probs
     total: Tensor  # fp32 [N] its row sums
     mask: Tensor | None = None  # bool [N]
+
 
 def _beta(call: Call) -> float:
     if call.op == "kl":
@@ -376,8 +412,14 @@ def _div_backward(call: Call, state: DivergenceState | None, grad):
     if not call.needs_grad[0]:
         return (None, None)
     assert state is not None  # forward saves a state whenever the student needs a gradient
-    student, m, log_s, dlogq, total, mask = (state.student, state.max, state.log_sum, state.dlogq,
-                                             state.total, state.mask)
+    student, m, log_s, dlogq, total, mask = (
+        state.student,
+        state.max,
+        state.log_sum,
+        state.dlogq,
+        state.total,
+        state.mask,
+    )
     t = call.options["temperature"]
     x = student.float()
     if t != 1.0:

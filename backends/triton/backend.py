@@ -75,9 +75,19 @@ class LaunchConfig:
 CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
 # Triton's interpreter runs programs one by one in numpy: small tiles keep the tests fast
 # and make the small test shapes cover several tiles and several splits per row.
-INTERPRETER_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32,
-                                  warps_bwd=1, target_programs=16, max_splits=4, bwd_target_programs=16,
-                                  block_rows=16, warps_finish=1)
+INTERPRETER_CONFIG = LaunchConfig(
+    block_stats=16,
+    warps_stats=1,
+    block_div=16,
+    warps_div=1,
+    block_bwd=32,
+    warps_bwd=1,
+    target_programs=16,
+    max_splits=4,
+    bwd_target_programs=16,
+    block_rows=16,
+    warps_finish=1,
+)
 
 
 @dataclass
@@ -130,9 +140,16 @@ def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
     """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16,
     from logits or from ``vtp.Head`` inputs."""
-    return {op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features),
-                             head_inputs=True, compiled=True)
-            for op, spec in OPS.items()}
+    return {
+        op: OpCapability(
+            device_types=device_types,
+            dtypes=LOW_DTYPES,
+            features=frozenset(spec.features),
+            head_inputs=True,
+            compiled=True,
+        )
+        for op, spec in OPS.items()
+    }
 
 
 _KERNELS = None
@@ -142,6 +159,7 @@ def _kernels():
     global _KERNELS
     if _KERNELS is None:  # imported on first use: importing this module never needs triton
         from . import kernels
+
         _KERNELS = kernels
     return _KERNELS
 
@@ -154,9 +172,11 @@ def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
     """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``.
     The kernels read columns at unit stride: anything else is refused here, never misread."""
     if not meets_layout(z, TritonBackend.input_layout):
-        raise RuntimeError(f"triton kernels need inputs [N, V_local] or [A, B, V_local] with stride 1 on the "
-                           f"vocabulary dim; got shape {tuple(z.shape)} with strides {z.stride()}. The core "
-                           f"copies inputs into the declared input_layout; callers of forward() must too.")
+        raise RuntimeError(
+            f"triton kernels need inputs [N, V_local] or [A, B, V_local] with stride 1 on the "
+            f"vocabulary dim; got shape {tuple(z.shape)} with strides {z.stride()}. The core "
+            f"copies inputs into the declared input_layout; callers of forward() must too."
+        )
     if z.dim() == 2:
         return max(z.shape[0], 1), 0, z.stride(0)
     a, b, _ = z.shape
@@ -202,8 +222,10 @@ class TritonBackend(Backend):
             return [f"triton is not importable ({type(exc).__name__}: {exc}); pip install triton"]
         if device_type == "cpu":
             if os.environ.get("TRITON_INTERPRET") != "1":
-                return ["CPU tensors run only under Triton's interpreter: set TRITON_INTERPRET=1 "
-                        "before importing triton (meant for tests; it is slow)"]
+                return [
+                    "CPU tensors run only under Triton's interpreter: set TRITON_INTERPRET=1 "
+                    "before importing triton (meant for tests; it is slow)"
+                ]
             return []
         if device_type == "cuda":
             if not torch.cuda.is_available():
@@ -254,9 +276,11 @@ class TritonBackend(Backend):
         keep = _keep(mask)
         # log-probs with return_entropy: the entropy's sum rides in the same pass
         with_entropy = kind == layout.LOGPROBS and opts["return_entropy"]
-        n_fields = {layout.CE: layout.CE_FIELDS, layout.ENTROPY: layout.ENTROPY_FIELDS,
-                    layout.LOGPROBS: (layout.LOGPROBS_ENTROPY_FIELDS if with_entropy else layout.LOGPROBS_FIELDS)
-                    + n_idx}[kind]
+        n_fields = {
+            layout.CE: layout.CE_FIELDS,
+            layout.ENTROPY: layout.ENTROPY_FIELDS,
+            layout.LOGPROBS: (layout.LOGPROBS_ENTROPY_FIELDS if with_entropy else layout.LOGPROBS_FIELDS) + n_idx,
+        }[kind]
         n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY or with_entropy else layout.STATS
         if with_entropy:
             val_shape = (n, n_idx + 1)  # the log-probs, then the entropy
@@ -283,22 +307,67 @@ class TritonBackend(Backend):
         idx_arg = idx if idx is not None else values
         keep_arg = keep if keep is not None else values
         rows_b, s_a, s_b = _geometry(z)
-        launch(k.stats1_kernel, (n * splits,), cfg.fast_launch,
-            z_ptr=z, rows_b=rows_b, stride_a=s_a, stride_b=s_b, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
-            part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local,
-            vocab_start=call.vocab_start, vocab_size=call.vocab_size, splits=splits, chunk=chunk, k2=k2,
-            ignore_index=ignore, smoothing=smoothing, z_loss=z_loss,
-            KIND=kind, SMOOTH=smooth, ZLOSS=zloss and finish, HAS_KEEP=keep is not None,
-            WITH_ENTROPY=with_entropy, FINISH=finish, BLOCK=cfg.block_stats, num_warps=cfg.warps_stats)
+        launch(
+            k.stats1_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            z_ptr=z,
+            rows_b=rows_b,
+            stride_a=s_a,
+            stride_b=s_b,
+            idx_ptr=idx_arg,
+            n_idx=n_idx,
+            keep_ptr=keep_arg,
+            part_ptr=part,
+            val_ptr=values,
+            stat_ptr=stats,
+            n_rows=n,
+            v_local=v_local,
+            vocab_start=call.vocab_start,
+            vocab_size=call.vocab_size,
+            splits=splits,
+            chunk=chunk,
+            k2=k2,
+            ignore_index=ignore,
+            smoothing=smoothing,
+            z_loss=z_loss,
+            KIND=kind,
+            SMOOTH=smooth,
+            ZLOSS=zloss and finish,
+            HAS_KEEP=keep is not None,
+            WITH_ENTROPY=with_entropy,
+            FINISH=finish,
+            BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats,
+        )
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
-        launch(k.finish1_kernel, (_cdiv(n, cfg.block_rows),), cfg.fast_launch,
-            part_ptr=part, n_parts=n_parts, n_rows=n, idx_ptr=idx_arg, n_idx=n_idx, keep_ptr=keep_arg,
-            val_ptr=values, stat_ptr=stats, vocab_size=call.vocab_size, k2=k2, ignore_index=ignore,
-            smoothing=smoothing, z_loss=z_loss,
-            KIND=kind, SMOOTH=smooth, ZLOSS=zloss, HAS_KEEP=keep is not None, WITH_ENTROPY=with_entropy,
-            BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
+        launch(
+            k.finish1_kernel,
+            (_cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
+            part_ptr=part,
+            n_parts=n_parts,
+            n_rows=n,
+            idx_ptr=idx_arg,
+            n_idx=n_idx,
+            keep_ptr=keep_arg,
+            val_ptr=values,
+            stat_ptr=stats,
+            vocab_size=call.vocab_size,
+            k2=k2,
+            ignore_index=ignore,
+            smoothing=smoothing,
+            z_loss=z_loss,
+            KIND=kind,
+            SMOOTH=smooth,
+            ZLOSS=zloss,
+            HAS_KEEP=keep is not None,
+            WITH_ENTROPY=with_entropy,
+            BLOCK_N=cfg.block_rows,
+            num_warps=cfg.warps_finish,
+        )
         return values, state
 
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
@@ -310,8 +379,9 @@ class TritonBackend(Backend):
             return values, state
         k = _kernels()
         cfg = self.config_for(dev)
-        splits = _splits(n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats,
-                         cfg.target_programs, cfg.max_splits)
+        splits = _splits(
+            n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats, cfg.target_programs, cfg.max_splits
+        )
         chunk = _chunk(v_local, splits, cfg.block_stats)
         finish = splits == 1 and call.request.tp_size == 1  # see _forward1
         part = values if finish else torch.empty((splits, n, layout.KL_FIELDS), dtype=torch.float32, device=dev)
@@ -319,18 +389,52 @@ class TritonBackend(Backend):
         keep_arg = keep if keep is not None else values
         rows_b, a_a, a_b = _geometry(a)
         _, b_a, b_b = _geometry(b)
-        launch(k.stats2_kernel, (n * splits,), cfg.fast_launch,
-            a_ptr=a, b_ptr=b, rows_b=rows_b, sa_a=a_a, sa_b=a_b, sb_a=b_a, sb_b=b_b, keep_ptr=keep_arg,
-            part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local, splits=splits, chunk=chunk,
-            k2=k2, WITH_KL=True, HAS_KEEP=keep is not None, FINISH=finish, BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats)
+        launch(
+            k.stats2_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            a_ptr=a,
+            b_ptr=b,
+            rows_b=rows_b,
+            sa_a=a_a,
+            sa_b=a_b,
+            sb_a=b_a,
+            sb_b=b_b,
+            keep_ptr=keep_arg,
+            part_ptr=part,
+            val_ptr=values,
+            stat_ptr=stats,
+            n_rows=n,
+            v_local=v_local,
+            splits=splits,
+            chunk=chunk,
+            k2=k2,
+            WITH_KL=True,
+            HAS_KEEP=keep is not None,
+            FINISH=finish,
+            BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats,
+        )
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
-        launch(k.finish2_kernel, (_cdiv(n, cfg.block_rows),), cfg.fast_launch,
-            part_ptr=part, n_parts=n_parts, n_rows=n, keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats, k2=k2,
+        launch(
+            k.finish2_kernel,
+            (_cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
+            part_ptr=part,
+            n_parts=n_parts,
+            n_rows=n,
+            keep_ptr=keep_arg,
+            val_ptr=values,
+            stat_ptr=stats,
+            k2=k2,
             beta=0.0,  # read only by the JSD kind
-            KIND=layout.KL, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
+            KIND=layout.KL,
+            HAS_KEEP=keep is not None,
+            BLOCK_N=cfg.block_rows,
+            num_warps=cfg.warps_finish,
+        )
         return values, state
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
@@ -349,32 +453,104 @@ class TritonBackend(Backend):
         splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
         div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
         if splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
-            launch(k.jsd_row_kernel, (n,), cfg.fast_launch,
-                s_ptr=student, t_ptr=teacher, rows_b=rows_b, ss_a=s_a, ss_b=s_b, st_a=t_a, st_b=t_b,
-                keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats, v_local=v_local, k2=k2, beta=beta,
-                HAS_KEEP=keep is not None, FAST_LOG2=cfg.fast_log2, BLOCK_STATS=cfg.block_stats,
-                BLOCK_DIV=cfg.block_div, num_warps=cfg.warps_div)
+            launch(
+                k.jsd_row_kernel,
+                (n,),
+                cfg.fast_launch,
+                s_ptr=student,
+                t_ptr=teacher,
+                rows_b=rows_b,
+                ss_a=s_a,
+                ss_b=s_b,
+                st_a=t_a,
+                st_b=t_b,
+                keep_ptr=keep_arg,
+                val_ptr=values,
+                stat_ptr=stats,
+                v_local=v_local,
+                k2=k2,
+                beta=beta,
+                HAS_KEEP=keep is not None,
+                FAST_LOG2=cfg.fast_log2,
+                BLOCK_STATS=cfg.block_stats,
+                BLOCK_DIV=cfg.block_div,
+                num_warps=cfg.warps_div,
+            )
             return values, state
         part = torch.empty((splits, n, layout.PAIR_FIELDS), dtype=torch.float32, device=dev)
-        launch(k.stats2_kernel, (n * splits,), cfg.fast_launch,
-            a_ptr=student, b_ptr=teacher, rows_b=rows_b, sa_a=s_a, sa_b=s_b, sb_a=t_a, sb_b=t_b,
-            keep_ptr=keep_arg, part_ptr=part, val_ptr=values, stat_ptr=stats, n_rows=n, v_local=v_local,
-            splits=splits, chunk=_chunk(v_local, splits, cfg.block_stats), k2=k2,
-            WITH_KL=False, HAS_KEEP=keep is not None, FINISH=False, BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats)
+        launch(
+            k.stats2_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            a_ptr=student,
+            b_ptr=teacher,
+            rows_b=rows_b,
+            sa_a=s_a,
+            sa_b=s_b,
+            sb_a=t_a,
+            sb_b=t_b,
+            keep_ptr=keep_arg,
+            part_ptr=part,
+            val_ptr=values,
+            stat_ptr=stats,
+            n_rows=n,
+            v_local=v_local,
+            splits=splits,
+            chunk=_chunk(v_local, splits, cfg.block_stats),
+            k2=k2,
+            WITH_KL=False,
+            HAS_KEEP=keep is not None,
+            FINISH=False,
+            BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats,
+        )
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, layout.DIV_FIELDS), dtype=torch.float32, device=dev)
-        launch(k.jsd_div_kernel, (n * div_splits,), cfg.fast_launch,
-            s_ptr=student, t_ptr=teacher, rows_b=rows_b, ss_a=s_a, ss_b=s_b, st_a=t_a, st_b=t_b,
-            keep_ptr=keep_arg, stats_part_ptr=part, n_stats_parts=n_parts, part_ptr=part2, stat_ptr=stats,
-            n_rows=n, v_local=v_local, splits=div_splits, chunk=_chunk(v_local, div_splits, cfg.block_div),
-            k2=k2, beta=beta,
-            HAS_KEEP=keep is not None, FAST_LOG2=cfg.fast_log2, BLOCK=cfg.block_div, num_warps=cfg.warps_div)
+        launch(
+            k.jsd_div_kernel,
+            (n * div_splits,),
+            cfg.fast_launch,
+            s_ptr=student,
+            t_ptr=teacher,
+            rows_b=rows_b,
+            ss_a=s_a,
+            ss_b=s_b,
+            st_a=t_a,
+            st_b=t_b,
+            keep_ptr=keep_arg,
+            stats_part_ptr=part,
+            n_stats_parts=n_parts,
+            part_ptr=part2,
+            stat_ptr=stats,
+            n_rows=n,
+            v_local=v_local,
+            splits=div_splits,
+            chunk=_chunk(v_local, div_splits, cfg.block_div),
+            k2=k2,
+            beta=beta,
+            HAS_KEEP=keep is not None,
+            FAST_LOG2=cfg.fast_log2,
+            BLOCK=cfg.block_div,
+            num_warps=cfg.warps_div,
+        )
         part2, n_parts2 = _gather(part2, call.group)
-        launch(k.finish2_kernel, (_cdiv(n, cfg.block_rows),), cfg.fast_launch,
-            part_ptr=part2, n_parts=n_parts2, n_rows=n, keep_ptr=keep_arg, val_ptr=values, stat_ptr=stats,
-            k2=k2, beta=beta,
-            KIND=layout.JSD, HAS_KEEP=keep is not None, BLOCK_N=cfg.block_rows, num_warps=cfg.warps_finish)
+        launch(
+            k.finish2_kernel,
+            (_cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
+            part_ptr=part2,
+            n_parts=n_parts2,
+            n_rows=n,
+            keep_ptr=keep_arg,
+            val_ptr=values,
+            stat_ptr=stats,
+            k2=k2,
+            beta=beta,
+            KIND=layout.JSD,
+            HAS_KEEP=keep is not None,
+            BLOCK_N=cfg.block_rows,
+            num_warps=cfg.warps_finish,
+        )
         return values, state
 
     # -- backward ----------------------------------------------------------------------
@@ -397,23 +573,43 @@ class TritonBackend(Backend):
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
         rows_b, s_a, s_b = _geometry(z)
-        launch(k.backward1_kernel, (n * splits,), cfg.fast_launch,
-            z_ptr=z, rows_b=rows_b, stride_a=s_a, stride_b=s_b, dz_ptr=dz, grad_ptr=grad.contiguous(),
+        launch(
+            k.backward1_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            z_ptr=z,
+            rows_b=rows_b,
+            stride_a=s_a,
+            stride_b=s_b,
+            dz_ptr=dz,
+            grad_ptr=grad.contiguous(),
             idx_ptr=idx if idx is not None else stats,
             n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
-            keep_ptr=keep if keep is not None else stats, stat_ptr=stats, v_local=v_local,
-            vocab_start=call.vocab_start, vocab_size=call.vocab_size, splits=splits, chunk=chunk,
-            k2=LOG2E / opts["temperature"], inv_t=1.0 / opts["temperature"],
-            ignore_index=int(opts.get("ignore_index", -100)), smoothing=float(opts.get("label_smoothing", 0.0)),
+            keep_ptr=keep if keep is not None else stats,
+            stat_ptr=stats,
+            v_local=v_local,
+            vocab_start=call.vocab_start,
+            vocab_size=call.vocab_size,
+            splits=splits,
+            chunk=chunk,
+            k2=LOG2E / opts["temperature"],
+            inv_t=1.0 / opts["temperature"],
+            ignore_index=int(opts.get("ignore_index", -100)),
+            smoothing=float(opts.get("label_smoothing", 0.0)),
             z_loss=float(opts.get("z_loss", 0.0)),
-            KIND=kind, SMOOTH=kind == layout.CE and opts["label_smoothing"] != 0.0,
-            ZLOSS=kind == layout.CE and opts["z_loss"] != 0.0, HAS_KEEP=keep is not None,
-            WITH_ENTROPY=kind == layout.LOGPROBS and opts["return_entropy"], BLOCK=cfg.block_bwd,
-            num_warps=cfg.warps_bwd)
+            KIND=kind,
+            SMOOTH=kind == layout.CE and opts["label_smoothing"] != 0.0,
+            ZLOSS=kind == layout.CE and opts["z_loss"] != 0.0,
+            HAS_KEEP=keep is not None,
+            WITH_ENTROPY=kind == layout.LOGPROBS and opts["return_entropy"],
+            BLOCK=cfg.block_bwd,
+            num_warps=cfg.warps_bwd,
+        )
         return (dz,)
 
-    def _backward2(self, call: Call, state: PairState, grad, kind: int, reverse: bool,
-                   scratch: tuple[bool, bool] = (False, False)):
+    def _backward2(
+        self, call: Call, state: PairState, grad, kind: int, reverse: bool, scratch: tuple[bool, bool] = (False, False)
+    ):
         student, teacher, stats, keep = state.student, state.teacher, state.stats, state.keep
         need_s, need_t = call.needs_grad
         # KL(A || B): forward A = teacher, reverse A = student; JSD: a = student, b = teacher
@@ -432,16 +628,36 @@ class TritonBackend(Backend):
             splits, chunk = self._bwd_splits(cfg, n, v_local)
             rows_b, a_a, a_b = _geometry(a)
             _, b_a, b_b = _geometry(b)
-            launch(k.backward2_kernel, (n * splits,), cfg.fast_launch,
-                a_ptr=a, b_ptr=b, rows_b=rows_b, sa_a=a_a, sa_b=a_b, sb_a=b_a, sb_b=b_b,
-                da_ptr=da if need_a else db, db_ptr=db if need_b else da,  # NEED_A / NEED_B gate the writes
-                grad_ptr=grad.contiguous(), keep_ptr=keep if keep is not None else stats, stat_ptr=stats,
-                v_local=v_local, splits=splits, chunk=chunk, k2=LOG2E / call.options["temperature"],
+            launch(
+                k.backward2_kernel,
+                (n * splits,),
+                cfg.fast_launch,
+                a_ptr=a,
+                b_ptr=b,
+                rows_b=rows_b,
+                sa_a=a_a,
+                sa_b=a_b,
+                sb_a=b_a,
+                sb_b=b_b,
+                da_ptr=da if need_a else db,
+                db_ptr=db if need_b else da,  # NEED_A / NEED_B gate the writes
+                grad_ptr=grad.contiguous(),
+                keep_ptr=keep if keep is not None else stats,
+                stat_ptr=stats,
+                v_local=v_local,
+                splits=splits,
+                chunk=chunk,
+                k2=LOG2E / call.options["temperature"],
                 inv_t=1.0 / call.options["temperature"],
                 beta=call.options["beta"] if kind == layout.JSD else 0.0,  # read only by the JSD kind
-                KIND=kind, NEED_A=need_a, NEED_B=need_b, HAS_KEEP=keep is not None,
-                FAST_LOG2=cfg.fast_log2 and kind == layout.JSD, BLOCK=cfg.block_bwd,
-                num_warps=cfg.warps_bwd)
+                KIND=kind,
+                NEED_A=need_a,
+                NEED_B=need_b,
+                HAS_KEEP=keep is not None,
+                FAST_LOG2=cfg.fast_log2 and kind == layout.JSD,
+                BLOCK=cfg.block_bwd,
+                num_warps=cfg.warps_bwd,
+            )
         if kind == layout.KL and not reverse:
             return db, da
         return da, db

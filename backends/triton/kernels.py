@@ -95,8 +95,9 @@ def _log2(x, FAST: tl.constexpr):
     # hardware lg2.approx (one MUFU op, rel. error ~2^-22); other targets keep tl.log2.
     if FAST:
         # .ftz: callers clamp x to the smallest normal float, so no denormal ever reaches it
-        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         return tl.log2(x)
 
@@ -124,9 +125,23 @@ def _chunk(pid, splits, chunk, v_local):
 
 # -- one-input ops: cross entropy, log-probs, entropy -------------------------------------------
 
+
 @triton.jit
-def _ce_value(log_s, picked, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty,
-              SMOOTH: tl.constexpr, ZLOSS: tl.constexpr):
+def _ce_value(
+    log_s,
+    picked,
+    a,
+    t,
+    y,
+    vocab_size,
+    k2,
+    ignore_index,
+    smoothing,
+    z_loss,
+    empty,
+    SMOOTH: tl.constexpr,
+    ZLOSS: tl.constexpr,
+):
     """Cross entropy in nats from a row's merged state (``picked``: the label's raw logit);
     NaN for a bad label or an all -inf row, 0 for an ignored one. Rows or scalars."""
     keep = y != ignore_index
@@ -161,10 +176,35 @@ def _entropy_value(log_s, t, s, empty):
 
 
 @triton.jit
-def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, part_ptr, val_ptr, stat_ptr,
-                  n_rows, v_local, vocab_start, vocab_size, splits, chunk, k2, ignore_index, smoothing, z_loss,
-                  KIND: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, HAS_KEEP: tl.constexpr,
-                  WITH_ENTROPY: tl.constexpr, FINISH: tl.constexpr, BLOCK: tl.constexpr):
+def stats1_kernel(
+    z_ptr,
+    rows_b,
+    stride_a,
+    stride_b,
+    idx_ptr,
+    n_idx,
+    keep_ptr,
+    part_ptr,
+    val_ptr,
+    stat_ptr,
+    n_rows,
+    v_local,
+    vocab_start,
+    vocab_size,
+    splits,
+    chunk,
+    k2,
+    ignore_index,
+    smoothing,
+    z_loss,
+    KIND: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    ZLOSS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    FINISH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Partial statistics of one row over one vocabulary chunk, one read of the logits.
 
     Fields (F): CE ``[m, s, sum (z - a) k2, count, z_label]`` (sum/count only with SMOOTH);
@@ -231,19 +271,21 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
         n_stats = STATS
         if KIND == CE:
             y = tl.load(idx_ptr + row)
-            zy = tl.load(src + (y - vocab_start), mask=(y - vocab_start >= lo) & (y - vocab_start < hi),
-                         other=0.0).to(tl.float32)
-            val = _ce_value(log_s, zy, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty,
-                            SMOOTH, ZLOSS)
+            zy = tl.load(src + (y - vocab_start), mask=(y - vocab_start >= lo) & (y - vocab_start < hi), other=0.0).to(
+                tl.float32
+            )
+            val = _ce_value(log_s, zy, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty, SMOOTH, ZLOSS)
             tl.store(val_ptr + row, val)
         elif KIND == LOGPROBS:
             n_vals = n_idx + 1 if WITH_ENTROPY else n_idx
             for j in range(n_idx):
                 ij = tl.load(idx_ptr + row * n_idx + j)
-                zj = tl.load(src + (ij - vocab_start), mask=(ij - vocab_start >= lo) & (ij - vocab_start < hi),
-                             other=0.0).to(tl.float32)
-                tl.store(val_ptr + row * n_vals + j, _logprob_value(log_s, zj, a, ij, vocab_size, k2,
-                                                                    ignore_index, empty))
+                zj = tl.load(
+                    src + (ij - vocab_start), mask=(ij - vocab_start >= lo) & (ij - vocab_start < hi), other=0.0
+                ).to(tl.float32)
+                tl.store(
+                    val_ptr + row * n_vals + j, _logprob_value(log_s, zj, a, ij, vocab_size, k2, ignore_index, empty)
+                )
             if WITH_ENTROPY:
                 h = tl.where(active, _entropy_value(log_s, t, s, empty), 0.0)
                 tl.store(val_ptr + row * n_vals + n_idx, h)
@@ -282,10 +324,27 @@ def stats1_kernel(z_ptr, rows_b, stride_a, stride_b, idx_ptr, n_idx, keep_ptr, p
 
 
 @triton.jit
-def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr, stat_ptr,
-                   vocab_size, k2, ignore_index, smoothing, z_loss,
-                   KIND: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr,
-                   HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr):
+def finish1_kernel(
+    part_ptr,
+    n_parts,
+    n_rows,
+    idx_ptr,
+    n_idx,
+    keep_ptr,
+    val_ptr,
+    stat_ptr,
+    vocab_size,
+    k2,
+    ignore_index,
+    smoothing,
+    z_loss,
+    KIND: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    ZLOSS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Merge the ``[P, N, F]`` partials of every split and rank into per-token values (nats)
     and the O(N) statistics the backward pass needs: ``[a, log2 s]`` (+ H for entropy and
     for log-probs WITH_ENTROPY), so that ``log p = (z - a) k2 - log2 s`` in bits. Log-probs
@@ -342,8 +401,7 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
     empty = s == 0  # all -inf row: NaN by contract
     if KIND == CE:
         y = tl.load(idx_ptr + rows, mask=rmask, other=ignore_index)
-        val = _ce_value(log_s, picked, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty,
-                        SMOOTH, ZLOSS)
+        val = _ce_value(log_s, picked, a, t, y, vocab_size, k2, ignore_index, smoothing, z_loss, empty, SMOOTH, ZLOSS)
         tl.store(val_ptr + rows, val, mask=rmask)
     elif KIND == LOGPROBS:
         any_kept = rows < 0
@@ -353,8 +411,11 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
                 got += tl.load(part_ptr + (p * n_rows + rows) * n_fields + first + j, mask=rmask, other=0.0)
             ij = tl.load(idx_ptr + rows * n_idx + j, mask=rmask, other=ignore_index)
             any_kept = any_kept | (ij != ignore_index)
-            tl.store(val_ptr + rows * n_vals + j, _logprob_value(log_s, got, a, ij, vocab_size, k2, ignore_index,
-                                                                 empty), mask=rmask)
+            tl.store(
+                val_ptr + rows * n_vals + j,
+                _logprob_value(log_s, got, a, ij, vocab_size, k2, ignore_index, empty),
+                mask=rmask,
+            )
         if WITH_ENTROPY:
             h = tl.where(any_kept, _entropy_value(log_s, t, s, empty), 0.0)
             tl.store(val_ptr + rows * n_vals + n_idx, h, mask=rmask)
@@ -370,11 +431,34 @@ def finish1_kernel(part_ptr, n_parts, n_rows, idx_ptr, n_idx, keep_ptr, val_ptr,
 
 
 @triton.jit
-def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_ptr, n_idx, keep_ptr,
-                     stat_ptr, v_local, vocab_start, vocab_size, splits, chunk, k2, inv_t,
-                     ignore_index, smoothing, z_loss,
-                     KIND: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr,
-                     HAS_KEEP: tl.constexpr, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+def backward1_kernel(
+    z_ptr,
+    rows_b,
+    stride_a,
+    stride_b,
+    dz_ptr,
+    grad_ptr,
+    idx_ptr,
+    n_idx,
+    keep_ptr,
+    stat_ptr,
+    v_local,
+    vocab_start,
+    vocab_size,
+    splits,
+    chunk,
+    k2,
+    inv_t,
+    ignore_index,
+    smoothing,
+    z_loss,
+    KIND: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    ZLOSS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Gradient w.r.t. the logits from the saved O(N) statistics: probabilities recomputed
     in registers (one exp per element), one read of the logits, one write of the gradient
     in the input dtype. Log-probs WITH_ENTROPY take ``[N, k + 1]`` upstream gradients (the
@@ -459,6 +543,7 @@ def backward1_kernel(z_ptr, rows_b, stride_a, stride_b, dz_ptr, grad_ptr, idx_pt
 
 # -- two-input ops: KL, JSD ---------------------------------------------------------------------
 
+
 @triton.jit
 def _pair_stats(src_a, src_b, lo, hi, k2, WITH_KL: tl.constexpr, BLOCK: tl.constexpr):
     """Max-rescaled state of two inputs over columns ``[lo, hi)`` of one row, one read of each:
@@ -508,9 +593,28 @@ def _jsd_value(kl_s, kl_t, ls_s, ls_t, beta):
 
 
 @triton.jit
-def stats2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, keep_ptr, part_ptr, val_ptr, stat_ptr,
-                  n_rows, v_local, splits, chunk, k2,
-                  WITH_KL: tl.constexpr, HAS_KEEP: tl.constexpr, FINISH: tl.constexpr, BLOCK: tl.constexpr):
+def stats2_kernel(
+    a_ptr,
+    b_ptr,
+    rows_b,
+    sa_a,
+    sa_b,
+    sb_a,
+    sb_b,
+    keep_ptr,
+    part_ptr,
+    val_ptr,
+    stat_ptr,
+    n_rows,
+    v_local,
+    splits,
+    chunk,
+    k2,
+    WITH_KL: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    FINISH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Partial statistics of two inputs over one chunk, one read of each.
 
     Fields ``[m_a, s_a, m_b, s_b]`` and with WITH_KL ``sum e_a ((z_a - a_a) - (z_b - a_b)) k2``,
@@ -569,8 +673,7 @@ def _merge_row_stats(part_ptr, n_parts, n_rows, row, k2, N_FIELDS: tl.constexpr)
 
 
 @triton.jit
-def _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG2: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
     """``(sum p_s (lp_s - lm), sum p_t (lp_t - lm))`` in bits over columns ``[lo, hi)`` of one
     row, with ``M = beta p_t + (1-beta) p_s``: one more read of both inputs, three
     transcendentals per element (exp2 of each log-prob, one log2 of the mixture)."""
@@ -594,9 +697,29 @@ def _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG
 
 
 @triton.jit
-def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats_part_ptr, n_stats_parts,
-                   part_ptr, stat_ptr, n_rows, v_local, splits, chunk, k2, beta,
-                   HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
+def jsd_div_kernel(
+    s_ptr,
+    t_ptr,
+    rows_b,
+    ss_a,
+    ss_b,
+    st_a,
+    st_b,
+    keep_ptr,
+    stats_part_ptr,
+    n_stats_parts,
+    part_ptr,
+    stat_ptr,
+    n_rows,
+    v_local,
+    splits,
+    chunk,
+    k2,
+    beta,
+    HAS_KEEP: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """JSD divergence pass: merges the row's gathered statistics itself (a few scalars, no
     separate launch), then one more read of both inputs accumulating ``sum p_s (lp_s - lm)``
     and ``sum p_t (lp_t - lm)`` (bits) into ``[P, N, 2]`` partials."""
@@ -619,9 +742,25 @@ def jsd_div_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, stats
 
 
 @triton.jit
-def jsd_row_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, val_ptr, stat_ptr, v_local, k2, beta,
-                   HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK_STATS: tl.constexpr,
-                   BLOCK_DIV: tl.constexpr):
+def jsd_row_kernel(
+    s_ptr,
+    t_ptr,
+    rows_b,
+    ss_a,
+    ss_b,
+    st_a,
+    st_b,
+    keep_ptr,
+    val_ptr,
+    stat_ptr,
+    v_local,
+    k2,
+    beta,
+    HAS_KEEP: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    BLOCK_STATS: tl.constexpr,
+    BLOCK_DIV: tl.constexpr,
+):
     """The whole JSD forward of one row when it is neither split nor sharded (one program per
     row, one launch): the statistics pass, the divergence pass, the value. The same reads
     and arithmetic as ``stats2_kernel`` -> ``jsd_div_kernel`` -> ``finish2_kernel``."""
@@ -654,8 +793,19 @@ def jsd_row_kernel(s_ptr, t_ptr, rows_b, ss_a, ss_b, st_a, st_b, keep_ptr, val_p
 
 
 @triton.jit
-def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, beta,
-                   KIND: tl.constexpr, HAS_KEEP: tl.constexpr, BLOCK_N: tl.constexpr):
+def finish2_kernel(
+    part_ptr,
+    n_parts,
+    n_rows,
+    keep_ptr,
+    val_ptr,
+    stat_ptr,
+    k2,
+    beta,
+    KIND: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """KL: merge ``[m_a, s_a, m_b, s_b, kl]`` partials into KL(A||B) and the stats
     ``[a_a, log2 s_a, a_b, log2 s_b, KL]``. JSD: add the ``[kl_s, kl_t]`` divergence partials
     into the value and stats columns 4, 5 (columns 0-3 were written by the divergence pass).
@@ -712,10 +862,32 @@ def finish2_kernel(part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, b
 
 
 @triton.jit
-def backward2_kernel(a_ptr, b_ptr, rows_b, sa_a, sa_b, sb_a, sb_b, da_ptr, db_ptr, grad_ptr, keep_ptr,
-                     stat_ptr, v_local, splits, chunk, k2, inv_t, beta,
-                     KIND: tl.constexpr, NEED_A: tl.constexpr, NEED_B: tl.constexpr,
-                     HAS_KEEP: tl.constexpr, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
+def backward2_kernel(
+    a_ptr,
+    b_ptr,
+    rows_b,
+    sa_a,
+    sa_b,
+    sb_a,
+    sb_b,
+    da_ptr,
+    db_ptr,
+    grad_ptr,
+    keep_ptr,
+    stat_ptr,
+    v_local,
+    splits,
+    chunk,
+    k2,
+    inv_t,
+    beta,
+    KIND: tl.constexpr,
+    NEED_A: tl.constexpr,
+    NEED_B: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Gradients of KL(A||B) (``dA = p_a (lp_a - lp_b - KL)``, ``dB = p_b - p_a``) or of the
     JSD (a = student, b = teacher: ``d_s = (1-beta) p_s (lp_s - lm - KL_s)``, and the same for
     the teacher with beta), from saved statistics; only requested gradients are computed and

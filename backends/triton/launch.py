@@ -49,9 +49,14 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
         kernel[grid](**args)
         return
     jit_function, runtime, driver = _triton()
-    if (runtime is None or type(kernel) is not jit_function or getattr(kernel, "pre_run_hooks", True)
-            or not hasattr(kernel, "arg_names")
-            or _hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook)):
+    if (
+        runtime is None
+        or type(kernel) is not jit_function
+        or getattr(kernel, "pre_run_hooks", True)
+        or not hasattr(kernel, "arg_names")
+        or _hook_active(runtime.launch_enter_hook)
+        or _hook_active(runtime.launch_exit_hook)
+    ):
         kernel[grid](**args)
         return
     device = driver.active.get_current_device()  # the JIT keeps compiled kernels per device too
@@ -67,9 +72,18 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
         return
     stream = driver.active.get_current_stream(device)
     values = [args[name] for name in kernel.arg_names]
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, None, runtime.launch_enter_hook,
-                 runtime.launch_exit_hook, *values)
+    compiled.run(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        stream,
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        runtime.launch_enter_hook,
+        runtime.launch_exit_hook,
+        *values,
+    )
 
 
 def _key(device: Any, args: dict[str, Any]) -> tuple | None:

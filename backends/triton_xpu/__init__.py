@@ -36,13 +36,17 @@ from vtp_runtime.registry import hookimpl
 from ..triton.backend import LaunchConfig, TritonBackend, capabilities
 
 XPU_CONFIG = LaunchConfig(
-    block_stats=1024, warps_stats=4,  # 1024 / (4 warps x 32 lanes) = 8 elements per work-item
-    block_div=512, warps_div=4,  # JSD divergence pass: more values live per element
-    block_bwd=1024, warps_bwd=4,
+    block_stats=1024,
+    warps_stats=4,  # 1024 / (4 warps x 32 lanes) = 8 elements per work-item
+    block_div=512,
+    warps_div=4,  # JSD divergence pass: more values live per element
+    block_bwd=1024,
+    warps_bwd=4,
     target_programs=2048,  # forward vocabulary splits; the same on every rank by construction
     max_splits=64,
     bwd_target_programs=4096,
-    block_rows=64, warps_finish=2,
+    block_rows=64,
+    warps_finish=2,
 )
 
 IPEX = "intel_extension_for_pytorch"
@@ -62,7 +66,8 @@ def load_ipex() -> tuple[str, str | None]:
     except Exception as exc:
         return "intel-extension-for-pytorch", (
             f"intel-extension-for-pytorch is installed but fails to import ({type(exc).__name__}: {exc}); "
-            f"fix or uninstall it (torch's native torch.xpu needs no extension)")
+            f"fix or uninstall it (torch's native torch.xpu needs no extension)"
+        )
     return f"intel-extension-for-pytorch {getattr(mod, '__version__', '?')}", None
 
 
@@ -75,8 +80,10 @@ def triton_target_backend() -> tuple[str | None, str | None]:
     try:
         return str(driver.active.get_current_target().backend), None
     except Exception as exc:  # no active driver, or several (TRITON_DEFAULT_BACKEND picks one)
-        return None, (f"Triton has no usable active backend ({type(exc).__name__}: {exc}); "
-                      f"Intel's is needed (set TRITON_DEFAULT_BACKEND=intel if several are active)")
+        return None, (
+            f"Triton has no usable active backend ({type(exc).__name__}: {exc}); "
+            f"Intel's is needed (set TRITON_DEFAULT_BACKEND=intel if several are active)"
+        )
 
 
 class TritonXPUBackend(TritonBackend):
@@ -96,8 +103,10 @@ class TritonXPUBackend(TritonBackend):
             return [ipex_problem]
         xpu = getattr(torch, "xpu", None)
         if xpu is None or not hasattr(xpu, "is_available"):
-            return [f"this torch ({torch.__version__}) has no torch.xpu; install a torch build with "
-                    f"XPU support (torch >= 2.4 from the XPU wheel index)"]
+            return [
+                f"this torch ({torch.__version__}) has no torch.xpu; install a torch build with "
+                f"XPU support (torch >= 2.4 from the XPU wheel index)"
+            ]
         try:
             available = bool(xpu.is_available())
         except Exception as exc:
@@ -105,14 +114,18 @@ class TritonXPUBackend(TritonBackend):
         else:
             detail = ""
         if not available:
-            return [f"no XPU device: torch.xpu.is_available() is False{detail} (runtime: {runtime}; "
-                    f"check the Intel GPU driver and ZE_AFFINITY_MASK)"]
+            return [
+                f"no XPU device: torch.xpu.is_available() is False{detail} (runtime: {runtime}; "
+                f"check the Intel GPU driver and ZE_AFFINITY_MASK)"
+            ]
         backend, problem = triton_target_backend()
         if problem:
             return [problem]
         if backend != "xpu":
-            return [f"Triton's active backend is {backend!r}, not Intel's 'xpu': install Intel's Triton "
-                    f"(pytorch-triton-xpu, which ships with torch's XPU wheels)"]
+            return [
+                f"Triton's active backend is {backend!r}, not Intel's 'xpu': install Intel's Triton "
+                f"(pytorch-triton-xpu, which ships with torch's XPU wheels)"
+            ]
         return []
 
     def config_for(self, device: torch.device) -> LaunchConfig:

@@ -68,8 +68,12 @@ class VocabShard(NamedTuple):
 
     def options(self) -> dict:
         """The layout keywords of ``vtp_runtime``'s ops for this shard."""
-        return {"tp_group": self.tp_group, "vocab_start": self.vocab_start, "vocab_end": self.vocab_end,
-                "global_vocab_size": self.vocab_size}
+        return {
+            "tp_group": self.tp_group,
+            "vocab_start": self.vocab_start,
+            "vocab_end": self.vocab_end,
+            "global_vocab_size": self.vocab_size,
+        }
 
 
 def is_dtensor(t) -> bool:
@@ -100,13 +104,17 @@ def dtensor_vocab_layout(t, dim: int) -> tuple[object, int, int, int]:
         if p.is_shard() and p.dim % ndim == dim:
             tp_dims.append(mesh_dim)
         elif not (p.is_shard() or p.is_replicate()):
-            raise ValueError(f"a DTensor with placements {tuple(t.placements)} has pending (partial) values; "
-                             f"redistribute it to Shard or Replicate placements first")
+            raise ValueError(
+                f"a DTensor with placements {tuple(t.placements)} has pending (partial) values; "
+                f"redistribute it to Shard or Replicate placements first"
+            )
     if not tp_dims:
         return None, 0, size, size
     if len(tp_dims) > 1:
-        raise ValueError(f"the vocabulary dimension is sharded over mesh dims {tp_dims} "
-                         f"(placements {tuple(t.placements)}); exactly one mesh dim may shard it")
+        raise ValueError(
+            f"the vocabulary dimension is sharded over mesh dims {tp_dims} "
+            f"(placements {tuple(t.placements)}); exactly one mesh dim may shard it"
+        )
     mesh = t.device_mesh
     tp = mesh.size(tp_dims[0])
     rank = mesh.get_local_rank(tp_dims[0])
@@ -115,8 +123,9 @@ def dtensor_vocab_layout(t, dim: int) -> tuple[object, int, int, int]:
     return mesh.get_group(tp_dims[0]), start, min(start + chunk, size), size
 
 
-def vocab_shard(logits: torch.Tensor, tp_group=None, vocab_start: int | None = None,
-                vocab_end: int | None = None) -> VocabShard:
+def vocab_shard(
+    logits: torch.Tensor, tp_group=None, vocab_start: int | None = None, vocab_end: int | None = None
+) -> VocabShard:
     """This rank's local logits and their layout, from a DTensor or from a local tensor.
 
     A DTensor sharded over the vocabulary (last dimension) gives its local tensor
@@ -127,12 +136,16 @@ def vocab_shard(logits: torch.Tensor, tp_group=None, vocab_start: int | None = N
     if not is_dtensor(logits):
         return VocabShard(logits, tp_group, vocab_start, vocab_end, None)
     if tp_group is not None or vocab_start is not None or vocab_end is not None:
-        raise ValueError("DTensor logits carry their own process group and vocabulary bounds: "
-                         "leave out tp_group, vocab_start and vocab_end")
+        raise ValueError(
+            "DTensor logits carry their own process group and vocabulary bounds: "
+            "leave out tp_group, vocab_start and vocab_end"
+        )
     group, start, end, size = dtensor_vocab_layout(logits, -1)
     local = logits.to_local()  # type: ignore[attr-defined]  # a DTensor (is_dtensor above)
     if local.shape[-1] != end - start:
-        raise ValueError(f"this rank's DTensor shard has {local.shape[-1]} vocabulary entries, but torch.chunk "
-                         f"layout gives it [{start}, {end}); call .to_local() yourself and pass tp_group, "
-                         f"vocab_start and vocab_end")
+        raise ValueError(
+            f"this rank's DTensor shard has {local.shape[-1]} vocabulary entries, but torch.chunk "
+            f"layout gives it [{start}, {end}); call .to_local() yourself and pass tp_group, "
+            f"vocab_start and vocab_end"
+        )
     return VocabShard(local, group, start, end, size)

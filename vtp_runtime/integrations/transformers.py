@@ -23,10 +23,19 @@ import vtp_runtime as vtp
 from .tensor_parallel import VocabShard, dtensor_vocab_layout, is_dtensor, vocab_shard
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
-                   num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                   shift_labels: torch.Tensor | None = None, *, tp_group=None, vocab_start: int | None = None,
-                   vocab_end: int | None = None, **kwargs) -> torch.Tensor:
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    *,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_end: int | None = None,
+    **kwargs,
+) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` on vocabulary-sharded logits: a fp32 scalar,
     identical on every rank of the TP group.
 
@@ -46,20 +55,30 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None = None, voc
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     _check_not_gathered(shard)
     return vtp.cross_entropy(
-        shard.logits, shift_labels.to(shard.logits.device), ignore_index=ignore_index,
-        reduction="mean" if num_items_in_batch is None else "sum", normalizer=num_items_in_batch,
-        tp_group=shard.tp_group, vocab_start=shard.vocab_start, vocab_end=shard.vocab_end,
-        global_vocab_size=shard.vocab_size if shard.vocab_size is not None else vocab_size)
+        shard.logits,
+        shift_labels.to(shard.logits.device),
+        ignore_index=ignore_index,
+        reduction="mean" if num_items_in_batch is None else "sum",
+        normalizer=num_items_in_batch,
+        tp_group=shard.tp_group,
+        vocab_start=shard.vocab_start,
+        vocab_end=shard.vocab_end,
+        global_vocab_size=shard.vocab_size if shard.vocab_size is not None else vocab_size,
+    )
 
 
 def _check_not_gathered(shard: VocabShard) -> None:
-    if (shard.vocab_start is not None and shard.vocab_end is not None
-            and shard.logits.shape[-1] != shard.vocab_end - shard.vocab_start):
+    if (
+        shard.vocab_start is not None
+        and shard.vocab_end is not None
+        and shard.logits.shape[-1] != shard.vocab_end - shard.vocab_start
+    ):
         raise ValueError(
             f"the logits have {shard.logits.shape[-1]} vocabulary entries, but this rank's lm_head holds ids "
             f"[{shard.vocab_start}, {shard.vocab_end}): its output is gathered. Load the model with "
             f"tp_plan={{'lm_head': 'colwise'}} (not the default 'colwise_gather_output') so each rank keeps "
-            f"its shard of the logits")
+            f"its shard of the logits"
+        )
 
 
 class VocabParallelCausalLMLoss:
@@ -73,16 +92,35 @@ class VocabParallelCausalLMLoss:
     def __init__(self, tp_group=None, vocab_start: int | None = None, vocab_end: int | None = None):
         self.tp_group, self.vocab_start, self.vocab_end = tp_group, vocab_start, vocab_end
 
-    def __call__(self, logits, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                 shift_labels=None, **kwargs) -> torch.Tensor:
+    def __call__(
+        self,
+        logits,
+        labels=None,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index=-100,
+        shift_labels=None,
+        **kwargs,
+    ) -> torch.Tensor:
         if is_dtensor(logits):
             return causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
-        return causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels,
-                              tp_group=self.tp_group, vocab_start=self.vocab_start, vocab_end=self.vocab_end)
+        return causal_lm_loss(
+            logits,
+            labels,
+            vocab_size,
+            num_items_in_batch,
+            ignore_index,
+            shift_labels,
+            tp_group=self.tp_group,
+            vocab_start=self.vocab_start,
+            vocab_end=self.vocab_end,
+        )
 
     def __repr__(self) -> str:
-        return (f"VocabParallelCausalLMLoss(tp_group={self.tp_group!r}, vocab_start={self.vocab_start}, "
-                f"vocab_end={self.vocab_end})")
+        return (
+            f"VocabParallelCausalLMLoss(tp_group={self.tp_group!r}, vocab_start={self.vocab_start}, "
+            f"vocab_end={self.vocab_end})"
+        )
 
 
 def lm_head_layout(model) -> tuple[object, int | None, int | None]:
@@ -106,8 +144,7 @@ def lm_head_layout(model) -> tuple[object, int | None, int | None]:
     return None, None, None
 
 
-def use_vocab_parallel_loss(model, tp_group=None, vocab_start: int | None = None,
-                            vocab_end: int | None = None):
+def use_vocab_parallel_loss(model, tp_group=None, vocab_start: int | None = None, vocab_end: int | None = None):
     """Make ``model(labels=...)`` (and so transformers' ``Trainer``) compute its causal-LM
     loss with ``vtp_runtime`` on the head's vocabulary shards. Returns ``model``.
 

@@ -23,11 +23,19 @@ from .transformers import lm_head_layout
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
 
-def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
-                         labels: torch.Tensor | None = None, beta: float = 0.5, temperature: float = 1.0,
-                         reduction: str = "batchmean", num_items_in_batch: torch.Tensor | int | None = None,
-                         tp_group=None, *, vocab_start: int | None = None,
-                         vocab_end: int | None = None) -> torch.Tensor:
+def generalized_jsd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    tp_group=None,
+    *,
+    vocab_start: int | None = None,
+    vocab_end: int | None = None,
+) -> torch.Tensor:
     """TRL's ``GKDTrainer.generalized_jsd_loss`` on vocabulary shards: fp32, identical on
     every rank of the TP group, gradients to the student (and to the teacher if it requires
     grad).
@@ -54,8 +62,16 @@ def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Ten
         layout["global_vocab_size"] = teacher.vocab_size
 
     def jsd(reduction_: str, normalizer=None) -> torch.Tensor:
-        return vtp.jsd(student.logits, teacher.logits, beta=beta, labels=labels, temperature=temperature,
-                       reduction=reduction_, normalizer=normalizer, **layout)
+        return vtp.jsd(
+            student.logits,
+            teacher.logits,
+            beta=beta,
+            labels=labels,
+            temperature=temperature,
+            reduction=reduction_,
+            normalizer=normalizer,
+            **layout,
+        )
 
     if num_items_in_batch is not None:
         return jsd("sum", num_items_in_batch)
@@ -90,15 +106,33 @@ class VocabParallelGKDMixin:
 
     vtp_layout: tuple | None = None
 
-    def generalized_jsd_loss(self, student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,
-                             reduction="batchmean", num_items_in_batch=None):
+    def generalized_jsd_loss(
+        self,
+        student_logits,
+        teacher_logits,
+        labels=None,
+        beta=0.5,
+        temperature=1.0,
+        reduction="batchmean",
+        num_items_in_batch=None,
+    ):
         if self.vtp_layout is None:
             self.vtp_layout = lm_head_layout(self.model)
         group, start, end = self.vtp_layout
         if group is None or is_dtensor(student_logits):
             group = start = end = None  # a full vocabulary, or DTensors that carry their layout
-        return generalized_jsd_loss(student_logits, teacher_logits, labels, beta, temperature, reduction,
-                                    num_items_in_batch, group, vocab_start=start, vocab_end=end)
+        return generalized_jsd_loss(
+            student_logits,
+            teacher_logits,
+            labels,
+            beta,
+            temperature,
+            reduction,
+            num_items_in_batch,
+            group,
+            vocab_start=start,
+            vocab_end=end,
+        )
 
 
 def _gkd_trainer():
@@ -112,9 +146,14 @@ def _gkd_trainer():
 def __getattr__(name: str):
     # built on first use so that importing this module does not import trl
     if name == "VocabParallelGKDTrainer":
-        cls = type("VocabParallelGKDTrainer", (VocabParallelGKDMixin, _gkd_trainer()),
-                   {"__module__": __name__, "__doc__": "TRL's GKDTrainer with its loss on vocabulary shards "
-                                                       "(VocabParallelGKDMixin)."})
+        cls = type(
+            "VocabParallelGKDTrainer",
+            (VocabParallelGKDMixin, _gkd_trainer()),
+            {
+                "__module__": __name__,
+                "__doc__": "TRL's GKDTrainer with its loss on vocabulary shards (VocabParallelGKDMixin).",
+            },
+        )
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,8 +20,7 @@ from vtp_runtime.registry import REGISTRY
 
 from .reference import values_and_grads
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # Elementwise relative tolerance of gradients, which are rounded to the input dtype.
 GRAD_RTOL = {"float32": 2e-4, "bfloat16": 2e-2, "float16": 4e-3, "float64": 1e-7}
 VALUE_RTOL = {"float32": 2e-5, "bfloat16": 2e-5, "float16": 2e-5, "float64": 1e-9}
@@ -67,10 +66,19 @@ class Case:
     @property
     def id(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
-        parts = [self.op, self.dtype, self.layout, opts, f"k{self.topk}" if self.topk else "",
-                 self.masked, self.edge, "strided" if self.strided else "", self.view,
-                 "second_order" if self.second_order else "",
-                 "" if self.grads == (True, True) else f"grads{int(self.grads[0])}{int(self.grads[1])}"]
+        parts = [
+            self.op,
+            self.dtype,
+            self.layout,
+            opts,
+            f"k{self.topk}" if self.topk else "",
+            self.masked,
+            self.edge,
+            "strided" if self.strided else "",
+            self.view,
+            "second_order" if self.second_order else "",
+            "" if self.grads == (True, True) else f"grads{int(self.grads[0])}{int(self.grads[1])}",
+        ]
         return "-".join(p for p in parts if p)
 
 
@@ -162,7 +170,7 @@ def laid_out(local: torch.Tensor, view: str, need: bool) -> torch.Tensor:
     if view == "transposed":  # [V + 2, ...] storage, a NaN column each side
         base = nan.expand(v + 2, *local.shape[:-1]).clone()
         base[1:-1] = local.movedim(-1, 0)
-        return base.requires_grad_(need).movedim(0, -1)[..., 1:v + 1]
+        return base.requires_grad_(need).movedim(0, -1)[..., 1 : v + 1]
     if view == "every_other":
         base = nan.expand(*local.shape[:-1], 2 * v).clone()
         base[..., ::2] = local
@@ -227,14 +235,20 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     flat_index = None if index is None else index.reshape(n, case.topk) if case.topk else index.reshape(n)
     flat_extra = {k: v.reshape(n).to(dev) for k, v in extra.items()}
     outs = outputs(out)
-    ref_outs, upstreams, ref_rows, ref_grads = reference(case, flat_logits, flat_index, flat_extra,
-                                                         [o.shape for o in outs], case.grads[: len(flat_logits)])
+    ref_outs, upstreams, ref_rows, ref_grads = reference(
+        case, flat_logits, flat_index, flat_extra, [o.shape for o in outs], case.grads[: len(flat_logits)]
+    )
     del flat_logits
     errors: dict[str, float] = {}
     for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
         # values: fp32 accumulation against float64
-        _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
-               VALUE_RTOL[case.dtype], errors)
+        _close(
+            "value" if i == 0 else f"value[{i}]",
+            o.detach().cpu().double(),
+            ref_out.double().reshape(o.shape),
+            VALUE_RTOL[case.dtype],
+            errors,
+        )
     if any(t.requires_grad for t in local):
         wanted = [t for t in local if t.requires_grad]
 
@@ -289,8 +303,10 @@ def _check_no_second_order(op: str, grads, inputs) -> None:
     except RuntimeError as exc:
         assert "second-order gradients" in str(exc), f"{op}: differentiating the gradient raised {exc!r}"
     else:
-        raise AssertionError(f"{op}: differentiating the gradient (create_graph=True) gave a number; it must "
-                             f"raise, since the second-order term is not computed")
+        raise AssertionError(
+            f"{op}: differentiating the gradient (create_graph=True) gave a number; it must "
+            f"raise, since the second-order term is not computed"
+        )
 
 
 def outputs(out) -> tuple[torch.Tensor, ...]:
@@ -320,10 +336,14 @@ def reference(case: Case, flat_logits, flat_index, flat_extra: dict, out_shapes,
     g = torch.Generator().manual_seed(case.seed + 7)
     values, upstreams, rows, grads = [], [], 0, None
     for (op, index, extra), shape in zip(parts, out_shapes):
-        upstream = (torch.randn(shape, generator=g, dtype=torch.float64) if len(shape)
-                    else torch.tensor(1.5, dtype=torch.float64))
-        value, part_rows, part_grads = _reference_output(case, op, flat_logits, index, extra, shape, upstream,
-                                                         needs_grad)
+        upstream = (
+            torch.randn(shape, generator=g, dtype=torch.float64)
+            if len(shape)
+            else torch.tensor(1.5, dtype=torch.float64)
+        )
+        value, part_rows, part_grads = _reference_output(
+            case, op, flat_logits, index, extra, shape, upstream, needs_grad
+        )
         values.append(value)
         upstreams.append(upstream)
         rows = rows + part_rows
@@ -331,8 +351,9 @@ def reference(case: Case, flat_logits, flat_index, flat_extra: dict, out_shapes,
     return values, upstreams, rows, grads
 
 
-def _reference_output(case: Case, op: str, flat_logits, flat_index, flat_extra: dict, out_shape, upstream,
-                      needs_grad: tuple[bool, ...]):
+def _reference_output(
+    case: Case, op: str, flat_logits, flat_index, flat_extra: dict, out_shape, upstream, needs_grad: tuple[bool, ...]
+):
     """One output's reference: ``(value, per-token values, gradients)``, on the CPU."""
     opts = dict(case.options)
     n, dev = flat_logits[0].shape[0], flat_logits[0].device
@@ -361,19 +382,22 @@ def _reference_output(case: Case, op: str, flat_logits, flat_index, flat_extra: 
         div = opts.get("normalizer") or (1 if reduction == "sum" else max(int(count), 1))
         ref_out = ref_vals.sum() / div
         per_token_grad = torch.full(ref_vals.shape, float(upstream) / div, dtype=torch.float64)
-    _, ref_grads = values_and_grads(op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad,
-                                    **ref_opts, **flat_extra)
+    _, ref_grads = values_and_grads(
+        op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad, **ref_opts, **flat_extra
+    )
     return ref_out, ref_rows, tuple(None if rg is None else rg.cpu() for rg in ref_grads)
 
 
 def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
     nan_got, nan_want = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(nan_got, nan_want), (f"{what}: NaN at {nan_got.nonzero().tolist()[:5]}, "
-                                            f"reference NaN at {nan_want.nonzero().tolist()[:5]}")
+    assert torch.equal(nan_got, nan_want), (
+        f"{what}: NaN at {nan_got.nonzero().tolist()[:5]}, reference NaN at {nan_want.nonzero().tolist()[:5]}"
+    )
     inf_want = torch.isinf(want)
-    assert torch.equal(torch.isinf(got), inf_want) and torch.equal(got[inf_want], want[inf_want]), \
+    assert torch.equal(torch.isinf(got), inf_want) and torch.equal(got[inf_want], want[inf_want]), (
         f"{what}: infinities differ from the reference"
+    )
     finite = ~(nan_want | inf_want)
     g, w = got[finite], want[finite]
     scale = w.abs().max().item() if w.numel() else 0.0
@@ -381,6 +405,8 @@ def _close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors
     err = (g - w).abs()
     bad = err > atol + rtol * w.abs()
     errors[what] = err.max().item() if err.numel() else 0.0
-    assert not bad.any(), (f"{what}: {int(bad.sum())} of {w.numel()} elements off; max error "
-                           f"{errors[what]:.3g} (atol {atol:.3g}, rtol {rtol:g}); first bad at "
-                           f"{bad.nonzero()[0].tolist()}: got {g[bad][0].item():.6g}, want {w[bad][0].item():.6g}")
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} of {w.numel()} elements off; max error "
+        f"{errors[what]:.3g} (atol {atol:.3g}, rtol {rtol:g}); first bad at "
+        f"{bad.nonzero()[0].tolist()}: got {g[bad][0].item():.6g}, want {w[bad][0].item():.6g}"
+    )

@@ -50,9 +50,13 @@ from .cases import DTYPES, VIEWS, Case, run_case
 from .head_cases import HeadCase, run_head_case
 
 # How a case turns on each feature (which features apply to an op: ops.OPS[op].features).
-_OPTION = {"label_smoothing": ("label_smoothing", 0.1), "z_loss": ("z_loss", 1e-3),
-           "temperature": ("temperature", 0.7), "reverse": ("reverse", True),
-           "return_entropy": ("return_entropy", True)}
+_OPTION = {
+    "label_smoothing": ("label_smoothing", 0.1),
+    "z_loss": ("z_loss", 1e-3),
+    "temperature": ("temperature", 0.7),
+    "reverse": ("reverse", True),
+    "return_entropy": ("return_entropy", True),
+}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 Runner = Callable[..., list]  # runner(world, fn, *args, timeout=...) -> per-rank results
@@ -89,8 +93,11 @@ def _feature(case: Case, feature: str) -> Case:
 
 
 def _base(name: str, op: str, cap: OpCapability) -> Case:
-    dtype = "float32" if "float32" in {DTYPE_NAMES.get(d) for d in cap.dtypes} else \
-        sorted(DTYPE_NAMES[d] for d in cap.dtypes if d in DTYPE_NAMES)[0]
+    dtype = (
+        "float32"
+        if "float32" in {DTYPE_NAMES.get(d) for d in cap.dtypes}
+        else sorted(DTYPE_NAMES[d] for d in cap.dtypes if d in DTYPE_NAMES)[0]
+    )
     two = len(OPS[op].inputs) == 2
     grads = (True, "teacher_grad" in cap.features) if two else (True, True)
     return Case(op, dtype=dtype, backend=name, grads=grads, shape=(3, 4))
@@ -167,7 +174,8 @@ def _head_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, s
     if world == 1:
         out: list[tuple[Case, str]] = [
             (main, "head inputs (sum/mean: gradients during forward), bias"),
-            (main.with_(options=per_token, bias=False), "head inputs, per-token result")]
+            (main.with_(options=per_token, bias=False), "head inputs, per-token result"),
+        ]
         if two:
             out.append((main.with_(heads=(True, False)), "a Head student, teacher logits"))
             if "teacher_grad" in cap.features:
@@ -182,15 +190,22 @@ def _head_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, s
             out.append((combo, "head inputs with every claimed feature"))
         return out
     layouts = ["even"] if cap.even_shards_only else ["uneven", "explicit"] + (["empty"] if cap.empty_shards else [])
-    out = [(main.with_(layout=lay, options=(scalar, per_token)[i % 2]), f"head inputs, {lay} shards")
-           for i, lay in enumerate(layouts)]
-    out.append((main.with_(layout=layouts[0], reduce_hidden_grad=False),
-                "head inputs, reduce_hidden_grad=False: this rank's partial hidden gradient"))
+    out = [
+        (main.with_(layout=lay, options=(scalar, per_token)[i % 2]), f"head inputs, {lay} shards")
+        for i, lay in enumerate(layouts)
+    ]
+    out.append(
+        (
+            main.with_(layout=layouts[0], reduce_hidden_grad=False),
+            "head inputs, reduce_hidden_grad=False: this rank's partial hidden gradient",
+        )
+    )
     return out
 
 
-def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2),
-                      plugin: str | None = None) -> list[ConformanceCase]:
+def conformance_cases(
+    backend: str | Backend, world_sizes: Sequence[int] = (1, 2), plugin: str | None = None
+) -> list[ConformanceCase]:
     """Every check for ``backend`` (a registered name, or a Backend instance), derived from
     its declared capabilities. ``plugin``: ``"module"`` or ``"module:object"`` holding the
     backend's hook implementation, registered in the rank processes when the backend is not
@@ -247,12 +262,17 @@ def conformance_cases(backend: str | Backend, world_sizes: Sequence[int] = (1, 2
         if not cap.head_inputs:
             add(1, _as_head(base), "refused", "does not claim head inputs")
         elif not cap.head_per_token:
-            add(1, _as_head(base, options=(("reduction", "none"),)), "refused",
-                "does not claim per-token results with head inputs")
+            add(
+                1,
+                _as_head(base, options=(("reduction", "none"),)),
+                "refused",
+                "does not claim per-token results with head inputs",
+            )
     return out
 
 
 # -- running -------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _available(name: str | None, plugin: str | None) -> Iterator[None]:
@@ -268,6 +288,7 @@ def _available(name: str | None, plugin: str | None) -> Iterator[None]:
 
 def _job(rank: int, world: int, group, cc: ConformanceCase) -> Any:
     """Runs on every rank."""
+
     def run(rank: int, world: int, group, case: Case) -> Any:
         if isinstance(case, HeadCase):
             return run_head_case(rank, world, group, case)
@@ -282,7 +303,8 @@ def _job(rank: int, world: int, group, cc: ConformanceCase) -> Any:
             return str(exc)
         raise AssertionError(
             f"backend {cc.case.backend!r} {cc.why}, yet a forced call ran it instead of raising "
-            f"BackendUnavailable: declare the capability (and pass its checks) or make dispatch refuse it")
+            f"BackendUnavailable: declare the capability (and pass its checks) or make dispatch refuse it"
+        )
 
 
 _POOLS: dict[int, Any] = {}
@@ -316,8 +338,13 @@ def check(cc: ConformanceCase, runner: Runner | None = None, timeout: float = 12
     return (runner or default_runner)(cc.world, _job, cc, timeout=timeout)
 
 
-def check_backend(backend: str | Backend, world_sizes: Sequence[int] = (1, 2), plugin: str | None = None,
-                  runner: Runner | None = None, timeout: float = 120.0) -> dict[str, str]:
+def check_backend(
+    backend: str | Backend,
+    world_sizes: Sequence[int] = (1, 2),
+    plugin: str | None = None,
+    runner: Runner | None = None,
+    timeout: float = 120.0,
+) -> dict[str, str]:
     """Run every conformance case; raise one AssertionError listing every failure.
     Returns ``{case id: "ok" | "skipped: ..."}``."""
     results, failures = {}, []
@@ -335,8 +362,12 @@ def check_backend(backend: str | Backend, world_sizes: Sequence[int] = (1, 2), p
     return results
 
 
-def parametrize(backend: str | Backend, world_sizes: Sequence[int] = (1, 2), plugin: str | None = None,
-                argname: str = "conformance_case"):
+def parametrize(
+    backend: str | Backend,
+    world_sizes: Sequence[int] = (1, 2),
+    plugin: str | None = None,
+    argname: str = "conformance_case",
+):
     """``pytest.mark.parametrize`` over ``conformance_cases(...)``, with readable ids."""
     import pytest
 

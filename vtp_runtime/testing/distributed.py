@@ -45,8 +45,13 @@ def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout:
     torch.set_num_threads(1)  # ranks share few cores; oversubscription makes gloo crawl
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=collective_timeout))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=collective_timeout),
+    )
     group = dist.group.WORLD
     while True:
         job = jobs.get()
@@ -65,8 +70,13 @@ class RankPool:
     on GPU r), running jobs in lockstep. With gloo, jobs may also use CUDA tensors: every rank
     is then on cuda:0 (a fresh process's current device), so TP > 1 runs on a single GPU."""
 
-    def __init__(self, world_size: int, collective_timeout: float = 60.0, env: dict[str, str] | None = None,
-                 backend: str = "gloo"):
+    def __init__(
+        self,
+        world_size: int,
+        collective_timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        backend: str = "gloo",
+    ):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
@@ -76,10 +86,14 @@ class RankPool:
         saved = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
         try:
-            self._procs = [ctx.Process(target=_worker, daemon=True,
-                                       args=(r, world_size, port, self._jobs[r], self._results, collective_timeout,
-                                             backend))
-                           for r in range(world_size)]
+            self._procs = [
+                ctx.Process(
+                    target=_worker,
+                    daemon=True,
+                    args=(r, world_size, port, self._jobs[r], self._results, collective_timeout, backend),
+                )
+                for r in range(world_size)
+            ]
             for p in self._procs:
                 p.start()
         finally:
@@ -108,10 +122,11 @@ class RankPool:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 missing = sorted(set(range(self.world_size)) - set(got))
                 self.close(force=True)
-                raise RankTimeout(f"{getattr(fn, '__name__', fn)} did not finish within {timeout:.0f} s on "
-                                  f"ranks {missing} (dead processes: {dead}); finished: "
-                                  + "; ".join(f"rank {r}: {'ok' if ok else v.splitlines()[0]}"
-                                              for r, (ok, v) in sorted(got.items()))) from None
+                raise RankTimeout(
+                    f"{getattr(fn, '__name__', fn)} did not finish within {timeout:.0f} s on "
+                    f"ranks {missing} (dead processes: {dead}); finished: "
+                    + "; ".join(f"rank {r}: {'ok' if ok else v.splitlines()[0]}" for r, (ok, v) in sorted(got.items()))
+                ) from None
             if jid == job_id:
                 got[rank] = (ok, value)
         failed = {r: v for r, (ok, v) in got.items() if not ok}

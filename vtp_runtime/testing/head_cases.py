@@ -46,9 +46,14 @@ class HeadCase(Case):
     def id(self) -> str:
         n_in = len(get_spec(self.op).inputs)
         kinds = "".join("H" if h else "L" for h in self.heads[:n_in])
-        extra = [f"head{kinds}", f"H{self.hidden}", "bias" if self.bias else "",
-                 "" if self.head_grads == "hwb" else f"g-{self.head_grads or 'none'}",
-                 "" if self.reduce_hidden_grad else "partial", f"rows{self.chunk_rows}"]
+        extra = [
+            f"head{kinds}",
+            f"H{self.hidden}",
+            "bias" if self.bias else "",
+            "" if self.head_grads == "hwb" else f"g-{self.head_grads or 'none'}",
+            "" if self.reduce_hidden_grad else "partial",
+            f"rows{self.chunk_rows}",
+        ]
         return "-".join(p for p in [super().id, *extra] if p)
 
 
@@ -113,19 +118,28 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
             leaves.append(z)
             continue
         h, w, b = parts[i]
-        local = [h.to(dtype).to(dev), w[start:end].to(dtype).to(dev),
-                 None if b is None else b[start:end].to(dtype).to(dev)]
+        local = [
+            h.to(dtype).to(dev),
+            w[start:end].to(dtype).to(dev),
+            None if b is None else b[start:end].to(dtype).to(dev),
+        ]
         for t, letter in zip(local, "hwb"):
             if t is not None:
                 t.requires_grad_(need and letter in case.head_grads)
-        args.append(vtp.Head(local[0], local[1], local[2], reduce_hidden_grad=case.reduce_hidden_grad,
-                             chunk_rows=case.chunk_rows))
+        args.append(
+            vtp.Head(
+                local[0], local[1], local[2], reduce_hidden_grad=case.reduce_hidden_grad, chunk_rows=case.chunk_rows
+            )
+        )
         leaves += [t for t in local if t is not None]
     before = [t.detach().clone() for t in leaves]
     if index is not None:
         args.append(index.to(dev))
-    kwargs = {**dict(case.options), **{k: v.to(dev) for k, v in extra.items()},
-              "tp_group": group if world > 1 else None}
+    kwargs = {
+        **dict(case.options),
+        **{k: v.to(dev) for k, v in extra.items()},
+        "tp_group": group if world > 1 else None,
+    }
     if case.layout == "explicit":
         kwargs.update(vocab_start=start, vocab_end=end)
     if case.backend:
@@ -136,12 +150,18 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
     flat_extra = {k: v.reshape(n) for k, v in extra.items()}
     dlogit_needed = tuple(bool(case.grads[i] and (parts[i] is None or case.head_grads)) for i in range(n_in))
     outs = outputs(out)
-    ref_outs, upstreams, ref_rows, ref_grads = reference(case, tuple(flat_logits), flat_index, flat_extra,
-                                                         [o.shape for o in outs], dlogit_needed)
+    ref_outs, upstreams, ref_rows, ref_grads = reference(
+        case, tuple(flat_logits), flat_index, flat_extra, [o.shape for o in outs], dlogit_needed
+    )
     errors: dict = {}
     for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
-        _close("value" if i == 0 else f"value[{i}]", o.detach().cpu().double(), ref_out.double().reshape(o.shape),
-               HEAD_VALUE_RTOL[case.dtype], errors)
+        _close(
+            "value" if i == 0 else f"value[{i}]",
+            o.detach().cpu().double(),
+            ref_out.double().reshape(o.shape),
+            HEAD_VALUE_RTOL[case.dtype],
+            errors,
+        )
 
     # expected gradients; a token whose value is inf/NaN has no defined gradient: its rows are
     # skipped, and the weight/bias gradients (sums over every token) are not checked then
@@ -182,8 +202,7 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         name = case.backend or vtp.explain(case.op, *args, **kwargs).backend
         assert name is not None, "explain picked no backend for a call that ran"
         # (with return_entropy the head runs per token whatever the reduction: see api._head_reduction)
-        scalar = (dict(case.options).get("reduction", "none") != "none"
-                  and not dict(case.options).get("return_entropy"))
+        scalar = dict(case.options).get("reduction", "none") != "none" and not dict(case.options).get("return_entropy")
         repeat = REGISTRY.get(name).ops[case.op].repeat_backward and not scalar
         try:
             again = torch.autograd.grad(objective, wanted)

@@ -30,10 +30,20 @@ def _needed(op: str, index: Tensor | None) -> Tensor:
     return index
 
 
-def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, temperature: float = 1.0,
-           ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
-           reverse: bool = False, beta: float = 0.5, mask: Tensor | None = None,
-           labels: Tensor | None = None) -> Tensor:
+def values(
+    op: str,
+    logits: tuple[Tensor, ...],
+    index: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    reverse: bool = False,
+    beta: float = 0.5,
+    mask: Tensor | None = None,
+    labels: Tensor | None = None,
+) -> Tensor:
     """Per-token float64 values of ``op`` on full logits ``[N, V]`` (differentiable)."""
     n = logits[0].shape[0]
     keep = torch.ones(n, dtype=torch.bool, device=logits[0].device)
@@ -47,8 +57,7 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
         idx = _needed(op, index)
         keep &= ((idx if idx.dim() == 2 else idx[:, None]) != ignore_index).any(-1)
     # masked rows get zero logits so that nothing non-finite flows through autograd there
-    xs = [torch.where(keep[:, None], z.double() / temperature, torch.zeros((), dtype=torch.float64))
-          for z in logits]
+    xs = [torch.where(keep[:, None], z.double() / temperature, torch.zeros((), dtype=torch.float64)) for z in logits]
     logps = [torch.log_softmax(x, dim=-1) for x in xs]
     big_v = logits[0].shape[-1]
 
@@ -84,7 +93,7 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
         elif beta == 1.0:
             out = _kl(ls, lt)
         else:
-            mix = (beta * lt.exp() + (1 - beta) * ls.exp())
+            mix = beta * lt.exp() + (1 - beta) * ls.exp()
             log_mix = torch.where(mix > 0, mix, torch.ones_like(mix)).log()
             log_mix = torch.where(mix > 0, log_mix, torch.full_like(log_mix, -math.inf))
             out = beta * _kl(lt, log_mix) + (1 - beta) * _kl(ls, log_mix)
@@ -93,9 +102,15 @@ def values(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None, *, 
     return torch.where(keep, out, torch.zeros_like(out))
 
 
-def values_and_grads(op: str, logits: tuple[Tensor, ...], index: Tensor | None = None,
-                     grad_output: Tensor | None = None, *, needs_grad: tuple[bool, ...] | None = None,
-                     **options) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+def values_and_grads(
+    op: str,
+    logits: tuple[Tensor, ...],
+    index: Tensor | None = None,
+    grad_output: Tensor | None = None,
+    *,
+    needs_grad: tuple[bool, ...] | None = None,
+    **options,
+) -> tuple[Tensor, tuple[Tensor | None, ...]]:
     """Values and float64 gradients of ``sum(values * grad_output)`` w.r.t. each logits input
     (None where ``needs_grad`` is False). ``grad_output`` defaults to ones."""
     needs_grad = needs_grad or (True,) * len(logits)
@@ -109,9 +124,18 @@ def values_and_grads(op: str, logits: tuple[Tensor, ...], index: Tensor | None =
     return out.detach(), tuple(next(it) if need else None for need in needs_grad)
 
 
-def topk_kl(student: Tensor, teacher_logprobs: Tensor, index: Tensor, *, temperature: float = 1.0,
-            reverse: bool = False, tail: bool = False, ignore_index: int = -100, mask: Tensor | None = None,
-            labels: Tensor | None = None) -> Tensor:
+def topk_kl(
+    student: Tensor,
+    teacher_logprobs: Tensor,
+    index: Tensor,
+    *,
+    temperature: float = 1.0,
+    reverse: bool = False,
+    tail: bool = False,
+    ignore_index: int = -100,
+    mask: Tensor | None = None,
+    labels: Tensor | None = None,
+) -> Tensor:
     """Per-token float64 KL against a teacher given by its log-probs at ``index`` (``[N, k]``;
     ``ignore_index`` entries are padding), on full student logits ``[N, V]``, differentiable
     w.r.t. the student and the teacher's log-probs. The student's residual mass is summed over
