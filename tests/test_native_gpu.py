@@ -41,9 +41,11 @@ def _sync_debug(mode):
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def _calls(n: int, v_local: int, vocab: int, group, seed: int, dev: torch.device | None = None):
+def _calls(n: int, v_local: int, vocab: int, group, seed: int, dev: torch.device | None = None,
+           backend: str = "triton"):
     """Every op with the options that add work on the device: masks, labels, top-k, the
-    entropy with the log-probs, a tensor normalizer on the device, each reduction."""
+    entropy with the log-probs, a tensor normalizer on the device, each reduction; and the
+    two inputs that get gradients."""
     dev = dev or torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(seed)
     z = torch.randn(n, v_local, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
@@ -53,8 +55,8 @@ def _calls(n: int, v_local: int, vocab: int, group, seed: int, dev: torch.device
     k = torch.randint(0, vocab, (n, 3), device=dev, generator=g)
     mask = torch.rand(n, device=dev, generator=g) > 0.2
     count = torch.full((), float(n), device=dev)
-    common = dict(tp_group=group, backend="triton")
-    return [
+    common = dict(tp_group=group, backend=backend)
+    return (z, t_grad), [
         lambda: vtp.cross_entropy(z, y, label_smoothing=0.1, reduction="mean", **common),
         lambda: vtp.cross_entropy(z.view(2, n // 2, v_local), y.view(2, n // 2), z_loss=1e-4, **common).sum(),
         lambda: vtp.logprobs(z, k, reduction="sum", normalizer=count, **common),
@@ -68,7 +70,7 @@ def _calls(n: int, v_local: int, vocab: int, group, seed: int, dev: torch.device
 def _steady(group, relax_collectives: bool, v_local: int, vocab: int, n: int = 1024) -> list:
     """Plan every call (first call, sync allowed), then run each again, forward and
     backward, under sync debug mode "error"; the calls that raised, with their errors."""
-    calls = _calls(n, v_local, vocab, group, seed=0)
+    _, calls = _calls(n, v_local, vocab, group, seed=0)
     for call in calls:
         call().backward()
     torch.cuda.synchronize()
@@ -139,6 +141,50 @@ def test_gloo_itself_under_sync_debug_mode(ranks):
     if results == [[], []]:
         return  # gloo issued no sync that the debug mode sees
     pytest.xfail(f"gloo's collectives of CUDA tensors sync (seen by sync debug mode): {results[0][:1]}")
+
+
+# -- the low-overhead launch path ----------------------------------------------------------
+
+@pytest.mark.parametrize("n", [1024, 100])  # one launch per pass / split rows with a finishing kernel
+def test_fast_launch_gives_the_jit_results(n):
+    """CUDA_CONFIG launches kept compiled kernels directly (launch.py); the same calls through
+    Triton's JIT every time give bit-identical values and gradients, on every kernel."""
+    import dataclasses
+
+    from vtp_runtime.backends.triton import CUDA_CONFIG, TritonBackend
+    from vtp_runtime.backends.triton import launch as launch_mod
+    from vtp_runtime.registry import REGISTRY, register
+
+    class JitOnly(TritonBackend):
+        name, priority = "triton_jit_launch", -5
+
+    class Plugin:
+        @staticmethod
+        def vtp_runtime_register_backends(register):
+            register(JitOnly(dataclasses.replace(CUDA_CONFIG, fast_launch=False)))
+
+    vtp.hookimpl(Plugin.vtp_runtime_register_backends)
+    register(Plugin(), name="triton_jit_launch")
+    try:
+        for backend in ("triton", "triton_jit_launch"):
+            results = []
+            for seed in (0, 1, 2):  # the later calls take the kept kernels
+                leaves, calls = _calls(n, 4000, 4000, None, seed, backend=backend)
+                outs = []
+                for call in calls:
+                    out = call()
+                    out.backward()
+                    outs.append(out.detach())
+                results.append(outs + [leaf.grad for leaf in leaves])
+            if backend == "triton":
+                fast = results
+                assert launch_mod._kept, "no compiled kernel was kept: the fast path never ran"
+            else:
+                for a, b in zip(fast, results):
+                    for x, y in zip(a, b):
+                        assert torch.equal(x, y)
+    finally:
+        REGISTRY.unregister("triton_jit_launch")
 
 
 # -- CUDA graphs ---------------------------------------------------------------------------

@@ -26,7 +26,7 @@ op: its name (``group.group_name``) is, resolved at run time.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -45,9 +45,15 @@ def _group(name: str):
         return None
     group = _GROUPS.get(name)
     if group is None:
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from torch.distributed import distributed_c10d as c10d
 
-        group = _GROUPS[name] = _resolve_process_group(name)
+        if hasattr(c10d, "_resolve_process_group"):  # torch 2.11, 2.13
+            group = c10d._resolve_process_group(name)
+        else:  # the registry it reads
+            group = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
+            if group is None:
+                raise RuntimeError(f"no process group is registered as {name!r}")
+        _GROUPS[name] = group
     return group
 
 
@@ -128,12 +134,14 @@ def _plan(
     return api._planned(op, tensors, given, traced), tensors, given
 
 
+# Optional[...] rather than "| None" in the custom ops' signatures: the schema is inferred
+# from them, and torch before 2.6 reads only Optional there
 @torch.library.custom_op("vtp_runtime::forward", mutates_args=())
 def forward_op(
     op: str,
     inputs: list[Tensor],
-    index: Tensor | None,
-    mask: Tensor | None,
+    index: Optional[Tensor],  # noqa: UP045
+    mask: Optional[Tensor],  # noqa: UP045
     group_name: str,
     temperature: float,
     ignore_index: int,
@@ -227,8 +235,8 @@ def backward_op(
     grad: Tensor,
     statistics: Tensor,
     inputs: list[Tensor],
-    index: Tensor | None,
-    mask: Tensor | None,
+    index: Optional[Tensor],  # noqa: UP045
+    mask: Optional[Tensor],  # noqa: UP045
     op: str,
     group_name: str,
     temperature: float,

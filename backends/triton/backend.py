@@ -36,6 +36,7 @@ from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import OPS, kl_direction
 
 from . import layout
+from .launch import launch
 
 LOG2E = 1.4426950408889634
 _ONE_INPUT_KIND = {"cross_entropy": layout.CE, "logprobs": layout.LOGPROBS, "entropy": layout.ENTROPY}
@@ -66,9 +67,12 @@ class LaunchConfig:
     # JSD: the hardware lg2.approx through inline PTX. NVIDIA only, so off unless a config
     # asks for it (CUDA_CONFIG does); other targets get Triton's portable tl.log2.
     fast_log2: bool = False
+    # launch a kernel already compiled for these arguments through its launcher, without
+    # Triton's per-launch JIT dispatch (launch.py); checked on CUDA with triton 3.6 and 3.9
+    fast_launch: bool = False
 
 
-CUDA_CONFIG = LaunchConfig(fast_log2=True)
+CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
 # Triton's interpreter runs programs one by one in numpy: small tiles keep the tests fast
 # and make the small test shapes cover several tiles and several splits per row.
 INTERPRETER_CONFIG = LaunchConfig(
@@ -148,10 +152,16 @@ def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
     }
 
 
-def _kernels():
-    from . import kernels  # imported on first use: importing this module never needs triton
+_KERNELS = None
 
-    return kernels
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:  # imported on first use: importing this module never needs triton
+        from . import kernels
+
+        _KERNELS = kernels
+    return _KERNELS
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -297,7 +307,10 @@ class TritonBackend(Backend):
         idx_arg = idx if idx is not None else values
         keep_arg = keep if keep is not None else values
         rows_b, s_a, s_b = _geometry(z)
-        k.stats1_kernel[(n * splits,)](
+        launch(
+            k.stats1_kernel,
+            (n * splits,),
+            cfg.fast_launch,
             z_ptr=z,
             rows_b=rows_b,
             stride_a=s_a,
@@ -330,7 +343,10 @@ class TritonBackend(Backend):
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
-        k.finish1_kernel[(_cdiv(n, cfg.block_rows),)](
+        launch(
+            k.finish1_kernel,
+            (_cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
             part_ptr=part,
             n_parts=n_parts,
             n_rows=n,
@@ -373,7 +389,10 @@ class TritonBackend(Backend):
         keep_arg = keep if keep is not None else values
         rows_b, a_a, a_b = _geometry(a)
         _, b_a, b_b = _geometry(b)
-        k.stats2_kernel[(n * splits,)](
+        launch(
+            k.stats2_kernel,
+            (n * splits,),
+            cfg.fast_launch,
             a_ptr=a,
             b_ptr=b,
             rows_b=rows_b,
@@ -399,7 +418,10 @@ class TritonBackend(Backend):
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
-        k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
+        launch(
+            k.finish2_kernel,
+            (_cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
             part_ptr=part,
             n_parts=n_parts,
             n_rows=n,
@@ -431,7 +453,10 @@ class TritonBackend(Backend):
         splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
         div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
         if splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
-            k.jsd_row_kernel[(n,)](
+            launch(
+                k.jsd_row_kernel,
+                (n,),
+                cfg.fast_launch,
                 s_ptr=student,
                 t_ptr=teacher,
                 rows_b=rows_b,
@@ -453,7 +478,10 @@ class TritonBackend(Backend):
             )
             return values, state
         part = torch.empty((splits, n, layout.PAIR_FIELDS), dtype=torch.float32, device=dev)
-        k.stats2_kernel[(n * splits,)](
+        launch(
+            k.stats2_kernel,
+            (n * splits,),
+            cfg.fast_launch,
             a_ptr=student,
             b_ptr=teacher,
             rows_b=rows_b,
@@ -478,7 +506,10 @@ class TritonBackend(Backend):
         )
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, layout.DIV_FIELDS), dtype=torch.float32, device=dev)
-        k.jsd_div_kernel[(n * div_splits,)](
+        launch(
+            k.jsd_div_kernel,
+            (n * div_splits,),
+            cfg.fast_launch,
             s_ptr=student,
             t_ptr=teacher,
             rows_b=rows_b,
@@ -503,7 +534,10 @@ class TritonBackend(Backend):
             num_warps=cfg.warps_div,
         )
         part2, n_parts2 = _gather(part2, call.group)
-        k.finish2_kernel[(_cdiv(n, cfg.block_rows),)](
+        launch(
+            k.finish2_kernel,
+            (_cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
             part_ptr=part2,
             n_parts=n_parts2,
             n_rows=n,
@@ -539,7 +573,10 @@ class TritonBackend(Backend):
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
         rows_b, s_a, s_b = _geometry(z)
-        k.backward1_kernel[(n * splits,)](
+        launch(
+            k.backward1_kernel,
+            (n * splits,),
+            cfg.fast_launch,
             z_ptr=z,
             rows_b=rows_b,
             stride_a=s_a,
@@ -591,7 +628,10 @@ class TritonBackend(Backend):
             splits, chunk = self._bwd_splits(cfg, n, v_local)
             rows_b, a_a, a_b = _geometry(a)
             _, b_a, b_b = _geometry(b)
-            k.backward2_kernel[(n * splits,)](
+            launch(
+                k.backward2_kernel,
+                (n * splits,),
+                cfg.fast_launch,
                 a_ptr=a,
                 b_ptr=b,
                 rows_b=rows_b,
