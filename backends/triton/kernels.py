@@ -103,10 +103,12 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _entropy_moment(t, s, shift, alpha, e, x):
-    # sum e (z - a) k2: the running state (t, s) moved to the tile's new anchor, plus the
-    # tile's terms (0 where e = 0: the 0 log 0 = 0 rule)
-    return alpha * (t + s * shift) + tl.sum(tl.where(e > 0, e * x, 0.0), 0)
+def _entropy_moment(t, t_lanes, s, shift, alpha, e, x):
+    # sum e (z - a) k2 = t + sum(t_lanes), moved to the tile's new anchor: the scalar part
+    # takes the shift of the old sum s, the lanes only the rescale, and the tile's terms
+    # (0 where e = 0: the 0 log 0 = 0 rule) stay in lanes, so the moment costs no block
+    # reduction per tile (one sum at the end of the row)
+    return alpha * (t + s * shift), alpha * t_lanes + tl.where(e > 0, e * x, 0.0)
 
 
 @triton.jit
@@ -243,7 +245,8 @@ def stats1_kernel(
 
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
-    t = tl.zeros([], tl.float32)  # CE: sum (z - a) k2; entropy: sum e (z - a) k2
+    t = tl.zeros([], tl.float32)  # CE: sum (z - a) k2; entropy: sum e (z - a) k2 (+ t_lanes)
+    t_lanes = tl.zeros([BLOCK], tl.float32)
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inb = cols < hi
@@ -258,11 +261,15 @@ def stats1_kernel(
             if SMOOTH:
                 t = t + (start - lo) * shift + tl.sum(tl.where(inb, x, 0.0), 0)
         elif KIND == ENTROPY:
-            t = _entropy_moment(t, s, shift, alpha, e, x)
+            t, t_lanes = _entropy_moment(t, t_lanes, s, shift, alpha, e, x)
         elif WITH_ENTROPY:  # log-probs and the entropy
-            t = _entropy_moment(t, s, shift, alpha, e, x)
+            t, t_lanes = _entropy_moment(t, t_lanes, s, shift, alpha, e, x)
         s = s * alpha + tl.sum(e, 0)
         m = m_new
+    if KIND == ENTROPY:
+        t += tl.sum(t_lanes, 0)
+    elif WITH_ENTROPY:
+        t += tl.sum(t_lanes, 0)
 
     if FINISH:
         a = _anchor(m)
@@ -528,13 +535,15 @@ def backward1_kernel(
                 d -= smoothing / vocab_size
             d = tl.where(cols == y_local, d - (1.0 - smoothing), d) * coef
         elif KIND == LOGPROBS:
-            d = tl.where(total != 0, -p * total, 0.0)
+            if WITH_ENTROPY:
+                # one product; the floor makes p (lp ln2 + H) exactly 0 where p = 0
+                d = -p * (total + coef_h * (tl.maximum(lp, LOGP_FLOOR) * LN2 + h))
+            else:
+                d = tl.where(total != 0, -p * total, 0.0)
             for j in range(n_idx):
                 ij = tl.load(idx_ptr + row * n_idx + j)
                 gj = tl.load(grad_ptr + row * n_vals + j) * inv_t
                 d += tl.where((cols == ij - vocab_start) & (ij != ignore_index), gj, 0.0)
-            if WITH_ENTROPY:
-                d += tl.where(p == 0, 0.0, -p * (lp * LN2 + h)) * coef_h
         else:
             d = tl.where(p == 0, 0.0, -p * (lp * LN2 + h)) * coef
         d = tl.where(keep, d, 0.0)
