@@ -197,7 +197,7 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
             tp_group=lay.group, vocab_start=lay.vocab_start, vocab_end=lay.vocab_end, global_vocab_size=lay.vocab_size
         )
 
-    local = [logits.to_local()]
+    local = [_to_local(logits)]
     for name, t in zip(spec.inputs[1:], tensors[1:n_logits]):
         if isinstance(t, DTensor):
             if t.device_mesh != lay.mesh or _placements(t, names) != lay.placements or t.shape != logits.shape:
@@ -207,7 +207,7 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
                     f"(shape {tuple(logits.shape)}, placements {lay.placements}, same mesh): "
                     f"{name}.redistribute({spec.inputs[0]}.device_mesh, {spec.inputs[0]}.placements)"
                 )
-            t = t.to_local()
+            t = _to_local(t)
         local.append(t)
     for name, t in zip((spec.index,) if spec.index else (), tensors[n_logits:]):
         local.append(_local_part(name, t, lay, names))
@@ -239,6 +239,28 @@ def _named_tensors(spec, tensors, options):
     yield from zip(names, tensors)
     for name in _TENSOR_OPTIONS:
         yield name, options.get(name)
+
+
+class _ToLocal(torch.autograd.Function):
+    """``dt.to_local()`` whose backward gives the gradient the DTensor's own global shape and
+    stride. torch's ``to_local`` backward infers the global stride from the local shard,
+    which is wrong for uneven shards (V=9 on 2 ranks: (30, 10, 1) and (24, 8, 1) for
+    (27, 9, 1)); ``AccumulateGrad`` then re-lays the gradient out, through a collective."""
+
+    @staticmethod
+    def forward(ctx, dt):
+        ctx.meta = (dt.device_mesh, dt.placements, dt.shape, dt.stride())
+        local = dt._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        mesh, placements, shape, stride = ctx.meta
+        return _dtensor().DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _to_local(dt):
+    return _ToLocal.apply(dt) if dt.requires_grad else dt.to_local()
 
 
 def _local_part(name: str, t, lay: _Layout, names: _Torch):
