@@ -54,8 +54,8 @@ Tensor = torch.Tensor
 # Budget of one [rows, V_local] logits buffer. Each chunk reads and writes the whole weight
 # gradient once (addmm into dW), so fewer, larger chunks cost less: on the H200 at N=8192,
 # V_local=151936, bf16, 256 MiB (10 chunks) ran 1.20x the materialized path. 448 MiB gives at
-# most 1536 rows at V_local = 151936 (6 chunks of 1408 rows at N=8192), 0.4 GiB per buffer:
-# under 0.5 GiB of temporaries for one-input ops, under 1 GiB with a teacher head.
+# most 1536 rows at V_local = 151936 (6 chunks at N=8192, the last of 512 rows), 0.43 GiB per
+# buffer: under 0.5 GiB of temporaries for one-input ops, under 1 GiB with a teacher head.
 CHUNK_BYTES = 448 * 2**20
 
 
@@ -201,17 +201,20 @@ def fingerprint(heads: Sequence[Head | None] | None) -> str:
 
 def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int | None = None) -> int:
     """Token rows per chunk, from quantities every rank shares: ``requested`` if given, else
-    at most the rows of a ``CHUNK_BYTES`` buffer of the widest shard (a multiple of 64 from
-    128 up), balanced over the chunks N needs so that the last chunk's matmuls are not small."""
+    at most the rows of a ``CHUNK_BYTES`` buffer of the widest shard, balanced over the
+    chunks N needs (so that the last chunk's matmuls are not small) and rounded to a multiple
+    of 256 rows, which keeps cuBLAS's 128- and 256-row tiles full: on the H200 (N=8192,
+    H=4096, bf16) 1536-row chunks ran 1.09x the materialized path at V_local=151936 where
+    1408-row ones ran 1.14x (``benchmarks/results/h200_head_chunks.log``)."""
     if requested is not None:
         return max(1, min(requested, num_tokens))
     most = CHUNK_BYTES // max(1, max_v_local * itemsize)
-    if most < 128:
+    if most < 256:
         return max(1, min(most, num_tokens))
-    most -= most % 64
+    most -= most % 256
     chunks = -(-num_tokens // most)
     rows = -(-num_tokens // max(chunks, 1))
-    return max(1, min(most, -(-rows // 64) * 64, num_tokens))
+    return max(1, min(most, -(-rows // 256) * 256, num_tokens))
 
 
 # -- one call -------------------------------------------------------------------------------
