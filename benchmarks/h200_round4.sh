@@ -1,9 +1,9 @@
 #!/bin/bash
-# The GPU run behind the latest figures in docs/benchmarks.md: every GPU test (DTensor on
-# CUDA included; the TP-on-one-GPU tests, 5 minutes by themselves, with TESTS=tests), the fused head at N=8192 (with reduction="none"), the end-to-end training
-# step, and cross entropy / JSD back to back at N=1024 against their peers. H200 machine
-# (device tool), repo root, with liger-kernel, cut-cross-entropy and pytest-timeout carried
-# as wheels in .whl/.
+# The GPU run behind the latest figures in docs/benchmarks.md: the GPU tests (DTensor on
+# CUDA included; the TP-on-one-GPU tests, five minutes by themselves, only with TESTS=tests),
+# the fused head at N=8192 (with reduction="none"), the end-to-end training step, and cross
+# entropy / JSD back to back at N=1024 against their peers. H200 machine (device tool), repo
+# root, with liger-kernel, cut-cross-entropy and pytest-timeout carried as wheels in .whl/.
 . "$(dirname "$0")/gpu_setup.sh"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # many large tests in one process
 STEPS=${STEPS:-tests,head,step,b2b}
