@@ -77,8 +77,9 @@ def test_head_mode_runs_on_cpu_at_tiny_sizes(tmp_path):
     assert data["mode"] == "head" and data["hidden"] == 16
     arms = {(r["op"], r["arm"]) for r in data["rows"]}
     assert arms == {("cross_entropy", "materialized:eager"), ("cross_entropy", "fused:eager"),
-                    ("cross_entropy", "torch"), ("jsd", "materialized:eager"), ("jsd", "fused:eager")}
-    assert len(data["rows"]) == 5 * 2 * 2  # arms x TP sizes x token counts
+                    ("cross_entropy", "fused_none:eager"), ("cross_entropy", "torch"),
+                    ("jsd", "materialized:eager"), ("jsd", "fused:eager")}
+    assert len(data["rows"]) == 6 * 2 * 2  # arms x TP sizes x token counts
     for r in data["rows"]:
         assert not r["error"] and r["ms"] > 0 and r["temp_gib"] is None
         assert r["v_local"] == 101 // r["tp"]
@@ -86,3 +87,24 @@ def test_head_mode_runs_on_cpu_at_tiny_sizes(tmp_path):
             assert r["vs_mat"] == 1.0
     assert "fused:eager" in run.stdout and "vs_mat" in run.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_head_per_token_arm_gives_the_gradients_of_its_weighted_loss():
+    """The ``fused_none`` arm (per-token values, a random upstream gradient) times the
+    gradients of ``sum(g * ce) / N``, here against dense PyTorch on CPU with the eager backend."""
+    import torch
+    import torch.nn.functional as F
+
+    from vtp_runtime import bench_head
+
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 40, (12,), generator=gen)
+    got = bench_head._arm("cross_entropy", "fused_none", "eager", h, w, y, None, None, 0.5)()
+    g = torch.rand(12, generator=torch.Generator().manual_seed(0), dtype=torch.float32).double()
+    want = torch.autograd.grad((F.cross_entropy(h @ w.T, y, reduction="none") * g).sum() / 12, (h, w))
+    assert g.std() > 0.1  # the tokens' upstream gradients differ
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
