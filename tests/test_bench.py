@@ -1,7 +1,8 @@
-"""`vtp-runtime bench` where no GPU is: a clear refusal, and its plot redrawn from the
+"""`vtp-runtime bench` and `benchmarks/step.py` where no GPU is: a clear refusal, the plot redrawn from the
 committed H200 results (the timing itself runs on the GPU machine, never in CI)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -108,3 +109,24 @@ def test_head_per_token_arm_gives_the_gradients_of_its_weighted_loss():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
+
+def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
+    """`benchmarks/step.py` at tiny sizes on the CPU: a row per arm, a skipped arm says why,
+    and the fused head's loss of the same model and tokens is the fp32 cross entropy's."""
+    out = tmp_path / "step.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the head on the eager backend
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step.py"), "--device", "cpu", "--dim", "64",
+                          "--layers", "1", "--heads", "4", "--vocab", "512", "--tokens", "256", "--seq", "128",
+                          "--reps", "1", "--warmup", "1", "--arms", "torch_fp32,vtp_head,liger", "--json", str(out)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"torch_fp32", "vtp_head", "liger"}
+    assert rows["liger"]["note"].startswith("skipped:") and rows["liger"]["ms"] is None
+    for arm in ("torch_fp32", "vtp_head"):
+        r = rows[arm]
+        assert not r["note"] and r["ms"] > 0 and r["peak_gib"] is None and r["batch"] == 2 and r["seq"] == 128
+        assert arm in run.stdout
+    # random labels over V=512 at this init: a loss near log(512) = 6.2, not a degenerate 0 or NaN
+    assert 4.0 < rows["torch_fp32"]["loss"] < 9.0
+    assert abs(rows["vtp_head"]["loss"] - rows["torch_fp32"]["loss"]) < 1e-2 * rows["torch_fp32"]["loss"]
