@@ -1,7 +1,8 @@
-"""`vtp-runtime bench` where no GPU is: a clear refusal, and its plot redrawn from the
+"""`vtp-runtime bench` and `benchmarks/step.py` where no GPU is: a clear refusal, the plot redrawn from the
 committed H200 results (the timing itself runs on the GPU machine, never in CI)."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -77,8 +78,9 @@ def test_head_mode_runs_on_cpu_at_tiny_sizes(tmp_path):
     assert data["mode"] == "head" and data["hidden"] == 16
     arms = {(r["op"], r["arm"]) for r in data["rows"]}
     assert arms == {("cross_entropy", "materialized:eager"), ("cross_entropy", "fused:eager"),
-                    ("cross_entropy", "torch"), ("jsd", "materialized:eager"), ("jsd", "fused:eager")}
-    assert len(data["rows"]) == 5 * 2 * 2  # arms x TP sizes x token counts
+                    ("cross_entropy", "fused_none:eager"), ("cross_entropy", "torch"),
+                    ("jsd", "materialized:eager"), ("jsd", "fused:eager")}
+    assert len(data["rows"]) == 6 * 2 * 2  # arms x TP sizes x token counts
     for r in data["rows"]:
         assert not r["error"] and r["ms"] > 0 and r["temp_gib"] is None
         assert r["v_local"] == 101 // r["tp"]
@@ -86,3 +88,45 @@ def test_head_mode_runs_on_cpu_at_tiny_sizes(tmp_path):
             assert r["vs_mat"] == 1.0
     assert "fused:eager" in run.stdout and "vs_mat" in run.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_head_per_token_arm_gives_the_gradients_of_its_weighted_loss():
+    """The ``fused_none`` arm (per-token values, a random upstream gradient) times the
+    gradients of ``sum(g * ce) / N``, here against dense PyTorch on CPU with the eager backend."""
+    import torch
+    import torch.nn.functional as F
+
+    from vtp_runtime import bench_head
+
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 40, (12,), generator=gen)
+    got = bench_head._arm("cross_entropy", "fused_none", "eager", h, w, y, None, None, 0.5)()
+    g = torch.rand(12, generator=torch.Generator().manual_seed(0), dtype=torch.float32).double()
+    want = torch.autograd.grad((F.cross_entropy(h @ w.T, y, reduction="none") * g).sum() / 12, (h, w))
+    assert g.std() > 0.1  # the tokens' upstream gradients differ
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
+    """`benchmarks/step.py` at tiny sizes on the CPU: a row per arm, a skipped arm says why,
+    and the fused head's loss of the same model and tokens is the fp32 cross entropy's."""
+    out = tmp_path / "step.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the head on the eager backend
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step.py"), "--device", "cpu", "--dim", "64",
+                          "--layers", "1", "--heads", "4", "--vocab", "512", "--tokens", "256", "--seq", "128",
+                          "--reps", "1", "--warmup", "1", "--arms", "torch_fp32,vtp_head,liger", "--json", str(out)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"torch_fp32", "vtp_head", "liger"}
+    assert rows["liger"]["note"].startswith("skipped:") and rows["liger"]["ms"] is None
+    for arm in ("torch_fp32", "vtp_head"):
+        r = rows[arm]
+        assert not r["note"] and r["ms"] > 0 and r["peak_gib"] is None and r["batch"] == 2 and r["seq"] == 128
+        assert arm in run.stdout
+    # random labels over V=512 at this init: a loss near log(512) = 6.2, not a degenerate 0 or NaN
+    assert 4.0 < rows["torch_fp32"]["loss"] < 9.0
+    assert abs(rows["vtp_head"]["loss"] - rows["torch_fp32"]["loss"]) < 1e-2 * rows["torch_fp32"]["loss"]

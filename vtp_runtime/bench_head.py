@@ -5,7 +5,9 @@ weight shard ``W [V_local, H]`` (reduction "mean"), at per-rank work ``V_local =
 device (so "TP = t" times one rank's share; the O(N) cross-rank statistics are not timed):
 
 - ``cross_entropy``: ``materialized`` (``h @ W.T`` then ``vtp.cross_entropy`` on the logits),
-  ``fused`` (``vtp.cross_entropy(vtp.Head(h, W))``), ``torch`` (``F.cross_entropy`` on
+  ``fused`` (``vtp.cross_entropy(vtp.Head(h, W))``), ``fused_none`` (the same with
+  ``reduction="none"``, then ``(values * g).sum() / N`` for a fixed random ``g``: the logits
+  recomputed in backward), ``torch`` (``F.cross_entropy`` on
   ``h @ W.T``), ``liger`` (Liger's fused linear CE) and ``cce`` (cut-cross-entropy's
   ``linear_cross_entropy``) when installed.
 - ``jsd``: a frozen teacher head (``h_t``, ``W_t`` without gradients): ``materialized``
@@ -27,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 
 HEAD_OPS = ("cross_entropy", "jsd")
+VTP_ARMS = ("materialized", "fused", "fused_none")  # the arms run once per vtp backend
 
 
 @dataclass
@@ -59,6 +62,16 @@ def _arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
             return lambda: grads(vtp.cross_entropy(h @ w.T, y, reduction="mean", backend=backend))
         if arm == "fused":
             return lambda: grads(vtp.cross_entropy(vtp.Head(h, w), y, reduction="mean", backend=backend))
+        if arm == "fused_none":
+            # per-token values: the recompute-in-backward path; a fixed random upstream gradient
+            # (scaled as "mean" would) so the tokens' gradients differ
+            g = torch.rand(y.shape, generator=torch.Generator(device=y.device).manual_seed(0), device=y.device)
+
+            def per_token():
+                values = vtp.cross_entropy(vtp.Head(h, w), y, reduction="none", backend=backend)
+                return grads((values * g).sum() / y.numel())
+
+            return per_token
         if arm == "torch":
             return lambda: grads(F.cross_entropy(h @ w.T, y))
         if arm == "liger":
@@ -89,7 +102,7 @@ def _arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
 def _arms(op: str, peers: set[str]) -> list[str]:
     arms = ["materialized", "fused"]
     if op == "cross_entropy":
-        arms += [p for p in ("torch", "liger", "cce") if p in peers]
+        arms += ["fused_none"] + [p for p in ("torch", "liger", "cce") if p in peers]
     return arms
 
 
@@ -166,11 +179,11 @@ def run(args) -> int:
         for n in (int(x) for x in args.tokens.split(","))
         for backend in backends
         for arm in _arms(op, peers)
-        if arm in ("materialized", "fused") or backend == backends[0]
+        if arm in VTP_ARMS or backend == backends[0]
     ]
     for i, (op, tp, n, backend, arm) in enumerate(plan):
         v_local = args.vocab // tp
-        name = arm if arm not in ("materialized", "fused") else f"{arm}:{backend}"
+        name = arm if arm not in VTP_ARMS else f"{arm}:{backend}"
         row = HeadRow(op, name, tp, n, hidden, v_local, args.dtype)
         try:
             g = torch.Generator(device=device).manual_seed(i)

@@ -1,0 +1,267 @@
+"""One training step of a small decoder, end to end, with each way of computing its loss.
+
+The model is defined here (no downloads): a Llama-like decoder with an untied output
+projection ``W [V, d]``. At the defaults (d=1024, 8 layers, 16 heads, SwiGLU ffn 2752,
+V=151936) it has 412.4M parameters, 311M of them in the embedding and ``W``.
+
+A step is the forward pass, the loss of the last hidden states ``h [N, d]`` against labels
+``y [N]`` (reduction "mean"), and ``.backward()`` through the whole model (no optimizer;
+gradients are set to None between steps). Arms:
+
+- ``torch_fp32``: ``F.cross_entropy((h @ W.T).float(), y)``
+- ``vtp_triton``: ``vtp.cross_entropy(h @ W.T, y, backend="triton")`` on the bf16 logits
+- ``vtp_head``: ``vtp.cross_entropy(vtp.Head(h, W), y)`` (the fused head, default backend)
+- ``cce``: cut-cross-entropy's ``linear_cross_entropy(h, W, y)`` (CUDA, if installed)
+- ``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss`` (CUDA, if installed)
+
+Per arm and token count N (``N / seq`` sequences of ``seq`` tokens): the median step time
+over ``--reps`` steps after ``--warmup`` (CUDA events; wall clock on CPU), the peak memory
+allocated during one step above what was held before it (weights and inputs; CUDA only),
+and the loss of the first step. On the GPU:
+
+    python benchmarks/step.py --tokens 8192,32768 --reps 10 --json step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vtp_runtime as vtp
+
+ARMS = ("torch_fp32", "vtp_triton", "vtp_head", "cce", "liger")
+PACKAGES = {"cce": "cut_cross_entropy", "liger": "liger_kernel"}  # arms that need a third-party package
+
+
+class Block(nn.Module):
+    """Pre-norm attention (causal SDPA, rotary positions) and a SwiGLU MLP."""
+
+    def __init__(self, dim: int, heads: int, ffn: int):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.gate_up = nn.Linear(dim, 2 * ffn, bias=False)
+        self.down = nn.Linear(ffn, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def rotate(x, cos, sin):
+    """Rotary position embedding on ``x [b, heads, s, head_dim]`` (half-split convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, ffn: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Parameter(torch.randn(vocab, dim) * dim**-0.5)  # W [V, d], untied
+        for p in self.parameters():
+            if p.dim() == 2 and p is not self.lm_head:
+                nn.init.normal_(p, std=0.02)
+        self.rotary_half = dim // heads // 2
+
+    def hidden(self, tokens):
+        """The final-norm hidden states ``[batch, seq, dim]`` of ``tokens [batch, seq]``."""
+        # rotary angles in fp32 (a bf16 buffer would round the frequencies), cast like the weights
+        half = self.rotary_half
+        inv_freq = 10000.0 ** (-torch.arange(half, device=tokens.device, dtype=torch.float32) / half)
+        angles = torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.float32)[:, None] * inv_freq
+        cos, sin = angles.cos().to(self.lm_head.dtype), angles.sin().to(self.lm_head.dtype)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.norm(x)
+
+
+def loss_fn(arm: str):
+    """``loss(h [N, d], W [V, d], y [N]) -> scalar mean cross entropy`` for one arm."""
+    if arm == "torch_fp32":
+        return lambda h, w, y: F.cross_entropy((h @ w.T).float(), y)
+    if arm == "vtp_triton":
+        return lambda h, w, y: vtp.cross_entropy(h @ w.T, y, reduction="mean", backend="triton")
+    if arm == "vtp_head":
+        return lambda h, w, y: vtp.cross_entropy(vtp.Head(h, w), y, reduction="mean")
+    if arm == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda h, w, y: linear_cross_entropy(h, w, y)
+    if arm == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, y: liger(w, h, y)
+    raise ValueError(f"no arm {arm!r}; arms: {', '.join(ARMS)}")
+
+
+def skip_reason(arm: str, device: str) -> str:
+    if arm in PACKAGES and importlib.util.find_spec(PACKAGES[arm]) is None:
+        return f"skipped: {PACKAGES[arm]} is not installed"
+    if arm in PACKAGES and device != "cuda":
+        return f"skipped: {arm} runs on CUDA only"
+    return ""
+
+
+def measure(model: Decoder, arm: str, tokens, labels, warmup: int, reps: int) -> dict:
+    """Median step ms, peak GiB above what was held before the step, and the first loss."""
+    cuda = tokens.device.type == "cuda"
+    loss = loss_fn(arm)
+    d = model.lm_head.shape[1]
+
+    def step():
+        h = model.hidden(tokens).reshape(-1, d)
+        value = loss(h, model.lm_head, labels.reshape(-1))
+        value.backward()
+        return value.detach()
+
+    first = float(step())  # compiles what the arm compiles, outside the timed steps
+    for _ in range(warmup - 1):
+        model.zero_grad(set_to_none=True)
+        step()
+    times = []
+    for _ in range(reps):
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = None
+    if cuda:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return {"ms": statistics.median(times), "peak_gib": peak, "loss": first}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="8192,32768", help="token counts N per step, comma-separated")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--ffn", type=int, default=None, help="SwiGLU width (default 2752 * dim / 1024, a multiple of 64)")
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--seq", type=int, default=2048, help="sequence length; N / seq sequences per step")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run at tiny sizes (no memory)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--json", help="write the rows and the setup to this file")
+    args = p.parse_args(argv)
+
+    arms = [a for a in args.arms.split(",") if a]
+    token_counts = [int(n) for n in args.tokens.split(",") if n]
+    bad = [a for a in arms if a not in ARMS] + [f"N={n}" for n in token_counts if n % args.seq and n > args.seq]
+    if bad:
+        p.error(f"not an arm, or a token count that is not a multiple of --seq {args.seq}: {', '.join(bad)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("benchmarks/step.py needs a CUDA GPU; pass --device cpu for a smoke run at tiny sizes", file=sys.stderr)
+        return 2
+    ffn = args.ffn or 64 * round(2752 * args.dim / 1024 / 64)
+    torch.manual_seed(0)
+    model = Decoder(args.vocab, args.dim, args.layers, args.heads, ffn).to(args.device, getattr(torch, args.dtype))
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"decoder: {params / 1e6:.1f}M parameters (d={args.dim}, {args.layers} layers, {args.heads} heads, "
+        f"ffn {ffn}, V={args.vocab}, {args.dtype}, {args.device})",
+        file=sys.stderr,
+    )
+
+    rows = []
+    for n in token_counts:
+        seq = min(args.seq, n)
+        g = torch.Generator().manual_seed(n)
+        tokens = torch.randint(0, args.vocab, (n // seq, seq), generator=g).to(args.device)
+        labels = torch.randint(0, args.vocab, (n // seq, seq), generator=g).to(args.device)
+        for arm in arms:
+            row = {
+                "arm": arm,
+                "tokens": n,
+                "batch": n // seq,
+                "seq": seq,
+                "ms": None,
+                "peak_gib": None,
+                "loss": None,
+                "note": skip_reason(arm, args.device),
+            }
+            if not row["note"]:
+                try:
+                    row.update(measure(model, arm, tokens, labels, max(args.warmup, 1), args.reps))
+                except Exception as exc:  # an OOM (or a failing arm) is a result; the next arm runs
+                    row["note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
+                finally:
+                    model.zero_grad(set_to_none=True)
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
+            rows.append(row)
+            print(f"N={n} {arm}: {row['note'] or 'done'}", file=sys.stderr, flush=True)
+
+    print_table(rows)
+    if args.json:
+        setup = {
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "parameters": params,
+            "dim": args.dim,
+            "layers": args.layers,
+            "heads": args.heads,
+            "ffn": ffn,
+            "vocab": args.vocab,
+            "dtype": args.dtype,
+            "argv": sys.argv,
+        }
+        with open(args.json, "w") as f:
+            json.dump({**setup, "rows": rows}, f, indent=1)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    def cell(x, spec):
+        return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+
+    head = f"{'arm':12s} {'N':>6s} {'batch x seq':>11s} {'step ms':>9s} {'peak GiB':>8s} {'loss':>8s}  note"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        shape = f"{r['batch']} x {r['seq']}"
+        print(
+            f"{r['arm']:12s} {r['tokens']:6d} {shape:>11s} {cell(r['ms'], '9.2f')} {cell(r['peak_gib'], '8.2f')} "
+            f"{cell(r['loss'], '8.4f')}  {r['note']}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
