@@ -126,11 +126,12 @@ class PairState(SavedState):
 
 def _index_arg(call: Call, index: torch.Tensor | None) -> torch.Tensor | None:
     """The index as the kernels read it: int64 ``[N]`` labels, ``[N, k]`` log-prob entries."""
+    if call.op not in ("cross_entropy", "logprobs"):
+        return None
+    assert index is not None  # both ops take an index
     if call.op == "cross_entropy":
         return index.contiguous()
-    if call.op == "logprobs":
-        return (index if call.topk else index[:, None]).contiguous()
-    return None
+    return (index if call.topk else index[:, None]).contiguous()
 
 
 def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -282,6 +283,7 @@ class TritonBackend(Backend):
             layout.LOGPROBS: (layout.LOGPROBS_ENTROPY_FIELDS if with_entropy else layout.LOGPROBS_FIELDS) + n_idx,
         }[kind]
         n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY or with_entropy else layout.STATS
+        val_shape: tuple[int, ...]
         if with_entropy:
             val_shape = (n, n_idx + 1)  # the log-probs, then the entropy
         else:
