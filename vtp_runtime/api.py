@@ -352,14 +352,8 @@ class _VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not torch.is_grad_enabled():
-            return _backward(ctx, grad)
-        # create_graph=True: the gradient is computed as usual, but it is not differentiable
-        # (no backend computes second order), so differentiating it must raise
-        with torch.no_grad():
-            grads = _backward(ctx, grad)
         links = (*ctx.saved_tensors, *ctx.links, grad)
-        return (None, None, None, None, *second_order.refuse(ctx.call.op, grads[4:], links))
+        return second_order.gradients(ctx.call.op, lambda: _backward(ctx, grad), 4, links)
 
 
 def _backward(ctx, grad):

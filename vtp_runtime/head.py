@@ -469,13 +469,7 @@ class _HeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not torch.is_grad_enabled():
-            return _backward(ctx, grad)
-        # create_graph=True: the gradients as usual, but differentiating them raises (no
-        # backend computes second order); see vtp_runtime/second_order.py
-        with torch.no_grad():
-            grads = _backward(ctx, grad)
-        return (None, None, *second_order.refuse(ctx.run.call.op, grads[2:], (*ctx.links, grad)))
+        return second_order.gradients(ctx.run.call.op, lambda: _backward(ctx, grad), 2, (*ctx.links, grad))
 
 
 def _backward(ctx, grad):
