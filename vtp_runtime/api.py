@@ -187,7 +187,7 @@ def _local(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | None
     _local_checks(spec, inputs, index, options)
     p.inputs = inputs
     p.lead = tuple(inputs[0].shape[:-1])
-    p.topk = spec.name == "logprobs" and index.dim() == len(p.lead) + 1
+    p.topk = spec.name == "logprobs" and index is not None and index.dim() == len(p.lead) + 1
     grad_on = torch.is_grad_enabled()
     p.needs_grad = tuple(grad_on and t.requires_grad for t in inputs)
     p.forced, p.forced_by = dispatch.forced_backend(spec.name, options["backend"])
@@ -248,7 +248,9 @@ def _gather(
     the other ranks waiting in the gather forever); then every rank raises, this one its own
     exception. ``table``: this call's table, gathered already (by a planned call whose
     gathered table was not the planned one)."""
-    p = local = failure = None
+    p: _Prepared | None = None
+    local: shards.LocalCall | None = None
+    failure: Exception | None = None
     try:
         p = _local(op, tensors, given, traced)
         local = _local_call(p, traced is not None)
@@ -258,6 +260,8 @@ def _gather(
     if table is None:
         table = shards.gather(row, group)
     layout = shards.validate(table, local, group, row.device, failure)
+    # validate raised on every rank if any rank failed before the gather
+    assert p is not None and local is not None
     if local.checksums is None:
         p.metadata = (row, table)
     else:  # a plan gathers again without this call's checksums (see _planned); no table matches it
@@ -348,14 +352,8 @@ class _VocabParallelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not torch.is_grad_enabled():
-            return _backward(ctx, grad)
-        # create_graph=True: the gradient is computed as usual, but it is not differentiable
-        # (no backend computes second order), so differentiating it must raise
-        with torch.no_grad():
-            grads = _backward(ctx, grad)
         links = (*ctx.saved_tensors, *ctx.links, grad)
-        return (None, None, None, None, *second_order.refuse(ctx.call.op, grads[4:], links))
+        return second_order.gradients(ctx.call.op, lambda: _backward(ctx, grad), 4, links)
 
 
 def _backward(ctx, grad):
@@ -432,13 +430,13 @@ def _make_plan(p: _Prepared) -> _Plan:
     made.ignore_index = options.get("ignore_index", -100)
     # the backend returns [N] (or [N, k]); a view back to the leading dims only where they
     # differ (lead is () for 1-D logits: one token)
-    made.out_shape = None if len(p.lead) == 1 else p.lead + ((p.index.shape[-1],) if p.topk else ())
+    made.out_shape = None if len(p.lead) == 1 else p.lead + _topk_dims(p.index, p.topk)
     # Head inputs (never planned: see plan.signature) run through head.run_call
     made.heads, made.stand_ins, made.max_v_local = p.heads, p.inputs, max(layout.sizes)
     return made
 
 
-def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor:
+def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
     """Run a planned call on this call's tensors; ``options`` as given (defaults may be absent)."""
     spec, n, backend = made.spec, made.n, made.backend
     index = mask = None
@@ -461,17 +459,18 @@ def _execute(made: _Plan, tensors: tuple, options: dict[str, Any]) -> Tensor:
         rows = tuple(_rows(t, n, backend.input_layout) for t in tensors[: made.n_inputs])
         values = _VocabParallelFunction.apply(backend, made.call, index, mask, *rows)
     if made.call.options.get("return_entropy"):
+        assert index is not None  # return_entropy is an option of logprobs, which takes an index
         return _logprobs_and_entropy(values, made.lead, made.topk, index, options, made.ignore_index)
     if made.out_shape is not None:
         values = values.view(made.out_shape)
     return _reduce(values, options, index, mask, made.ignore_index)
 
 
-def _run(p: _Prepared) -> Tensor:
+def _run(p: _Prepared) -> Tensor | tuple[Tensor, Tensor]:
     return _execute(_make_plan(p), p.inputs + ((p.index,) if p.spec.index else ()), p.options)
 
 
-def _call(op: str, tensors: tuple, given: dict[str, Any]) -> Tensor:
+def _call(op: str, tensors: tuple, given: dict[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
     return _execute(_planned(op, tensors, given), tensors, given)
 
 
@@ -505,8 +504,17 @@ def _planned(op: str, tensors: tuple, given: dict[str, Any], traced: Traced | No
     if key is not None:
         if REGISTRY.version != version:  # the first call loaded the plugins
             key = plan.signature(op, tensors, given, forced, REGISTRY.version, grads)
+            assert key is not None  # only the registry version changed, which any key can hold
         plan.store(key, made)
     return made
+
+
+def _topk_dims(index: Tensor | None, topk: bool) -> tuple[int, ...]:
+    """The trailing dims of a per-token result: ``(k,)`` for top-k log-probs, else none."""
+    if not topk:
+        return ()
+    assert index is not None  # top-k is logprobs with an [..., k] index
+    return (index.shape[-1],)
 
 
 def _logprobs_and_entropy(

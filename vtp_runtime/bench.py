@@ -25,6 +25,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -505,22 +506,28 @@ def _fmt(x, spec):
     return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
 
 
+def _print_rows(header: str, lines: Iterable[str]) -> None:
+    """A text table: the header, a rule as wide, then one line per row."""
+    print(header)
+    print("-" * len(header))
+    for line in lines:
+        print(line)
+
+
 def print_table(rows: list[Row], copy_gbps: float, overhead: dict | None) -> None:
     """The measurements as the text table ``vtp-runtime bench`` prints."""
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
-    head = (
+    _print_rows(
         f"{'op':16s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} "
-        f"{'graph ms':>8s} {'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
+        f"{'graph ms':>8s} {'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note",
+        (
             f"{r.op:16s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {_fmt(r.ms, '8.3f')} "
             f"{_fmt(r.stream_ms, '9.3f')} "
             f"{_fmt(r.graph_ms, '8.3f')} {_fmt(r.gbps, '6.0f')} {_fmt(r.pct_copy, '5.0f')} "
             f"{_fmt(r.peak_gib, '8.2f')}  {r.error}"
-        )
+            for r in rows
+        ),
+    )
     ratios = entropy_overhead(rows)
     if ratios:
         print(

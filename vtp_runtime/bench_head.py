@@ -214,31 +214,10 @@ def run(args) -> int:
         rows.append(row)
         print(f"[{i + 1}/{len(plan)}] {op} {name} TP{tp} N={n}", file=sys.stderr, flush=True)
     for r in rows:
-        ref = next(
-            (
-                m
-                for m in rows
-                if m.op == r.op
-                and m.tp == r.tp
-                and m.tokens == r.tokens
-                and m.arm == "materialized:" + r.arm.split(":")[-1]
-                and m.ms
-            ),
-            None,
-        )
-        if ref is None:
-            ref = next(
-                (
-                    m
-                    for m in rows
-                    if m.op == r.op
-                    and m.tp == r.tp
-                    and m.tokens == r.tokens
-                    and m.arm.startswith("materialized")
-                    and m.ms
-                ),
-                None,
-            )
+        # the materialized arm of the same backend, else any materialized arm of the same size
+        timed = [m for m in rows if (m.op, m.tp, m.tokens) == (r.op, r.tp, r.tokens) and m.ms]
+        same = [m for m in timed if m.arm == "materialized:" + r.arm.split(":")[-1]]
+        ref = next(iter(same or [m for m in timed if m.arm.startswith("materialized")]), None)
         if r.ms is not None and ref is not None and ref.ms:
             r.vs_mat = r.ms / ref.ms
     print_table(rows)
@@ -269,22 +248,18 @@ def run(args) -> int:
     return 0
 
 
-def _fmt(x, spec):
-    return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
-
-
 def print_table(rows) -> None:
-    head = (
+    from .bench import _fmt, _print_rows
+
+    _print_rows(
         f"{'op':14s} {'arm':20s} {'TP':>2s} {'N':>6s} {'H':>5s} {'V_local':>7s} {'ms':>9s} {'vs_mat':>6s} "
-        f"{'temp GiB':>8s}  note"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(
+        f"{'temp GiB':>8s}  note",
+        (
             f"{r.op:14s} {r.arm:20s} {r.tp:2d} {r.tokens:6d} {r.hidden:5d} {r.v_local:7d} {_fmt(r.ms, '9.3f')} "
             f"{_fmt(r.vs_mat, '6.3f')} {_fmt(r.temp_gib, '8.3f')}  {r.error}"
-        )
+            for r in rows
+        ),
+    )
 
 
 def replot(json_path: str, png_path: str) -> None:

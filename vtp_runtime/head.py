@@ -163,7 +163,8 @@ def stand_ins(inputs: Sequence[Any], names: Sequence[str]) -> tuple[tuple[Head |
     no input is a Head, else one entry per input (None for logits)."""
     if not any(isinstance(t, Head) for t in inputs):
         return None, tuple(inputs)
-    heads, out = [], []
+    heads: list[Head | None] = []
+    out: list[Any] = []
     for name, t in zip(names, inputs):
         if not isinstance(t, Head):
             heads.append(None)
@@ -242,6 +243,21 @@ class HeadInput:
     def needs_grad(self) -> bool:
         return any(self.needs)
 
+    def head_parts(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(hidden, weight, bias)`` of a Head input."""
+        assert self.hidden is not None and self.weight is not None  # run_call sets both for a Head
+        return self.hidden, self.weight, self.bias
+
+    def logits_rows(self) -> Tensor:
+        """The ``[N, V_local]`` logits of a logits input."""
+        assert self.logits is not None  # run_call sets them for a logits input
+        return self.logits
+
+    @property
+    def primary(self) -> Tensor:
+        """The tensor whose dtype and device this input has: a Head's weight, else its logits."""
+        return self.weight if self.weight is not None else self.logits_rows()
+
 
 @dataclasses.dataclass(eq=False)
 class HeadRun:
@@ -278,15 +294,16 @@ class HeadRun:
         out = []
         for x in self.inputs:
             if not x.is_head:
-                out.append(x.logits[lo:hi])
+                out.append(x.logits_rows()[lo:hi])
                 continue
+            hidden, weight, bias = x.head_parts()
             if x.buffer is None:
-                x.buffer = torch.empty((self.rows, x.weight.shape[0]), dtype=x.weight.dtype, device=x.weight.device)
+                x.buffer = torch.empty((self.rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
             z = x.buffer[: hi - lo]
-            if x.bias is None:
-                torch.mm(x.hidden[lo:hi], x.weight.t(), out=z)
+            if bias is None:
+                torch.mm(hidden[lo:hi], weight.t(), out=z)
             else:
-                torch.addmm(x.bias, x.hidden[lo:hi], x.weight.t(), out=z)
+                torch.addmm(bias, hidden[lo:hi], weight.t(), out=z)
             out.append(z)
         return tuple(out)
 
@@ -303,14 +320,18 @@ class HeadRun:
         n = self.num_tokens
         for x in self.inputs:
             nh, nw, nb, nl = x.needs
-            acc = torch.float64 if (x.weight if x.is_head else x.logits).dtype == torch.float64 else torch.float32
+            if not x.is_head:
+                x.grads = [None, None, None, torch.empty_like(x.logits_rows()) if nl else None]
+                continue
+            hidden, weight, bias = x.head_parts()
+            acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
             # dh and dW are written by the first chunk (lo = 0); zeros only when there is none
             new = torch.zeros_like if n == 0 else torch.empty_like
             x.grads = [
-                new(x.hidden) if nh else None,
-                new(x.weight) if nw else None,
-                torch.zeros(x.bias.shape, dtype=acc, device=x.bias.device) if nb else None,
-                torch.empty_like(x.logits) if nl else None,
+                new(hidden) if nh else None,
+                new(weight) if nw else None,
+                torch.zeros(bias.shape, dtype=acc, device=bias.device) if nb and bias is not None else None,
+                None,
             ]
 
     def accumulate(self, lo: int, hi: int, dlogits: Sequence[Tensor | None]) -> None:
@@ -318,16 +339,18 @@ class HeadRun:
         for x, dz in zip(self.inputs, dlogits):
             if not x.needs_grad:
                 continue
+            assert dz is not None  # the backend gives dlogits for every input that needs a gradient
             dh, dw, db, dl = x.grads
             if dl is not None:
                 dl[lo:hi].copy_(dz)
                 continue
+            hidden, weight, _ = x.head_parts()  # an input needing a gradient with no dlogits is a Head
             if dh is not None:
-                torch.mm(dz, x.weight, out=dh[lo:hi])
+                torch.mm(dz, weight, out=dh[lo:hi])
             if dw is not None and lo == 0:
-                torch.mm(dz.t(), x.hidden[lo:hi], out=dw)
+                torch.mm(dz.t(), hidden[lo:hi], out=dw)
             elif dw is not None:
-                dw.addmm_(dz.t(), x.hidden[lo:hi])
+                dw.addmm_(dz.t(), hidden[lo:hi])
             if db is not None:
                 db.add_(dz.sum(dim=0, dtype=db.dtype))
 
@@ -341,7 +364,8 @@ class HeadRun:
             if x.is_head:
                 if dh is not None and x.reduce_hidden_grad:
                     all_reduce_(dh, self.call.group, "sum")
-                out += [dh, dw, None if db is None else db.to(x.bias.dtype)]
+                # the bias has the weight's dtype (checked with the Head)
+                out += [dh, dw, None if db is None else db.to(x.primary.dtype)]
             else:
                 out.append(dl)
         return out
@@ -417,16 +441,15 @@ CHUNKED = ChunkedDriver()
 
 
 def _empty_values(run: HeadRun) -> Tensor:
-    x = run.inputs[0]
-    dtype = (x.weight if x.is_head else x.logits).dtype
-    shape = (0, run.index.shape[1]) if run.call.topk else (0,)
+    like = run.inputs[0].primary
+    k = 1
+    if run.call.topk:
+        assert run.index is not None  # top-k log-probs have an [N, k] index
+        k = run.index.shape[1]
+    shape: tuple[int, ...] = (0, k) if run.call.topk else (0,)
     if run.call.options.get("return_entropy"):  # the log-probs, then the entropy
-        shape = (0, (run.index.shape[1] if run.call.topk else 1) + 1)
-    return torch.empty(
-        shape,
-        dtype=torch.float64 if dtype == torch.float64 else torch.float32,
-        device=(x.weight if x.is_head else x.logits).device,
-    )
+        shape = (0, k + 1)
+    return torch.empty(shape, dtype=torch.float64 if like.dtype == torch.float64 else torch.float32, device=like.device)
 
 
 # -- autograd ---------------------------------------------------------------------------------
@@ -449,13 +472,7 @@ class _HeadFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not torch.is_grad_enabled():
-            return _backward(ctx, grad)
-        # create_graph=True: the gradients as usual, but differentiating them raises (no
-        # backend computes second order); see vtp_runtime/second_order.py
-        with torch.no_grad():
-            grads = _backward(ctx, grad)
-        return (None, None, *second_order.refuse(ctx.run.call.op, grads[2:], (*ctx.links, grad)))
+        return second_order.gradients(ctx.run.call.op, lambda: _backward(ctx, grad), 2, (*ctx.links, grad))
 
 
 def _backward(ctx, grad):

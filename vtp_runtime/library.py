@@ -10,7 +10,7 @@ read or a backend, and ``fullgraph=True`` compiles.
   metadata gather on its first call, see ``vtp_runtime.plan``), dispatch, the backend's
   forward -- and returns the values and the backend's state as one ``[N, W]`` statistics
   tensor (``backend.statistics_width``), so that both have shapes known when tracing.
-- ``vtp_runtime::backward(grad, statistics, inputs, index, mask, ...) -> grads`` finds the
+- ``vtp_runtime::backward(grad, statistics, op, inputs, index, mask, options...) -> grads`` finds the
   same plan (it never gathers) and runs the backend's backward. ``register_autograd`` ties
   the two; the forward's inputs and statistics are what autograd saves.
 
@@ -26,7 +26,7 @@ op: its name (``group.group_name``) is, resolved at run time.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, get_type_hints
 
 import torch
 
@@ -47,8 +47,9 @@ def _group(name: str):
     if group is None:
         from torch.distributed import distributed_c10d as c10d
 
-        if hasattr(c10d, "_resolve_process_group"):  # torch 2.11, 2.13
-            group = c10d._resolve_process_group(name)
+        resolve = getattr(c10d, "_resolve_process_group", None)
+        if resolve is not None:  # torch 2.11, 2.13
+            group = resolve(name)
         else:  # the registry it reads
             group = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
             if group is None:
@@ -57,131 +58,66 @@ def _group(name: str):
     return group
 
 
-def _given(
-    op: str,
-    group_name: str,
-    mask: Tensor | None,
-    temperature: float,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    beta: float,
-    reverse: bool,
-    return_entropy: bool,
-    vocab_start: int,
-    vocab_end: int,
-    global_vocab_size: int,
-) -> dict[str, Any]:
-    """The options of an eager call that the op's arguments stand for (-1: not given)."""
-    given: dict[str, Any] = {"tp_group": _group(group_name), "temperature": temperature}
-    if vocab_start >= 0:
-        given["vocab_start"], given["vocab_end"] = vocab_start, vocab_end
-    if global_vocab_size >= 0:
-        given["global_vocab_size"] = global_vocab_size
+class Options(NamedTuple):
+    """The scalar arguments both custom ops end with, in their schema's order (-1: not given).
+    The schemas are written from these fields, so the argument list is written here only."""
+
+    group_name: str
+    temperature: float
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    beta: float
+    reverse: bool
+    return_entropy: bool
+    vocab_start: int
+    vocab_end: int
+    global_vocab_size: int
+    backend: str
+    backend_source: str
+    needs_grad: list[bool]
+    topk: bool
+
+
+# as torch.library.infer_schema writes them (an int may be symbolic when tracing: SymInt)
+_SCHEMA_TYPES = {str: "str", float: "float", int: "SymInt", bool: "bool", list[bool]: "bool[]"}
+_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[t]} {name}" for name, t in get_type_hints(Options).items())
+
+
+def _given(op: str, mask: Tensor | None, o: Options) -> dict[str, Any]:
+    """The options of an eager call that the op's arguments stand for."""
+    given: dict[str, Any] = {"tp_group": _group(o.group_name), "temperature": o.temperature}
+    if o.vocab_start >= 0:
+        given["vocab_start"], given["vocab_end"] = o.vocab_start, o.vocab_end
+    if o.global_vocab_size >= 0:
+        given["global_vocab_size"] = o.global_vocab_size
     spec = get_spec(op)
     if "ignore_index" in spec.options:
-        given["ignore_index"] = ignore_index
+        given["ignore_index"] = o.ignore_index
     if op == "cross_entropy":
-        given["label_smoothing"], given["z_loss"] = label_smoothing, z_loss
+        given["label_smoothing"], given["z_loss"] = o.label_smoothing, o.z_loss
     if op == "logprobs":
-        given["return_entropy"] = return_entropy
+        given["return_entropy"] = o.return_entropy
     if op == "kl":
-        given["reverse"] = reverse
+        given["reverse"] = o.reverse
     if op == "jsd":
-        given["beta"] = beta
+        given["beta"] = o.beta
     if mask is not None:
         given["mask"] = mask
     return given
 
 
-def _plan(
-    op,
-    inputs,
-    index,
-    mask,
-    group_name,
-    temperature,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    beta,
-    reverse,
-    return_entropy,
-    vocab_start,
-    vocab_end,
-    global_vocab_size,
-    backend,
-    backend_source,
-    needs_grad,
-):
-    tensors = tuple(inputs) + ((index,) if index is not None else ())
-    given = _given(
-        op,
-        group_name,
-        mask,
-        temperature,
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        beta,
-        reverse,
-        return_entropy,
-        vocab_start,
-        vocab_end,
-        global_vocab_size,
-    )
-    traced = api.Traced(tuple(needs_grad), backend or None, backend_source)
-    return api._planned(op, tensors, given, traced), tensors, given
-
-
-# Optional[...] rather than "| None" in the custom ops' signatures: the schema is inferred
-# from them, and torch before 2.6 reads only Optional there
-@torch.library.custom_op("vtp_runtime::forward", mutates_args=())
-def forward_op(
-    op: str,
-    inputs: list[Tensor],
-    index: Optional[Tensor],  # noqa: UP045
-    mask: Optional[Tensor],  # noqa: UP045
-    group_name: str,
-    temperature: float,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    beta: float,
-    reverse: bool,
-    return_entropy: bool,
-    vocab_start: int,
-    vocab_end: int,
-    global_vocab_size: int,
-    backend: str,
-    backend_source: str,
-    needs_grad: list[bool],
-    topk: bool,
+def _forward(
+    op: str, inputs: list[Tensor], index: Tensor | None, mask: Tensor | None, *options: Any
 ) -> tuple[Tensor, Tensor]:
     """Per-token values ``[N]`` (``[N, k]`` top-k log-probs; with ``return_entropy`` ``[N, k + 1]``,
     the entropy last) and the ``[N, W]`` statistics
     backward needs, for ``inputs`` as ``[N, V_local]`` rows, ``index`` int64 ``[N]``/``[N, k]``,
     ``mask`` bool ``[N]`` (already combined with labels). Replicated on every rank."""
-    made, _, _ = _plan(
-        op,
-        inputs,
-        index,
-        mask,
-        group_name,
-        temperature,
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        beta,
-        reverse,
-        return_entropy,
-        vocab_start,
-        vocab_end,
-        global_vocab_size,
-        backend,
-        backend_source,
-        needs_grad,
-    )
+    o = Options(*options)
+    tensors = tuple(inputs) + ((index,) if index is not None else ())
+    traced = api.Traced(tuple(o.needs_grad), o.backend or None, o.backend_source)
+    made = api._planned(op, tensors, _given(op, mask, o), traced)
     values, state = made.backend.forward(made.call, tuple(inputs), index, mask)
     if state is None:
         raise RuntimeError(f"backend {made.backend.name!r} returned no state; it cannot run inside torch.compile")
@@ -196,86 +132,46 @@ def forward_op(
     return values, stats
 
 
+forward_op = torch.library.custom_op(
+    "vtp_runtime::forward",
+    _forward,
+    mutates_args=(),
+    schema=f"(str op, Tensor[] inputs, Tensor? index, Tensor? mask, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor)",
+)
+
+
 @forward_op.register_fake
-def _(
-    op,
-    inputs,
-    index,
-    mask,
-    group_name,
-    temperature,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    beta,
-    reverse,
-    return_entropy,
-    vocab_start,
-    vocab_end,
-    global_vocab_size,
-    backend,
-    backend_source,
-    needs_grad,
-    topk,
-):
+def _(op, inputs, index, mask, *options):
+    o = Options(*options)
     z = inputs[0]
     n = z.shape[0]
     dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
-    if op == "logprobs" and return_entropy:
-        shape = (n, (index.shape[1] if topk else 1) + 1)
+    if op == "logprobs" and o.return_entropy:
+        shape = (n, (index.shape[1] if o.topk else 1) + 1)
     else:
-        shape = (n, index.shape[1]) if topk else (n,)
+        shape = (n, index.shape[1]) if o.topk else (n,)
     values = z.new_empty(shape, dtype=dtype)
-    width = statistics_width(op, {"beta": beta, "return_entropy": return_entropy})
+    width = statistics_width(op, {"beta": o.beta, "return_entropy": o.return_entropy})
     return values, z.new_empty((n, width), dtype=dtype)
 
 
-@torch.library.custom_op("vtp_runtime::backward", mutates_args=())
-def backward_op(
+def _backward_op(
     grad: Tensor,
     statistics: Tensor,
-    inputs: list[Tensor],
-    index: Optional[Tensor],  # noqa: UP045
-    mask: Optional[Tensor],  # noqa: UP045
     op: str,
-    group_name: str,
-    temperature: float,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    beta: float,
-    reverse: bool,
-    return_entropy: bool,
-    vocab_start: int,
-    vocab_end: int,
-    global_vocab_size: int,
-    backend: str,
-    backend_source: str,
-    needs_grad: list[bool],
-    topk: bool,
+    inputs: list[Tensor],
+    index: Tensor | None,
+    mask: Tensor | None,
+    *options: Any,
 ) -> list[Tensor]:
     """The gradients of the inputs in ``needs_grad`` (only those), from the forward's plan
     and statistics. No collective."""
     from . import plan
 
+    o = Options(*options)
     tensors = tuple(inputs) + ((index,) if index is not None else ())
-    given = _given(
-        op,
-        group_name,
-        mask,
-        temperature,
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        beta,
-        reverse,
-        return_entropy,
-        vocab_start,
-        vocab_end,
-        global_vocab_size,
-    )
-    forced = (backend or None, backend_source)
-    key = plan.signature(op, tensors, given, forced, api.REGISTRY.version, tuple(needs_grad))
+    forced = (o.backend or None, o.backend_source)
+    key = plan.signature(op, tensors, _given(op, mask, o), forced, api.REGISTRY.version, tuple(o.needs_grad))
     made = None if key is None else plan.lookup(key)
     if made is None or made.state_type is None:
         raise RuntimeError(
@@ -285,58 +181,28 @@ def backward_op(
         )
     state = made.state_type.from_statistics(made.call, tuple(inputs), index, mask, statistics)
     grads = made.backend.backward(made.call, state, grad.contiguous())
-    return [g for g, need in zip(grads, needs_grad) if need]
+    return [g for g, need in zip(grads, o.needs_grad) if need]
+
+
+backward_op = torch.library.custom_op(
+    "vtp_runtime::backward",
+    _backward_op,
+    mutates_args=(),
+    schema=(
+        f"(Tensor grad, Tensor statistics, str op, Tensor[] inputs, Tensor? index, Tensor? mask, "
+        f"{_OPTIONS_SCHEMA}) -> Tensor[]"
+    ),
+)
 
 
 @backward_op.register_fake
-def _(
-    grad,
-    statistics,
-    inputs,
-    index,
-    mask,
-    op,
-    group_name,
-    temperature,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    beta,
-    reverse,
-    return_entropy,
-    vocab_start,
-    vocab_end,
-    global_vocab_size,
-    backend,
-    backend_source,
-    needs_grad,
-    topk,
-):
-    return [torch.empty_like(t) for t, need in zip(inputs, needs_grad) if need]
-
-
-_SCALARS = (
-    "group_name",
-    "temperature",
-    "ignore_index",
-    "label_smoothing",
-    "z_loss",
-    "beta",
-    "reverse",
-    "return_entropy",
-    "vocab_start",
-    "vocab_end",
-    "global_vocab_size",
-    "backend",
-    "backend_source",
-    "needs_grad",
-    "topk",
-)
+def _(grad, statistics, op, inputs, index, mask, *options):
+    return [torch.empty_like(t) for t, need in zip(inputs, Options(*options).needs_grad) if need]
 
 
 def _setup_context(ctx, inputs, output):
     op, tensors, index, mask = inputs[:4]
-    ctx.op, ctx.scalars, ctx.n = op, inputs[4:], len(tensors)
+    ctx.op, ctx.options, ctx.n = op, inputs[4:], len(tensors)
     ctx.save_for_backward(*tensors, index, mask, output[1])
 
 
@@ -344,15 +210,14 @@ def _backward(ctx, grad_values, grad_statistics):
     saved = ctx.saved_tensors
     n = ctx.n
     tensors, (index, mask, stats) = list(saved[:n]), saved[n:]
-    scalars = dict(zip(_SCALARS, ctx.scalars))
-    needs_grad = scalars["needs_grad"]
+    needs_grad = Options(*ctx.options).needs_grad
     grads = (
-        iter(backward_op(grad_values, stats, tensors, index, mask, ctx.op, *ctx.scalars))
+        iter(backward_op(grad_values, stats, ctx.op, tensors, index, mask, *ctx.options))
         if any(needs_grad)
         else iter(())
     )
     input_grads = [next(grads) if need else None for need in needs_grad]
-    return (None, input_grads) + (None,) * (2 + len(_SCALARS))
+    return (None, input_grads) + (None,) * (2 + len(Options._fields))
 
 
 torch.library.register_autograd("vtp_runtime::forward", _backward, setup_context=_setup_context)
@@ -365,7 +230,7 @@ def _forced(op: str, argument: str | None) -> str:
     return f"{name or ''}\0{source}"
 
 
-def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
+def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
     """``loss(op, *tensors, **options)`` as dynamo traces it: local checks on what tracing
     knows (shapes, dtypes, option values), then the custom op."""
     spec = get_spec(op)
@@ -404,29 +269,27 @@ def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
             keep = options["labels"].reshape(n) != ignore_index
             mask = keep if mask is None else mask & keep
     vocab_start = options["vocab_start"]
-    values, _ = forward_op(
-        spec.name,
-        rows,
-        index,
-        mask,
-        group_name,
-        float(options["temperature"]),
-        int(ignore_index),
-        float(options.get("label_smoothing", 0.0)),
-        float(options.get("z_loss", 0.0)),
-        float(options.get("beta", 0.5)),
-        bool(options.get("reverse", False)),
-        bool(options.get("return_entropy", False)),
-        -1 if vocab_start is None else vocab_start,
-        -1 if vocab_start is None else options["vocab_end"],
-        -1 if options["global_vocab_size"] is None else options["global_vocab_size"],
-        forced[0],
-        forced[1],
-        needs_grad,
-        topk,
+    options_given = Options(
+        group_name=group_name,
+        temperature=float(options["temperature"]),
+        ignore_index=int(ignore_index),
+        label_smoothing=float(options.get("label_smoothing", 0.0)),
+        z_loss=float(options.get("z_loss", 0.0)),
+        beta=float(options.get("beta", 0.5)),
+        reverse=bool(options.get("reverse", False)),
+        return_entropy=bool(options.get("return_entropy", False)),
+        vocab_start=-1 if vocab_start is None else vocab_start,
+        vocab_end=-1 if vocab_start is None else options["vocab_end"],
+        global_vocab_size=-1 if options["global_vocab_size"] is None else options["global_vocab_size"],
+        backend=forced[0],
+        backend_source=forced[1],
+        needs_grad=needs_grad,
+        topk=topk,
     )
+    values, _ = forward_op(spec.name, rows, index, mask, *options_given)
     if options.get("return_entropy"):
+        assert index is not None  # return_entropy is an option of logprobs, which takes an index
         return api._logprobs_and_entropy(values, lead, topk, index, options, ignore_index)
     if len(lead) != 1:
-        values = values.view(lead + ((index.shape[-1],) if topk else ()))
+        values = values.view(lead + api._topk_dims(index, topk))
     return api._reduce(values, options, index, mask, ignore_index)

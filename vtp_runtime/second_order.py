@@ -8,6 +8,8 @@ the gradients through ``_SecondOrderError``, an identity whose backward raises.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 Tensor = torch.Tensor
@@ -64,3 +66,15 @@ def refuse(op: str, grads: tuple, links: tuple) -> tuple:
     for i, g in zip(computed, wrapped):
         out[i] = g
     return tuple(out)
+
+
+def gradients(op: str, compute: Callable[[], tuple], n_leading: int, links: tuple) -> tuple:
+    """An autograd Function's ``backward``: ``compute()``'s gradients, the first ``n_leading``
+    of them the None of its non-tensor arguments. Under ``create_graph=True`` (grad mode on
+    in backward) they are computed as usual, without grad, and made to raise when
+    differentiated (see ``refuse`` for ``links``): no backend computes second order."""
+    if not torch.is_grad_enabled():
+        return compute()
+    with torch.no_grad():
+        grads = compute()
+    return (*grads[:n_leading], *refuse(op, grads[n_leading:], links))

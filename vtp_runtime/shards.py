@@ -345,6 +345,7 @@ def validate(
     )
     _disagree(table, "device_type", "the device type", show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
     if len({row[F["options"]] for row in table}) > 1 or len({row[F["forced"]] for row in table}) > 1:
+        assert local is not None  # a rank without its LocalCall failed, and _failures raised
         diff = _differences(gather_texts(_detail_text(local), group, device))
         forced = diff.pop(FORCED, None)
         what = (

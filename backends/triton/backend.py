@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -126,11 +127,12 @@ class PairState(SavedState):
 
 def _index_arg(call: Call, index: torch.Tensor | None) -> torch.Tensor | None:
     """The index as the kernels read it: int64 ``[N]`` labels, ``[N, k]`` log-prob entries."""
+    if call.op not in ("cross_entropy", "logprobs"):
+        return None
+    assert index is not None  # both ops take an index
     if call.op == "cross_entropy":
         return index.contiguous()
-    if call.op == "logprobs":
-        return (index if call.topk else index[:, None]).contiguous()
-    return None
+    return (index if call.topk else index[:, None]).contiguous()
 
 
 def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -181,6 +183,36 @@ def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
         return max(z.shape[0], 1), 0, z.stride(0)
     a, b, _ = z.shape
     return max(b, 1), z.stride(0), z.stride(1)
+
+
+def _row_args(z: torch.Tensor) -> dict[str, Any]:
+    """The logits of a one-input kernel and their row geometry, as the kernels name them."""
+    rows_b, stride_a, stride_b = _geometry(z)
+    return {"z_ptr": z, "rows_b": rows_b, "stride_a": stride_a, "stride_b": stride_b}
+
+
+def _pair_args(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """The two inputs of a two-input kernel and their row geometry, as the kernels name them
+    (``sa_*``/``sb_*``: the row strides of a and b; both inputs have one shape)."""
+    rows_b, sa_a, sa_b = _geometry(a)
+    _, sb_a, sb_b = _geometry(b)
+    return {"a_ptr": a, "b_ptr": b, "rows_b": rows_b, "sa_a": sa_a, "sa_b": sa_b, "sb_a": sb_a, "sb_b": sb_b}
+
+
+def _one_input_options(call: Call, kind: int) -> dict[str, Any]:
+    """The options of a one-input call as its three kernels (statistics, finish, backward) take them."""
+    opts = call.options
+    return {
+        "vocab_size": call.vocab_size,
+        "k2": LOG2E / opts["temperature"],
+        "ignore_index": int(opts.get("ignore_index", -100)),
+        "smoothing": float(opts.get("label_smoothing", 0.0)),
+        "z_loss": float(opts.get("z_loss", 0.0)),
+        "KIND": kind,
+        "SMOOTH": kind == layout.CE and opts["label_smoothing"] != 0.0,
+        "ZLOSS": kind == layout.CE and opts["z_loss"] != 0.0,
+        "WITH_ENTROPY": kind == layout.LOGPROBS and opts["return_entropy"],
+    }
 
 
 def _splits(n: int, v_per_rank: int, block: int, target: int, max_splits: int) -> int:
@@ -267,21 +299,23 @@ class TritonBackend(Backend):
         return self._backward2(call, state, grad, layout.JSD, False, scratch)
 
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
-        opts = call.options
         kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]
         dev = z.device
         idx = _index_arg(call, index)
         n_idx = 0 if idx is None else 1 if kind == layout.CE else idx.shape[1]
         keep = _keep(mask)
+        options = _one_input_options(call, kind)
+        zloss = options.pop("ZLOSS")
         # log-probs with return_entropy: the entropy's sum rides in the same pass
-        with_entropy = kind == layout.LOGPROBS and opts["return_entropy"]
+        with_entropy = options["WITH_ENTROPY"]
         n_fields = {
             layout.CE: layout.CE_FIELDS,
             layout.ENTROPY: layout.ENTROPY_FIELDS,
             layout.LOGPROBS: (layout.LOGPROBS_ENTROPY_FIELDS if with_entropy else layout.LOGPROBS_FIELDS) + n_idx,
         }[kind]
         n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY or with_entropy else layout.STATS
+        val_shape: tuple[int, ...]
         if with_entropy:
             val_shape = (n, n_idx + 1)  # the log-probs, then the entropy
         else:
@@ -295,47 +329,33 @@ class TritonBackend(Backend):
         cfg = self.config_for(dev)
         tp = call.request.tp_size
         splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        chunk = _chunk(v_local, splits, cfg.block_stats)
         # a row that is neither split nor sharded is finished by the program that reads it
         finish = splits == 1 and tp == 1
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
-        smooth = kind == layout.CE and opts["label_smoothing"] != 0.0
-        zloss = kind == layout.CE and opts["z_loss"] != 0.0
-        ignore = int(opts.get("ignore_index", -100))
-        smoothing, z_loss = float(opts.get("label_smoothing", 0.0)), float(opts.get("z_loss", 0.0))
-        k2 = LOG2E / opts["temperature"]
-        idx_arg = idx if idx is not None else values
-        keep_arg = keep if keep is not None else values
-        rows_b, s_a, s_b = _geometry(z)
+        # what both passes read besides the logits and the partials
+        shared = {
+            "idx_ptr": idx if idx is not None else values,
+            "n_idx": n_idx,
+            "keep_ptr": keep if keep is not None else values,
+            "val_ptr": values,
+            "stat_ptr": stats,
+            "n_rows": n,
+            "HAS_KEEP": keep is not None,
+            **options,
+        }
         launch(
             k.stats1_kernel,
             (n * splits,),
             cfg.fast_launch,
-            z_ptr=z,
-            rows_b=rows_b,
-            stride_a=s_a,
-            stride_b=s_b,
-            idx_ptr=idx_arg,
-            n_idx=n_idx,
-            keep_ptr=keep_arg,
+            **_row_args(z),
+            **shared,
             part_ptr=part,
-            val_ptr=values,
-            stat_ptr=stats,
-            n_rows=n,
             v_local=v_local,
             vocab_start=call.vocab_start,
-            vocab_size=call.vocab_size,
             splits=splits,
-            chunk=chunk,
-            k2=k2,
-            ignore_index=ignore,
-            smoothing=smoothing,
-            z_loss=z_loss,
-            KIND=kind,
-            SMOOTH=smooth,
+            chunk=_chunk(v_local, splits, cfg.block_stats),
+            # the z-loss term is added where a row is finished (here only with FINISH)
             ZLOSS=zloss and finish,
-            HAS_KEEP=keep is not None,
-            WITH_ENTROPY=with_entropy,
             FINISH=finish,
             BLOCK=cfg.block_stats,
             num_warps=cfg.warps_stats,
@@ -347,24 +367,10 @@ class TritonBackend(Backend):
             k.finish1_kernel,
             (_cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
+            **shared,
             part_ptr=part,
             n_parts=n_parts,
-            n_rows=n,
-            idx_ptr=idx_arg,
-            n_idx=n_idx,
-            keep_ptr=keep_arg,
-            val_ptr=values,
-            stat_ptr=stats,
-            vocab_size=call.vocab_size,
-            k2=k2,
-            ignore_index=ignore,
-            smoothing=smoothing,
-            z_loss=z_loss,
-            KIND=kind,
-            SMOOTH=smooth,
             ZLOSS=zloss,
-            HAS_KEEP=keep is not None,
-            WITH_ENTROPY=with_entropy,
             BLOCK_N=cfg.block_rows,
             num_warps=cfg.warps_finish,
         )
@@ -374,67 +380,17 @@ class TritonBackend(Backend):
         student, teacher = inputs
         a, b = (student, teacher) if reverse else (teacher, student)
         values, state = _pair_outputs(student, teacher, mask, layout.KL_STATS)
-        n, v_local, keep, stats, dev = values.shape[0], a.shape[-1], state.keep, state.stats, a.device
+        n = values.shape[0]
         if n == 0:
             return values, state
-        k = _kernels()
-        cfg = self.config_for(dev)
+        cfg = self.config_for(a.device)
         splits = _splits(
             n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats, cfg.target_programs, cfg.max_splits
         )
-        chunk = _chunk(v_local, splits, cfg.block_stats)
         finish = splits == 1 and call.request.tp_size == 1  # see _forward1
-        part = values if finish else torch.empty((splits, n, layout.KL_FIELDS), dtype=torch.float32, device=dev)
-        k2 = LOG2E / call.options["temperature"]
-        keep_arg = keep if keep is not None else values
-        rows_b, a_a, a_b = _geometry(a)
-        _, b_a, b_b = _geometry(b)
-        launch(
-            k.stats2_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            a_ptr=a,
-            b_ptr=b,
-            rows_b=rows_b,
-            sa_a=a_a,
-            sa_b=a_b,
-            sb_a=b_a,
-            sb_b=b_b,
-            keep_ptr=keep_arg,
-            part_ptr=part,
-            val_ptr=values,
-            stat_ptr=stats,
-            n_rows=n,
-            v_local=v_local,
-            splits=splits,
-            chunk=chunk,
-            k2=k2,
-            WITH_KL=True,
-            HAS_KEEP=keep is not None,
-            FINISH=finish,
-            BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats,
-        )
-        if finish:
-            return values, state
-        part, n_parts = _gather(part, call.group)
-        launch(
-            k.finish2_kernel,
-            (_cdiv(n, cfg.block_rows),),
-            cfg.fast_launch,
-            part_ptr=part,
-            n_parts=n_parts,
-            n_rows=n,
-            keep_ptr=keep_arg,
-            val_ptr=values,
-            stat_ptr=stats,
-            k2=k2,
-            beta=0.0,  # read only by the JSD kind
-            KIND=layout.KL,
-            HAS_KEEP=keep is not None,
-            BLOCK_N=cfg.block_rows,
-            num_warps=cfg.warps_finish,
-        )
+        part = self._stats2(call, cfg, a, b, values, state, splits, with_kl=True, finish=finish)
+        if not finish:
+            self._finish2(call, cfg, part, values, state, layout.KL, beta=0.0)  # beta: read only by the JSD kind
         return values, state
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
@@ -446,112 +402,115 @@ class TritonBackend(Backend):
         k = _kernels()
         cfg = self.config_for(dev)
         v_per_rank = _cdiv(call.vocab_size, call.request.tp_size)
-        k2 = LOG2E / call.options["temperature"]
-        keep_arg = keep if keep is not None else values
-        rows_b, s_a, s_b = _geometry(student)
-        _, t_a, t_b = _geometry(teacher)
         splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
         div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
+        # what both JSD passes read (a = student, b = teacher) besides their partials
+        shared = {
+            **_pair_args(student, teacher),
+            "keep_ptr": keep if keep is not None else values,
+            "stat_ptr": stats,
+            "v_local": v_local,
+            "k2": LOG2E / call.options["temperature"],
+            "beta": beta,
+            "HAS_KEEP": keep is not None,
+            "FAST_LOG2": cfg.fast_log2,
+        }
         if splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
             launch(
                 k.jsd_row_kernel,
                 (n,),
                 cfg.fast_launch,
-                s_ptr=student,
-                t_ptr=teacher,
-                rows_b=rows_b,
-                ss_a=s_a,
-                ss_b=s_b,
-                st_a=t_a,
-                st_b=t_b,
-                keep_ptr=keep_arg,
+                **shared,
                 val_ptr=values,
-                stat_ptr=stats,
-                v_local=v_local,
-                k2=k2,
-                beta=beta,
-                HAS_KEEP=keep is not None,
-                FAST_LOG2=cfg.fast_log2,
                 BLOCK_STATS=cfg.block_stats,
                 BLOCK_DIV=cfg.block_div,
                 num_warps=cfg.warps_div,
             )
             return values, state
-        part = torch.empty((splits, n, layout.PAIR_FIELDS), dtype=torch.float32, device=dev)
-        launch(
-            k.stats2_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            a_ptr=student,
-            b_ptr=teacher,
-            rows_b=rows_b,
-            sa_a=s_a,
-            sa_b=s_b,
-            sb_a=t_a,
-            sb_b=t_b,
-            keep_ptr=keep_arg,
-            part_ptr=part,
-            val_ptr=values,
-            stat_ptr=stats,
-            n_rows=n,
-            v_local=v_local,
-            splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats),
-            k2=k2,
-            WITH_KL=False,
-            HAS_KEEP=keep is not None,
-            FINISH=False,
-            BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats,
-        )
+        part = self._stats2(call, cfg, student, teacher, values, state, splits, with_kl=False, finish=False)
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, layout.DIV_FIELDS), dtype=torch.float32, device=dev)
         launch(
             k.jsd_div_kernel,
             (n * div_splits,),
             cfg.fast_launch,
-            s_ptr=student,
-            t_ptr=teacher,
-            rows_b=rows_b,
-            ss_a=s_a,
-            ss_b=s_b,
-            st_a=t_a,
-            st_b=t_b,
-            keep_ptr=keep_arg,
+            **shared,
             stats_part_ptr=part,
             n_stats_parts=n_parts,
             part_ptr=part2,
-            stat_ptr=stats,
             n_rows=n,
-            v_local=v_local,
             splits=div_splits,
             chunk=_chunk(v_local, div_splits, cfg.block_div),
-            k2=k2,
-            beta=beta,
-            HAS_KEEP=keep is not None,
-            FAST_LOG2=cfg.fast_log2,
             BLOCK=cfg.block_div,
             num_warps=cfg.warps_div,
         )
-        part2, n_parts2 = _gather(part2, call.group)
+        self._finish2(call, cfg, part2, values, state, layout.JSD, beta)
+        return values, state
+
+    def _stats2(
+        self,
+        call: Call,
+        cfg: LaunchConfig,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        values: torch.Tensor,
+        state: PairState,
+        splits: int,
+        with_kl: bool,
+        finish: bool,
+    ) -> torch.Tensor:
+        """The statistics pass over both inputs (``with_kl``: and the KL(A || B) term): the
+        ``[splits, N, F]`` partials it fills, or with ``finish`` (KL, one split at TP 1) the
+        values, filled with the statistics as ``finish2_kernel`` would."""
+        n, v_local, keep = values.shape[0], a.shape[-1], state.keep
+        fields = layout.KL_FIELDS if with_kl else layout.PAIR_FIELDS
+        part = values if finish else torch.empty((splits, n, fields), dtype=torch.float32, device=a.device)
         launch(
-            k.finish2_kernel,
+            _kernels().stats2_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            **_pair_args(a, b),
+            keep_ptr=keep if keep is not None else values,
+            part_ptr=part,
+            val_ptr=values,
+            stat_ptr=state.stats,
+            n_rows=n,
+            v_local=v_local,
+            splits=splits,
+            chunk=_chunk(v_local, splits, cfg.block_stats),
+            k2=LOG2E / call.options["temperature"],
+            WITH_KL=with_kl,
+            HAS_KEEP=keep is not None,
+            FINISH=finish,
+            BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats,
+        )
+        return part
+
+    def _finish2(
+        self, call: Call, cfg: LaunchConfig, part: torch.Tensor, values, state: PairState, kind: int, beta: float
+    ) -> None:
+        """Gather every rank's ``[S, N, F]`` partials and merge them into the values and the
+        statistics (``kind``: KL or JSD)."""
+        part, n_parts = _gather(part, call.group)
+        n, keep = values.shape[0], state.keep
+        launch(
+            _kernels().finish2_kernel,
             (_cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
-            part_ptr=part2,
-            n_parts=n_parts2,
+            part_ptr=part,
+            n_parts=n_parts,
             n_rows=n,
-            keep_ptr=keep_arg,
+            keep_ptr=keep if keep is not None else values,
             val_ptr=values,
-            stat_ptr=stats,
-            k2=k2,
+            stat_ptr=state.stats,
+            k2=LOG2E / call.options["temperature"],
             beta=beta,
-            KIND=layout.JSD,
+            KIND=kind,
             HAS_KEEP=keep is not None,
             BLOCK_N=cfg.block_rows,
             num_warps=cfg.warps_finish,
         )
-        return values, state
 
     # -- backward ----------------------------------------------------------------------
     def _bwd_splits(self, cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
@@ -560,7 +519,6 @@ class TritonBackend(Backend):
         return splits, _chunk(v_local, splits, cfg.block_bwd)
 
     def _backward1(self, call: Call, state: OneInputState, grad, in_place: bool = False):
-        opts = call.options
         kind = _ONE_INPUT_KIND[call.op]
         z, idx, stats, keep = state.logits, state.index, state.stats, state.keep
         if not call.needs_grad[0]:
@@ -572,15 +530,12 @@ class TritonBackend(Backend):
         k = _kernels()
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
-        rows_b, s_a, s_b = _geometry(z)
         launch(
             k.backward1_kernel,
             (n * splits,),
             cfg.fast_launch,
-            z_ptr=z,
-            rows_b=rows_b,
-            stride_a=s_a,
-            stride_b=s_b,
+            **_row_args(z),
+            **_one_input_options(call, kind),
             dz_ptr=dz,
             grad_ptr=grad.contiguous(),
             idx_ptr=idx if idx is not None else stats,
@@ -589,19 +544,10 @@ class TritonBackend(Backend):
             stat_ptr=stats,
             v_local=v_local,
             vocab_start=call.vocab_start,
-            vocab_size=call.vocab_size,
             splits=splits,
             chunk=chunk,
-            k2=LOG2E / opts["temperature"],
-            inv_t=1.0 / opts["temperature"],
-            ignore_index=int(opts.get("ignore_index", -100)),
-            smoothing=float(opts.get("label_smoothing", 0.0)),
-            z_loss=float(opts.get("z_loss", 0.0)),
-            KIND=kind,
-            SMOOTH=kind == layout.CE and opts["label_smoothing"] != 0.0,
-            ZLOSS=kind == layout.CE and opts["z_loss"] != 0.0,
+            inv_t=1.0 / call.options["temperature"],
             HAS_KEEP=keep is not None,
-            WITH_ENTROPY=kind == layout.LOGPROBS and opts["return_entropy"],
             BLOCK=cfg.block_bwd,
             num_warps=cfg.warps_bwd,
         )
@@ -626,19 +572,11 @@ class TritonBackend(Backend):
             k = _kernels()
             cfg = self.config_for(a.device)
             splits, chunk = self._bwd_splits(cfg, n, v_local)
-            rows_b, a_a, a_b = _geometry(a)
-            _, b_a, b_b = _geometry(b)
             launch(
                 k.backward2_kernel,
                 (n * splits,),
                 cfg.fast_launch,
-                a_ptr=a,
-                b_ptr=b,
-                rows_b=rows_b,
-                sa_a=a_a,
-                sa_b=a_b,
-                sb_a=b_a,
-                sb_b=b_b,
+                **_pair_args(a, b),
                 da_ptr=da if need_a else db,
                 db_ptr=db if need_b else da,  # NEED_A / NEED_B gate the writes
                 grad_ptr=grad.contiguous(),

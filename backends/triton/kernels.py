@@ -178,6 +178,17 @@ def _entropy_value(log_s, t, s, empty):
 
 
 @triton.jit
+def _parts_max(part_ptr, n_parts, n_rows, rows, rmask, n_fields, field, BLOCK_N: tl.constexpr):
+    """Per row of a block of rows: the largest value of ``field`` over the ``[P, N, F]``
+    partials of every split and rank (-inf for rows past the end)."""
+    big = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for p in range(n_parts):
+        value = tl.load(part_ptr + (p * n_rows + rows) * n_fields + field, mask=rmask, other=float("-inf"))
+        big = tl.maximum(big, value)
+    return big
+
+
+@triton.jit
 def stats1_kernel(
     z_ptr,
     rows_b,
@@ -377,11 +388,7 @@ def finish1_kernel(
     else:
         n_fields = ENTROPY_FIELDS
         n_stats = ENTROPY_STATS
-    big_m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    for p in range(n_parts):
-        mp = tl.load(part_ptr + (p * n_rows + rows) * n_fields + P_MAX, mask=rmask, other=float("-inf"))
-        big_m = tl.maximum(big_m, mp)
-    a = _anchor(big_m)
+    a = _anchor(_parts_max(part_ptr, n_parts, n_rows, rows, rmask, n_fields, P_MAX, BLOCK_N))
     s = tl.zeros([BLOCK_N], tl.float32)
     t = tl.zeros([BLOCK_N], tl.float32)
     picked = tl.zeros([BLOCK_N], tl.float32)
@@ -707,13 +714,13 @@ def _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG
 
 @triton.jit
 def jsd_div_kernel(
-    s_ptr,
-    t_ptr,
+    a_ptr,
+    b_ptr,
     rows_b,
-    ss_a,
-    ss_b,
-    st_a,
-    st_b,
+    sa_a,
+    sa_b,
+    sb_a,
+    sb_b,
     keep_ptr,
     stats_part_ptr,
     n_stats_parts,
@@ -729,9 +736,10 @@ def jsd_div_kernel(
     FAST_LOG2: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """JSD divergence pass: merges the row's gathered statistics itself (a few scalars, no
-    separate launch), then one more read of both inputs accumulating ``sum p_s (lp_s - lm)``
-    and ``sum p_t (lp_t - lm)`` (bits) into ``[P, N, 2]`` partials."""
+    """JSD divergence pass (a = student, b = teacher, as in every two-input kernel): merges the
+    row's gathered statistics itself (a few scalars, no separate launch), then one more read
+    of both inputs accumulating ``sum p_s (lp_s - lm)`` and ``sum p_t (lp_t - lm)`` (bits)
+    into ``[P, N, 2]`` partials."""
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     if HAS_KEEP:
@@ -742,8 +750,8 @@ def jsd_div_kernel(
         tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_A, ls_s)
         tl.store(stat_ptr + row * JSD_STATS + S_ANCHOR_B, a_t)
         tl.store(stat_ptr + row * JSD_STATS + S_LOG2_SUM_B, ls_t)
-    src_s = _row_start(s_ptr, row, rows_b, ss_a, ss_b)
-    src_t = _row_start(t_ptr, row, rows_b, st_a, st_b)
+    src_s = _row_start(a_ptr, row, rows_b, sa_a, sa_b)
+    src_t = _row_start(b_ptr, row, rows_b, sb_a, sb_b)
     kl_s, kl_t = _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG2, BLOCK)
     out = part_ptr + ((pid % splits) * n_rows + row) * DIV_FIELDS
     tl.store(out + P_KL_S, kl_s)
@@ -752,13 +760,13 @@ def jsd_div_kernel(
 
 @triton.jit
 def jsd_row_kernel(
-    s_ptr,
-    t_ptr,
+    a_ptr,
+    b_ptr,
     rows_b,
-    ss_a,
-    ss_b,
-    st_a,
-    st_b,
+    sa_a,
+    sa_b,
+    sb_a,
+    sb_b,
     keep_ptr,
     val_ptr,
     stat_ptr,
@@ -770,16 +778,16 @@ def jsd_row_kernel(
     BLOCK_STATS: tl.constexpr,
     BLOCK_DIV: tl.constexpr,
 ):
-    """The whole JSD forward of one row when it is neither split nor sharded (one program per
-    row, one launch): the statistics pass, the divergence pass, the value. The same reads
+    """The whole JSD forward of one row (a = student, b = teacher) when it is neither split nor
+    sharded (one program per row, one launch): the statistics pass, the divergence pass, the value. The same reads
     and arithmetic as ``stats2_kernel`` -> ``jsd_div_kernel`` -> ``finish2_kernel``."""
     row = tl.program_id(0)
     hi = v_local
     if HAS_KEEP:
         keep = tl.load(keep_ptr + row) != 0
         hi = tl.where(keep, hi, 0)
-    src_s = _row_start(s_ptr, row, rows_b, ss_a, ss_b)
-    src_t = _row_start(t_ptr, row, rows_b, st_a, st_b)
+    src_s = _row_start(a_ptr, row, rows_b, sa_a, sa_b)
+    src_t = _row_start(b_ptr, row, rows_b, sb_a, sb_b)
     ms, ss, mt, st, _ = _pair_stats(src_s, src_t, 0, hi, k2, False, BLOCK_STATS)
     a_s = _anchor(ms)
     a_t = _anchor(mt)
@@ -822,14 +830,8 @@ def finish2_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
     if KIND == KL:
-        big_a = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        big_b = tl.full([BLOCK_N], float("-inf"), tl.float32)
-        for p in range(n_parts):
-            base = part_ptr + (p * n_rows + rows) * KL_FIELDS
-            big_a = tl.maximum(big_a, tl.load(base + P_MAX_A, mask=rmask, other=float("-inf")))
-            big_b = tl.maximum(big_b, tl.load(base + P_MAX_B, mask=rmask, other=float("-inf")))
-        aa = _anchor(big_a)
-        ab = _anchor(big_b)
+        aa = _anchor(_parts_max(part_ptr, n_parts, n_rows, rows, rmask, KL_FIELDS, P_MAX_A, BLOCK_N))
+        ab = _anchor(_parts_max(part_ptr, n_parts, n_rows, rows, rmask, KL_FIELDS, P_MAX_B, BLOCK_N))
         s_a = tl.zeros([BLOCK_N], tl.float32)
         s_b = tl.zeros([BLOCK_N], tl.float32)
         kl = tl.zeros([BLOCK_N], tl.float32)
