@@ -297,10 +297,10 @@ def test_partial_hidden_gradients_sum_to_the_full_one(ranks):
 # -- chunking, memory, second backward ------------------------------------------------------------
 
 def test_chunk_rows_rule():
-    assert head_mod.chunk_rows(8192, 151936, 2) == 1536  # at most 1536 (448 MiB of bf16 rows): 6 chunks
-    assert head_mod.chunk_rows(8192, 151936 // 2, 2) == 2816  # at most 3072, 3 chunks of 2731 rounded to 256
-    assert head_mod.chunk_rows(8192, 151936 // 4, 2) == 4096  # at most 6144, balanced over 2 chunks
-    assert head_mod.chunk_rows(2048, 151936, 2) == 1024  # two chunks of 1024, not 1536 + 512
+    assert head_mod.chunk_rows(8192, 151936, 2) == 1280  # at most 1280 (384 MiB of bf16 rows): 7 chunks
+    assert head_mod.chunk_rows(8192, 151936 // 2, 2) == 2048  # at most 2560: 4 chunks of 2048
+    assert head_mod.chunk_rows(8192, 151936 // 4, 2) == 4096  # at most 5120, balanced over 2 chunks
+    assert head_mod.chunk_rows(2048, 151936, 2) == 1024  # two chunks of 1024, not 1280 + 768
     assert head_mod.chunk_rows(100, 151936, 2) == 100  # never more rows than tokens
     assert head_mod.chunk_rows(8192, 10**9, 4) == 1  # at least one row
     assert head_mod.chunk_rows(8192, 151936, 2, requested=512) == 512

@@ -52,11 +52,13 @@ from .comm import all_reduce_
 Tensor = torch.Tensor
 
 # Budget of one [rows, V_local] logits buffer. Each chunk reads and writes the whole weight
-# gradient once (addmm into dW), so fewer, larger chunks cost less: on the H200 at N=8192,
-# V_local=151936, bf16, 256 MiB (10 chunks) ran 1.20x the materialized path. 448 MiB gives at
-# most 1536 rows at V_local = 151936 (6 chunks at N=8192, the last of 512 rows), 0.43 GiB per
-# buffer: under 0.5 GiB of temporaries for one-input ops, under 1 GiB with a teacher head.
-CHUNK_BYTES = 448 * 2**20
+# gradient once (addmm into dW), so fewer, larger chunks cost less, but the matmuls run best
+# on rows in multiples of 256 (see chunk_rows). On the H200 at N=8192, H=4096, bf16, 384 MiB
+# gives 1280-row chunks at V_local=151936 and 2048-row ones at 75968, the fastest of those
+# measured (1.075x and 1.033x the materialized path; benchmarks/results/h200_head_chunks.log),
+# 0.36 GiB per buffer: under 0.5 GiB of temporaries for one-input ops, under 1 GiB with a
+# teacher head.
+CHUNK_BYTES = 384 * 2**20
 
 
 class HeadGradientConsumed(RuntimeError):
@@ -205,7 +207,7 @@ def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int 
     at most the rows of a ``CHUNK_BYTES`` buffer of the widest shard, balanced over the
     chunks N needs (so that the last chunk's matmuls are not small) and rounded to a multiple
     of 256 rows, which keeps cuBLAS's 128- and 256-row tiles full: on the H200 (N=8192,
-    H=4096, bf16) 1536-row chunks ran 1.09x the materialized path at V_local=151936 where
+    H=4096, bf16) 1280-row chunks ran 1.075x the materialized path at V_local=151936 where
     1408-row ones ran 1.14x (``benchmarks/results/h200_head_chunks.log``)."""
     if requested is not None:
         return max(1, min(requested, num_tokens))
