@@ -8,6 +8,8 @@ machine with ``TRITON_INTERPRET=0 python -m pytest -m gpu tests/test_native_gpu.
 - a training step (a linear head, the triton loss, backward, an SGD update) captured in a
   CUDA graph and replayed on new data gives the losses and weights of the same steps run
   eagerly;
+- with two GPUs, both at TP=2 over NCCL: no sync in steady state (NCCL included), and the
+  CUDA-graph step on a vocabulary-sharded head;
 - ``torch.compile(fullgraph=True)`` with inductor compiles a step using every op with no
   graph break, with the values and gradients of eager mode.
 """
@@ -189,11 +191,11 @@ def test_fast_launch_gives_the_jit_results(n):
 
 # -- CUDA graphs ---------------------------------------------------------------------------
 
-def _head_step(head, opt, hidden, labels, teacher):
+def _head_step(head, opt, hidden, labels, teacher, group=None):
     opt.zero_grad(set_to_none=False)
     logits = head(hidden)
-    loss = (vtp.cross_entropy(logits, labels, reduction="mean", backend="triton")
-            + vtp.jsd(logits, teacher, beta=0.3, reduction="mean", backend="triton"))
+    loss = (vtp.cross_entropy(logits, labels, reduction="mean", backend="triton", tp_group=group)
+            + vtp.jsd(logits, teacher, beta=0.3, reduction="mean", backend="triton", tp_group=group))
     loss.backward()
     opt.step()
     return loss
@@ -237,6 +239,80 @@ def test_training_step_in_a_cuda_graph(n):
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses[1:]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(head.weight, eager_head.weight, rtol=1e-5, atol=1e-6)
     assert (head.weight - initial).abs().max() > 1e-4  # the replays did update the weights
+
+
+# -- TP=2 over NCCL (two GPUs) ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def nccl_ranks():
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs for NCCL ({torch.cuda.device_count()} here); run on a 2-GPU machine")
+    from vtp_runtime.testing.distributed import RankPool
+
+    pool = RankPool(2, backend="nccl")
+    yield pool.run
+    pool.close()
+
+
+def _steady_nccl(rank, world, group):
+    plan.clear()
+    try:
+        return _steady(group, relax_collectives=False, v_local=16000 + rank, vocab=32001)  # uneven shards
+    finally:
+        plan.clear()
+
+
+def test_steady_state_issues_no_sync_nccl_tp2(nccl_ranks):
+    """With NCCL the metadata is gathered on a signature's first call only (plan.py): after
+    it, no call issues any device-to-host sync, NCCL's collectives included."""
+    assert nccl_ranks(_steady_nccl, timeout=300) == [[], []]
+
+
+def _graph_step_tp2(rank, world, group, n):
+    """The CUDA-graph training step on a vocabulary-sharded head (16001 + 16000 rows): the
+    losses and every rank's weight shard after three replays against the same steps run
+    eagerly."""
+    torch.manual_seed(0)  # the same full weight and batches on both ranks
+    h, vocab, sizes = 256, 32001, (16001, 16000)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    full = torch.randn(vocab, h, device=dev) * 0.05
+    lo = sum(sizes[:rank])
+    batches = [(torch.randn(n, h, device=dev), torch.randint(0, vocab, (n,), device=dev),
+                torch.randn(n, vocab, device=dev)[:, lo:lo + sizes[rank]].contiguous()) for _ in range(4)]
+    heads = []
+    for _ in range(2):
+        head = torch.nn.Linear(h, sizes[rank], bias=False, device=dev)
+        with torch.no_grad():
+            head.weight.copy_(full[lo:lo + sizes[rank]])
+        heads.append((head, torch.optim.SGD(head.parameters(), lr=0.5)))
+    (head, opt), (eager_head, eager_opt) = heads
+    hidden, labels, teacher = (x.clone() for x in batches[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernels and plans the calls (one eager step)
+        _head_step(head, opt, hidden, labels, teacher, group)
+    torch.cuda.current_stream().wait_stream(side)
+    eager_losses = [_head_step(eager_head, eager_opt, *batches[0], group).item()]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = _head_step(head, opt, hidden, labels, teacher, group)
+    graph_losses = []
+    for batch in batches[1:]:
+        for static, new in zip((hidden, labels, teacher), batch):
+            static.copy_(new)
+        graph.replay()
+        graph_losses.append(static_loss.item())
+        eager_losses.append(_head_step(eager_head, eager_opt, *batch, group).item())
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses[1:]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.weight, eager_head.weight, rtol=1e-5, atol=1e-6)
+    assert (head.weight - full[lo:lo + sizes[rank]]).abs().max() > 1e-4  # the replays did update it
+    return graph_losses
+
+
+@pytest.mark.parametrize("n", [1024, 200])
+def test_training_step_in_a_cuda_graph_nccl_tp2(nccl_ranks, n):
+    losses = nccl_ranks(_graph_step_tp2, n, timeout=300)
+    assert losses[0] == losses[1]  # one loss, the same on both ranks
 
 
 # -- torch.compile with inductor -------------------------------------------------------------
