@@ -119,8 +119,9 @@ def test_steady_state_issues_no_sync_tp1():
     assert _steady(None, relax_collectives=False, v_local=32000, vocab=32000) == []
 
 
-def _steady_tp2(rank, world, group, relax):
-    torch.cuda.set_device(0)  # two processes, one GPU
+def _steady_tp2(rank, world, group, relax, one_gpu=True):
+    if one_gpu:
+        torch.cuda.set_device(0)  # two processes, one GPU (gloo); NCCL ranks have a GPU each
     plan.clear()
     try:
         return _steady(group, relax_collectives=relax, v_local=16000 + rank, vocab=32001)  # uneven shards
@@ -202,32 +203,20 @@ def _head_step(head, opt, hidden, labels, teacher, group=None):
 
 
 @pytest.mark.parametrize("n", [1024, 200])  # one launch per pass (rows not split) / split rows
-def test_training_step_in_a_cuda_graph(n):
-    """Capture forward + backward + SGD once, replay on three new batches copied into the
-    static inputs; an eager copy of the model stepping on the same batches gives the same
-    losses and weights."""
-    torch.manual_seed(0)
-    h, v = 256, 32000
-    dev = torch.device("cuda")
-    head = torch.nn.Linear(h, v, bias=False, device=dev)
-    eager_head = torch.nn.Linear(h, v, bias=False, device=dev)
-    eager_head.load_state_dict(head.state_dict())
-    opt = torch.optim.SGD(head.parameters(), lr=0.5)
-    eager_opt = torch.optim.SGD(eager_head.parameters(), lr=0.5)
-    initial = head.weight.detach().clone()
-    batches = [(torch.randn(n, h, device=dev), torch.randint(0, v, (n,), device=dev),
-                torch.randn(n, v, device=dev)) for _ in range(4)]
+def _graph_against_eager(head, opt, eager_head, eager_opt, batches, group=None) -> list[float]:
+    """Capture forward + backward + SGD of ``head`` once, replay it on ``batches[1:]`` copied
+    into the static inputs, and step ``eager_head`` (a copy) eagerly on the same batches:
+    the losses and weights must agree. The graph's losses."""
     hidden, labels, teacher = (x.clone() for x in batches[0])
-
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compiles the kernels and plans the calls (one eager step)
-        _head_step(head, opt, hidden, labels, teacher)
+        _head_step(head, opt, hidden, labels, teacher, group)
     torch.cuda.current_stream().wait_stream(side)
-    eager_losses = [_head_step(eager_head, eager_opt, *batches[0]).item()]
+    eager_losses = [_head_step(eager_head, eager_opt, *batches[0], group).item()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_loss = _head_step(head, opt, hidden, labels, teacher)
+        static_loss = _head_step(head, opt, hidden, labels, teacher, group)
 
     graph_losses = []
     for batch in batches[1:]:
@@ -235,9 +224,36 @@ def test_training_step_in_a_cuda_graph(n):
             static.copy_(new)
         graph.replay()
         graph_losses.append(static_loss.item())
-        eager_losses.append(_head_step(eager_head, eager_opt, *batch).item())
+        eager_losses.append(_head_step(eager_head, eager_opt, *batch, group).item())
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses[1:]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(head.weight, eager_head.weight, rtol=1e-5, atol=1e-6)
+    return graph_losses
+
+
+def _sgd_heads(weight: torch.Tensor) -> tuple:
+    """Two bias-free linear heads holding ``weight`` ([V_local, H]), each with its SGD."""
+    heads = []
+    for _ in range(2):
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+        heads += [head, torch.optim.SGD(head.parameters(), lr=0.5)]
+    return tuple(heads)
+
+
+@pytest.mark.parametrize("n", [1024, 200])  # one launch per pass (rows not split) / split rows
+def test_training_step_in_a_cuda_graph(n):
+    """Capture forward + backward + SGD once, replay on three new batches copied into the
+    static inputs; an eager copy of the model stepping on the same batches gives the same
+    losses and weights."""
+    torch.manual_seed(0)
+    h, v = 256, 32000
+    dev = torch.device("cuda")
+    initial = torch.randn(v, h, device=dev) * 0.05
+    batches = [(torch.randn(n, h, device=dev), torch.randint(0, v, (n,), device=dev),
+                torch.randn(n, v, device=dev)) for _ in range(4)]
+    head, opt, eager_head, eager_opt = _sgd_heads(initial)
+    _graph_against_eager(head, opt, eager_head, eager_opt, batches)
     assert (head.weight - initial).abs().max() > 1e-4  # the replays did update the weights
 
 
@@ -254,59 +270,25 @@ def nccl_ranks():
     pool.close()
 
 
-def _steady_nccl(rank, world, group):
-    plan.clear()
-    try:
-        return _steady(group, relax_collectives=False, v_local=16000 + rank, vocab=32001)  # uneven shards
-    finally:
-        plan.clear()
-
-
 def test_steady_state_issues_no_sync_nccl_tp2(nccl_ranks):
     """With NCCL the metadata is gathered on a signature's first call only (plan.py): after
     it, no call issues any device-to-host sync, NCCL's collectives included."""
-    assert nccl_ranks(_steady_nccl, timeout=300) == [[], []]
+    assert nccl_ranks(_steady_tp2, False, False, timeout=300) == [[], []]
 
 
 def _graph_step_tp2(rank, world, group, n):
-    """The CUDA-graph training step on a vocabulary-sharded head (16001 + 16000 rows): the
-    losses and every rank's weight shard after three replays against the same steps run
-    eagerly."""
+    """The CUDA-graph training step on a vocabulary-sharded head (16001 + 16000 rows)."""
     torch.manual_seed(0)  # the same full weight and batches on both ranks
     h, vocab, sizes = 256, 32001, (16001, 16000)
     dev = torch.device("cuda", torch.cuda.current_device())
     full = torch.randn(vocab, h, device=dev) * 0.05
-    lo = sum(sizes[:rank])
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     batches = [(torch.randn(n, h, device=dev), torch.randint(0, vocab, (n,), device=dev),
-                torch.randn(n, vocab, device=dev)[:, lo:lo + sizes[rank]].contiguous()) for _ in range(4)]
-    heads = []
-    for _ in range(2):
-        head = torch.nn.Linear(h, sizes[rank], bias=False, device=dev)
-        with torch.no_grad():
-            head.weight.copy_(full[lo:lo + sizes[rank]])
-        heads.append((head, torch.optim.SGD(head.parameters(), lr=0.5)))
-    (head, opt), (eager_head, eager_opt) = heads
-    hidden, labels, teacher = (x.clone() for x in batches[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles the kernels and plans the calls (one eager step)
-        _head_step(head, opt, hidden, labels, teacher, group)
-    torch.cuda.current_stream().wait_stream(side)
-    eager_losses = [_head_step(eager_head, eager_opt, *batches[0], group).item()]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = _head_step(head, opt, hidden, labels, teacher, group)
-    graph_losses = []
-    for batch in batches[1:]:
-        for static, new in zip((hidden, labels, teacher), batch):
-            static.copy_(new)
-        graph.replay()
-        graph_losses.append(static_loss.item())
-        eager_losses.append(_head_step(eager_head, eager_opt, *batch, group).item())
-    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses[1:]), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(head.weight, eager_head.weight, rtol=1e-5, atol=1e-6)
-    assert (head.weight - full[lo:lo + sizes[rank]]).abs().max() > 1e-4  # the replays did update it
-    return graph_losses
+                torch.randn(n, vocab, device=dev)[:, lo:hi].contiguous()) for _ in range(4)]
+    head, opt, eager_head, eager_opt = _sgd_heads(full[lo:hi])
+    losses = _graph_against_eager(head, opt, eager_head, eager_opt, batches, group)
+    assert (head.weight - full[lo:hi]).abs().max() > 1e-4  # the replays did update it
+    return losses
 
 
 @pytest.mark.parametrize("n", [1024, 200])
