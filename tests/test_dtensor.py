@@ -273,6 +273,81 @@ def test_plain_tensors_pass_through():
     assert tensors[0] is param and wrap is None
 
 
+# -- a Head whose weight is a DTensor (Shard(0), as ColwiseParallel's lm_head weight) -------
+
+def head_with_dtensor_weight(rank, world, group, shape, vocab):
+    """Cross entropy (sum, with bias) and JSD against a frozen teacher Head, both from Heads
+    whose weights are DTensors sharded over the vocabulary: values, and the gradients of
+    weight, bias and hidden against float64 on the full head, with the parameters' own
+    placements and strides. A plain hidden on the 1-D mesh; on dp x tp a hidden DTensor
+    sharding the batch over dp."""
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+    mesh = _mesh(world, shape)
+    gen = torch.Generator().manual_seed(vocab + len(shape))
+    h = torch.randn(4, 3, 6, generator=gen)
+    w, wt = torch.randn(vocab, 6, generator=gen), torch.randn(vocab, 6, generator=gen)
+    b = torch.randn(vocab, generator=gen)
+    y = torch.randint(0, vocab, (4, 3), generator=gen)
+    y[0, 0] = -100
+    dp = len(shape) - 1  # the mesh dimensions before the vocabulary's
+    wpl, tokens = (Replicate(),) * dp + (Shard(0),), (Shard(0),) * dp + (Replicate(),)
+
+    def leaf(t, placements):
+        return distribute_tensor(t, mesh, placements).requires_grad_()
+
+    def hidden_input():
+        return leaf(h, tokens) if dp else h.clone().requires_grad_()
+
+    logits = (h @ w.T + b).reshape(12, vocab)
+    teacher = (h @ wt.T).reshape(12, vocab)
+    g = torch.randn(12, generator=gen)
+    cases = (
+        ("cross_entropy", lambda hid, dw, db: vtp.cross_entropy(
+            vtp.Head(hid, dw, db), distribute_tensor(y, mesh, tokens) if dp else y, reduction="sum"), (logits,), None,
+         {}),
+        ("jsd", lambda hid, dw, db: vtp.jsd(
+            vtp.Head(hid, dw, db), vtp.Head(hid.detach(), distribute_tensor(wt, mesh, wpl)), beta=0.3),
+         (logits, teacher), g, {"beta": 0.3}),
+    )
+    for op, call, full_logits, upstream, opts in cases:
+        hid, dw, db = hidden_input(), leaf(w, wpl), leaf(b, wpl)
+        out = call(hid, dw, db)
+        if upstream is None:
+            out.backward()
+            value = out.full_tensor()
+        else:
+            (out * distribute_tensor(upstream.view(4, 3), mesh, out.placements)).sum().backward()
+            value = out.full_tensor().reshape(12)
+        ref, (dz, *_) = values_and_grads(op, full_logits, y.reshape(12) if op == "cross_entropy" else None,
+                                         upstream, needs_grad=(True,) + (False,) * (len(full_logits) - 1), **opts)
+        _close(value, ref.sum() if upstream is None else ref, f"{op}: value")
+        # the replicated weight's gradient is a pending sum over the batch shards (dp)
+        grad_placements = (Partial(),) * dp + (Shard(0),)
+        for param, want in ((dw, dz.T @ h.reshape(12, 6).double()), (db, dz.sum(0))):
+            assert param.grad.placements == grad_placements and param.grad.stride() == param.stride(), op
+            _close(param.grad.full_tensor(), want, f"{op}: weight/bias grad")
+        dh = (dz @ w.double()).view(4, 3, 6)
+        assert not dp or (hid.grad.placements == hid.placements and hid.grad.stride() == hid.stride()), op
+        _close(hid.grad.full_tensor() if dp else hid.grad, dh, f"{op}: hidden grad (complete on every rank)")
+
+    dw = leaf(w, wpl)
+    errors = [
+        (ValueError, "placed like Head.weight", lambda: vtp.entropy(vtp.Head(hidden_input(), dw, b))),
+        (ValueError, "complete gradient", lambda: vtp.entropy(vtp.Head(leaf(h, tokens), dw, reduce_hidden_grad=False))),
+    ]
+    if dp:
+        errors.append((ValueError, "hidden is a plain tensor", lambda: vtp.entropy(vtp.Head(h, dw))))
+    for kind, match, bad in errors:
+        with pytest.raises(kind, match=match):
+            bad()
+    assert vtp.entropy(vtp.Head(hidden_input(), dw), reduction="sum").full_tensor().isfinite()  # ranks in step
+
+
+@pytest.mark.parametrize("world, shape, vocab", MESHES_REF, ids=lambda x: str(x))
+def test_head_with_dtensor_weight(ranks, world, shape, vocab):
+    ranks(world, head_with_dtensor_weight, shape, vocab, timeout=180)
+
+
 # -- the guide's example -------------------------------------------------------------------
 
 def guide_example(rank, world, group):

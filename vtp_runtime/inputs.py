@@ -16,16 +16,23 @@ loss); per token (``reduction="none"``) it keeps the batch sharding; reduced, it
 ``Partial("sum")`` over batch-sharded mesh dimensions (each rank holds its batch's part).
 ``to_local`` and ``from_local`` are differentiable, so the gradient of a DTensor input is a
 DTensor with the input's placement.
+
+A ``Head`` whose weight (and bias) is a DTensor sharded over the vocabulary (``Shard(0)``
+on one mesh dimension, replicated on the others) stands for logits of shape
+``hidden.shape[:-1] + (V,)`` placed the same way, the batch placed as a hidden DTensor
+places it (a plain hidden: replicated, on a 1-D mesh only); it becomes the Head of the
+local tensors.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
+from .head import Head
 from .ops import get_spec
 
 Tensor = torch.Tensor
@@ -113,12 +120,15 @@ _LAYOUTS: dict = {}  # (mesh, placements, ndim, (V,)) -> _Layout: the same for e
 
 
 def _layout(logits, names: _Torch) -> _Layout:
-    placements = _placements(logits, names)
-    shape = tuple(logits.shape)
-    key = (logits.device_mesh, placements, len(shape), shape[-1:])
+    return _layout_for(logits.device_mesh, _placements(logits, names), tuple(logits.shape), names)
+
+
+def _layout_for(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Layout:
+    """The layout of logits of ``shape`` placed so on ``mesh`` (cached)."""
+    key = (mesh, placements, len(shape), shape[-1:])
     lay = _LAYOUTS.get(key)
     if lay is None:
-        lay = _new_layout(logits.device_mesh, placements, shape, names)
+        lay = _new_layout(mesh, placements, shape, names)
         if len(_LAYOUTS) > 256:
             _LAYOUTS.clear()
         _LAYOUTS[key] = lay
@@ -179,8 +189,13 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
     spec = get_spec(op)
     n_logits = len(spec.inputs)
     logits = tensors[0] if tensors else None
-    if not isinstance(logits, DTensor):
-        given = [name for name, t in _named_tensors(spec, tensors, options) if isinstance(t, DTensor)]
+    if _sharded_head(logits, names):
+        lay, lead = _head_layout(logits, names), tuple(logits.hidden.shape[:-1])
+    elif isinstance(logits, DTensor):
+        lay, lead = _layout(logits, names), tuple(logits.shape[:-1])
+    else:
+        named = _named_tensors(spec, tensors, options)
+        given = [name for name, t in named if isinstance(t, DTensor) or _sharded_head(t, names)]
         if given:
             raise TypeError(
                 f"{', '.join(given)} {'is a DTensor' if len(given) == 1 else 'are DTensors'} but "
@@ -189,7 +204,6 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
             )
         return tensors, options, None
 
-    lay = _layout(logits, names)
     options = dict(options)
     if lay.vocab_mesh_dim is not None:
         _check_layout_options(lay, options)
@@ -197,18 +211,7 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
             tp_group=lay.group, vocab_start=lay.vocab_start, vocab_end=lay.vocab_end, global_vocab_size=lay.vocab_size
         )
 
-    local = [_to_local(logits)]
-    for name, t in zip(spec.inputs[1:], tensors[1:n_logits]):
-        if isinstance(t, DTensor):
-            if t.device_mesh != lay.mesh or _placements(t, names) != lay.placements or t.shape != logits.shape:
-                raise ValueError(
-                    f"{name} is a DTensor of shape {tuple(t.shape)} with placements "
-                    f"{tuple(t.placements)}; it must be laid out like {spec.inputs[0]} "
-                    f"(shape {tuple(logits.shape)}, placements {lay.placements}, same mesh): "
-                    f"{name}.redistribute({spec.inputs[0]}.device_mesh, {spec.inputs[0]}.placements)"
-                )
-            t = _to_local(t)
-        local.append(t)
+    local = [_local_input(name, t, lay, lead, names) for name, t in zip(spec.inputs, tensors[:n_logits])]
     for name, t in zip((spec.index,) if spec.index else (), tensors[n_logits:]):
         local.append(_local_part(name, t, lay, names))
     local.extend(tensors[n_logits + (1 if spec.index else 0) :])  # too many: _prepare says so
@@ -231,7 +234,7 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
             f"{lay.placements}) would average per-rank means; use reduction='sum' with "
             f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'"
         )
-    return tuple(local), options, _wrapper(lay, tuple(logits.shape[:-1]), reduced, names)
+    return tuple(local), options, _wrapper(lay, lead, reduced, names)
 
 
 def _named_tensors(spec, tensors, options):
@@ -248,19 +251,110 @@ class _ToLocal(torch.autograd.Function):
     (27, 9, 1)); ``AccumulateGrad`` then re-lays the gradient out, through a collective."""
 
     @staticmethod
-    def forward(ctx, dt):
-        ctx.meta = (dt.device_mesh, dt.placements, dt.shape, dt.stride())
+    def forward(ctx, dt, grad_placements):
+        ctx.meta = (dt.device_mesh, grad_placements or dt.placements, dt.shape, dt.stride())
         local = dt._local_tensor
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad):
         mesh, placements, shape, stride = ctx.meta
-        return _dtensor().DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+        grad = _dtensor().DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return grad, None
 
 
-def _to_local(dt):
-    return _ToLocal.apply(dt) if dt.requires_grad else dt.to_local()
+def _to_local(dt, grad_placements: tuple | None = None):
+    """``dt``'s local tensor; its gradient placed as ``dt`` (or as ``grad_placements``)."""
+    return _ToLocal.apply(dt, grad_placements) if dt.requires_grad else dt.to_local()
+
+
+def _sharded_head(t, names: _Torch) -> TypeGuard[Head]:
+    return isinstance(t, Head) and isinstance(t.weight, names.DTensor)
+
+
+def _local_input(name: str, t, lay: _Layout, lead: tuple, names: _Torch):
+    """This rank's part of a logits input: a DTensor, or a Head whose weight is a DTensor,
+    laid out like the first input (``lay``, logits ``lead + (V,)``); anything else as it is."""
+    if _sharded_head(t, names):
+        theirs = _head_layout(t, names)
+        if (theirs.mesh, theirs.placements, theirs.vocab_size) != (lay.mesh, lay.placements, lay.vocab_size) or tuple(
+            t.hidden.shape[:-1]
+        ) != lead:
+            raise ValueError(
+                f"{name} is a Head standing for logits of shape {tuple(t.hidden.shape[:-1]) + (theirs.vocab_size,)} "
+                f"placed {theirs.placements}; it must be laid out like the first input (shape "
+                f"{lead + (lay.vocab_size,)}, placements {lay.placements}, same mesh)"
+            )
+        return _local_head(t, names)
+    if isinstance(t, names.DTensor):
+        shape = lead + (lay.vocab_size,)
+        if t.device_mesh != lay.mesh or _placements(t, names) != lay.placements or tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name} is a DTensor of shape {tuple(t.shape)} with placements "
+                f"{tuple(t.placements)}; it must be laid out like the first input "
+                f"(shape {shape}, placements {lay.placements}, same mesh): "
+                f"{name}.redistribute(mesh, placements)"
+            )
+        return _to_local(t)
+    return t
+
+
+def _head_layout(head: Head, names: _Torch) -> _Layout:
+    """The layout of the logits a Head with a DTensor weight stands for. The weight's
+    ``Shard(0)`` (its vocabulary) is the logits' last dimension; on the weight's other mesh
+    dimensions (replicated) the batch is placed as the hidden DTensor places it. A plain
+    hidden tensor is taken as replicated, which only a 1-D mesh allows."""
+    w: Any = head.weight  # DTensors (device_mesh, placements)
+    h: Any = head.hidden
+    ndim = h.dim()
+    hidden = _placements(h, names) if isinstance(h, names.DTensor) else None
+    if hidden is None and w.device_mesh.ndim > 1:
+        raise ValueError(
+            f"Head.weight is a DTensor on a {w.device_mesh.ndim}-D mesh but hidden is a plain tensor; pass "
+            f"hidden as a DTensor on the same mesh (so that the batch's placement is known), replicated "
+            f"on the mesh dimension that shards the vocabulary"
+        )
+    if hidden is not None and (h.device_mesh != w.device_mesh or not head.reduce_hidden_grad):
+        raise ValueError(
+            "Head: a DTensor hidden must be on the weight's mesh, and gets its complete gradient "
+            "(reduce_hidden_grad=False is for plain tensors whose framework all-reduces it)"
+        )
+    if head.bias is not None and (
+        not isinstance(head.bias, names.DTensor)
+        or head.bias.device_mesh != w.device_mesh
+        or _placements(head.bias, names) != _placements(w, names)
+    ):
+        raise ValueError("Head.bias must be a DTensor placed like Head.weight (Shard(0) on the same mesh dimension)")
+    placements = []
+    for i, p in enumerate(_placements(w, names)):
+        q = hidden[i] if hidden is not None else names.Replicate()
+        if p.is_shard() and p.dim == 0 and q.is_replicate():
+            placements.append(names.Shard(ndim - 1))
+        elif p.is_replicate() and not (q.is_shard() and q.dim == ndim - 1):
+            placements.append(q)
+        else:
+            raise ValueError(
+                f"Head.weight placed {p} and hidden placed {q} on mesh dimension {i}: vtp_runtime takes "
+                f"the weight's Shard(0) (the vocabulary) with a replicated hidden on one mesh dimension, "
+                f"and a replicated weight elsewhere (the hidden's batch sharded or replicated there)"
+            )
+    return _layout_for(w.device_mesh, tuple(placements), tuple(h.shape[:-1]) + (w.shape[0],), names)
+
+
+def _local_head(head: Head, names: _Torch) -> Head:
+    """The Head of this rank's local tensors. Where the hidden DTensor shards the batch, the
+    replicated weight and bias get a pending sum (``Partial``) as gradient: each batch shard
+    holds its part, as torch's own DTensor matmul gives it."""
+    h: Any = head.hidden
+    weight: Any = head.weight
+    batch = _placements(h, names) if isinstance(h, names.DTensor) else ()
+    weight_grad = tuple(
+        names.Partial() if i < len(batch) and batch[i].is_shard() else p for i, p in enumerate(weight.placements)
+    )
+    h = _to_local(h) if batch else h
+    w = _to_local(weight, weight_grad)
+    b = None if head.bias is None else _to_local(head.bias, weight_grad)
+    return Head(h, w, b, head.reduce_hidden_grad, chunk_rows=head.chunk_rows)
 
 
 def _local_part(name: str, t, lay: _Layout, names: _Torch):
