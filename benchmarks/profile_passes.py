@@ -28,8 +28,11 @@ SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy"
 
 def per_kernel(op, n, v, reps=10):
     z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
-    step = vtp_arm("triton", op, z, other, beta=0.5)
+    return kernel_times(vtp_arm("triton", op, z, other, beta=0.5), reps)
 
+
+def kernel_times(step, reps=10):
+    """{kernel name: (mean µs, launches per step)} over ``reps`` calls of ``step`` after 3."""
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -493,9 +493,7 @@ def _backward(ctx, grad):
             # a multi-tensor pass in fp32 math, the scale read on the device: g.mul_(scale)
             # with a 0-dim fp32 CUDA tensor sends bf16 gradients through torch's unvectorized
             # casting kernel (1.5 ms for dW at V=151936, H=4096 on the H200)
-            for g in grads:
-                if g is not None:
-                    torch._foreach_mul_([g], scale)
+            torch._foreach_mul_([g for g in grads if g is not None], scale)
     else:
         ctx.saved_tensors  # noqa: B018 (raises if an input was modified in place since forward)
         ctx.driver.backward(run, grad)

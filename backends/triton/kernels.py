@@ -547,8 +547,8 @@ def backward1_kernel(
                 ij = tl.load(idx_ptr + row * n_idx + j)
                 gj = tl.load(grad_ptr + row * n_vals + j) * inv_t
                 d += tl.where((cols == ij - vocab_start) & (ij != ignore_index), gj, 0.0)
-        else:
-            d = tl.where(p == 0, 0.0, -p * (lp * LN2 + h)) * coef
+        else:  # entropy: as the log-probs' entropy term above
+            d = -p * (tl.maximum(lp, LOGP_FLOOR) * LN2 + h) * coef
         d = tl.where(keep, d, 0.0)
         tl.store(dst + cols, d.to(dz_ptr.dtype.element_ty), mask=inb)
 
