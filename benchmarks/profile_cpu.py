@@ -31,6 +31,7 @@ import torch
 
 import vtp_runtime as vtp
 from vtp_runtime.backend import ALL_DTYPES, Backend, OpCapability, SavedState
+from vtp_runtime.ops import dtype_name
 from vtp_runtime.registry import hookimpl
 
 
@@ -112,7 +113,7 @@ def main() -> None:
         return lambda: vtp.jsd(s, t, beta=0.5, backend=b)
 
     backends = ("triton", "eager", "noop_profile") if dev.type == "cuda" else ("eager", "noop_profile")
-    print(f"N={args.tokens} V={vocab} {str(dtype).replace('torch.', '')} on {dev.type}, TP=1; "
+    print(f"N={args.tokens} V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1; "
           f"CPU µs per call: thread (device idle at each call) / process / loop (back to back)")
     for backend in backends:
         for name, make in (("cross_entropy", ce), ("jsd", jsd)):

@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
-from vtp_runtime.bench import make_inputs, vtp_arm
+from vtp_runtime.tools.bench import make_inputs, vtp_arm
 
 V = 151936
 BASE = tb.CUDA_CONFIG

@@ -12,7 +12,8 @@ import sys
 import torch
 
 import vtp_runtime.backends.triton.backend as tb
-from vtp_runtime.bench import make_inputs, model_bytes, time_loop, vtp_arm
+from vtp_runtime.tools.bench import make_inputs, model_bytes, vtp_arm
+from vtp_runtime.tools.timing import time_loop
 
 V = 151936
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
-from vtp_runtime.bench import time_stream
+from vtp_runtime.tools.timing import time_stream
 from vtp_runtime.backends.triton.backend import TritonBackend, capabilities
 from vtp_runtime.backends.triton_xpu import XPU_CONFIG, TritonXPUBackend
 from vtp_runtime.registry import hookimpl, register
+from vtp_runtime.ops import dtype_name
 from vtp_runtime.testing.reference import values_and_grads
 
 VALUE_RTOL = 2e-5
@@ -104,7 +105,7 @@ def check(op, options, teacher_grad, masked, n, vocab, dtype, rank, world, group
     ref_vals, ref_grads = values_and_grads(op, tuple(full), index, upstream,
                                            needs_grad=tuple(t.requires_grad for t in local), **options, **extra)
     result = {"op": op, "options": {**options, "topk": topk}, "masked": masked, "teacher_grad": teacher_grad,
-              "tokens": n, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""), "ok": True}
+              "tokens": n, "vocab": vocab, "dtype": dtype_name(dtype), "ok": True}
     err = (out.double() - ref_vals).abs().max().item()
     scale = ref_vals.abs().max().item()
     result["value_err"] = err

@@ -7,7 +7,7 @@ import pathlib
 import subprocess
 import sys
 
-from vtp_runtime import bench
+from vtp_runtime.tools import bench
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "h200_final.json"
@@ -96,7 +96,7 @@ def test_head_per_token_arm_gives_the_gradients_of_its_weighted_loss():
     import torch
     import torch.nn.functional as F
 
-    from vtp_runtime import bench_head
+    from vtp_runtime.tools import bench_head
 
     gen = torch.Generator().manual_seed(3)
     h = torch.randn(12, 8, generator=gen, dtype=torch.float64, requires_grad=True)

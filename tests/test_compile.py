@@ -139,9 +139,14 @@ def test_custom_ops_pass_opcheck():
     t = torch.randn(4, V, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, V, (4,), generator=g)
     mask = torch.tensor([True, False, True, True])
-    scalars = ("", 1.0, -100, 0.1, 0.0, 0.5, False, False, -1, -1, -1, "eager", "the backend= argument")
-    torch.library.opcheck(library.forward_op, ("cross_entropy", [z], y, None, *scalars, [True], False))
-    torch.library.opcheck(library.forward_op, ("jsd", [z, t], None, mask, *scalars, [True, True], False))
+    def scalars(**given):
+        common = dict(group_name="", backend="eager", backend_source="the backend= argument", topk=False)
+        return tuple({**common, **given}.get(name) for name, _ in library.FIELDS)
+
+    ce = scalars(temperature=1.0, ignore_index=-100, label_smoothing=0.1, z_loss=0.0, needs_grad=[True])
+    jsd = scalars(temperature=1.0, ignore_index=-100, beta=0.5, needs_grad=[True, True])
+    torch.library.opcheck(library.forward_op, ("cross_entropy", [z], y, None, *ce))
+    torch.library.opcheck(library.forward_op, ("jsd", [z, t], None, mask, *jsd))
 
 
 def test_backend_that_cannot_run_compiled_says_so():

@@ -131,12 +131,10 @@ def test_documented_command_lines_parse():
 
 def _options(op: str | None) -> dict:
     """The options an op takes with their defaults; every op's for None."""
-    from vtp_runtime.ops import COMMON_OPTIONS
-
     specs = vtp.OPS.values() if op is None else [vtp.OPS[op]]
-    out = {name: [value] for name, value in COMMON_OPTIONS.items()}
+    out: dict = {}
     for spec in specs:
-        for name, value in spec.options.items():
+        for name, value in spec.defaults.items():
             out.setdefault(name, []).append(value)
     return out
 

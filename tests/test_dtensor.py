@@ -266,10 +266,12 @@ def test_plain_tensors_pass_through():
     """Without a DTensor, normalize hands back the very objects it got and no wrapper."""
     logits, labels = torch.randn(2, 5), torch.tensor([1, 2])
     options = {"mask": None, "normalizer": 3.0}
-    tensors, out_options, wrap = inputs.normalize("cross_entropy", (logits, labels), options)
+    tensors, out_options, wrap, failure = inputs.normalize("cross_entropy", (logits, labels), options)
+    assert failure is None
     assert tensors[0] is logits and tensors[1] is labels and out_options is options and wrap is None
     param = torch.nn.Parameter(torch.randn(2, 5))  # a Tensor subclass that is not a DTensor
-    tensors, _, wrap = inputs.normalize("entropy", (param,), {})
+    tensors, _, wrap, failure = inputs.normalize("entropy", (param,), {})
+    assert failure is None
     assert tensors[0] is param and wrap is None
 
 

@@ -105,7 +105,7 @@ def test_collective_count_does_not_depend_on_vocab(monkeypatch):
     import vtp_runtime.backends.eager as eager
 
     calls = []
-    monkeypatch.setattr(eager, "all_reduce_", lambda t, group, op="sum": calls.append(op) or t)
+    monkeypatch.setattr(eager, "all_reduce", lambda t, group, op="sum": calls.append(op) or t)
     monkeypatch.setattr(eager, "CHUNK_ELEMENTS", 256)
     for op in ("cross_entropy", "logprobs", "entropy", "kl", "jsd"):
         counts = []

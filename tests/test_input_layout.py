@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime.api import _rows
+from vtp_runtime.autograd import rows as _rows
 from vtp_runtime.backend import INPUT_LAYOUTS, OpCapability, check_backend, meets_layout
 from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.registry import REGISTRY

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime import plan
+from vtp_runtime import plans as plan
 
 pytestmark = pytest.mark.gpu
 

@@ -53,5 +53,5 @@ def test_a_call_uses_exactly_the_features_it_turns_on(op):
 def test_defaults_turn_nothing_on():
     """Options at their default values use no feature, even when passed explicitly."""
     for op, spec in OPS.items():
-        defaults = {k: v for k, v in spec.options.items() if v is not None}
+        defaults = {o.name: o.default for o in spec.own if o.default is not None}
         assert vtp.explain(op, *_tensors(op), temperature=1.0, **defaults).request.features == frozenset()

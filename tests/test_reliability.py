@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime import plan
+from vtp_runtime import plans as plan
 from vtp_runtime.backend import ALL_DTYPES, Backend, OpCapability
 from vtp_runtime.errors import PluginError
 from vtp_runtime.registry import REGISTRY, hookimpl, registered
@@ -399,7 +399,7 @@ def test_help_reads_cleanly():
 def test_every_bench_option_has_help():
     import argparse
 
-    from vtp_runtime import bench
+    from vtp_runtime.tools import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime import api, plan, shards
+from vtp_runtime import metadata
+from vtp_runtime import plans as plan
 from vtp_runtime.errors import ShardError
 from vtp_runtime.testing.reference import values as reference
 
@@ -25,7 +26,7 @@ class _Counts:
         self.prepared, self.gathered = 0, 0
 
     def __enter__(self):
-        self._prepare, self._gather = api._prepare, shards.gather
+        self._prepare, self._gather = plan.full_path, metadata.gather
 
         def prepare(*args, **kwargs):
             self.prepared += 1
@@ -35,11 +36,11 @@ class _Counts:
             self.gathered += 1
             return self._gather(*args, **kwargs)
 
-        api._prepare, shards.gather = prepare, gather
+        plan.full_path, metadata.gather = prepare, gather
         return self
 
     def __exit__(self, *exc):
-        api._prepare, shards.gather = self._prepare, self._gather
+        plan.full_path, metadata.gather = self._prepare, self._gather
 
     def take(self) -> tuple[int, int]:
         out = (self.prepared, self.gathered)

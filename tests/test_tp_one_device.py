@@ -124,10 +124,10 @@ def test_tp_same_path_on_cpu(ranks, item):
 
 def _cuda_collectives(rank, world, group):
     """Each rank's device, and a gloo all-reduce and all-gather of CUDA tensors on it."""
-    from vtp_runtime.comm import all_gather_stack, all_reduce_
+    from vtp_runtime.comm import all_gather_stack, all_reduce
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    summed = all_reduce_(torch.full((3,), float(rank + 1), device=dev), group, "sum")
+    summed = all_reduce(torch.full((3,), float(rank + 1), device=dev), group, "sum")
     gathered = all_gather_stack(torch.full((2,), float(rank), device=dev), group)
     return str(dev), str(summed.device), summed.tolist(), gathered.tolist()
 

@@ -12,7 +12,7 @@ import torch
 from vtp_runtime import dispatch
 from vtp_runtime.backend import Request
 from vtp_runtime.registry import REGISTRY, register
-from vtp_runtime.shards import Layout, backend_key
+from vtp_runtime.metadata import Shards as Layout, backend_key
 from vtp_runtime.testing.cases import Case, run_case
 
 pytest.importorskip("triton")

@@ -6,7 +6,7 @@ loss = vtp.cross_entropy(vtp.Head(hidden, weight_shard), labels, reduction="mean
 """
 
 from .api import cross_entropy, entropy, explain, jsd, kl, logprobs, loss
-from .backend import Backend, Call, OpCapability, Request, SavedState
+from .backend import Backend, Call, Compiles, HeadSupport, OpCapability, Request, SavedState, TakesHead
 from .dispatch import Explanation, use_backend
 from .errors import BackendUnavailable, PluginError, ShardError, UnknownBackend, VtpError
 from .head import Head
@@ -33,6 +33,9 @@ __all__ = [
     "Backend",
     "Call",
     "OpCapability",
+    "TakesHead",
+    "HeadSupport",
+    "Compiles",
     "Request",
     "SavedState",
     "FEATURES",

@@ -1,17 +1,20 @@
 """What a backend is: declared capabilities per op, an environment probe, forward and backward.
 
-A backend never sees reductions, reshaping or cross-rank metadata: the core flattens the
-inputs to rows, gathers and validates metadata, picks the backend, wraps it in autograd and
-reduces the per-token result. A backend computes per-token values on its local shard and
-combines statistics across ``call.group`` with collectives whose number never depends on
-the local vocabulary size (uneven shards would deadlock otherwise).
+The core contract (``docs/backend-authors.md`` shows a whole backend on one page): a
+``Backend`` with a ``name``, a ``priority``, its ``ops`` (one ``OpCapability`` each), a
+``probe`` of the environment, ``forward`` and ``backward``. A backend never sees reductions,
+reshaping, cross-rank metadata or zero tokens: the core flattens the inputs to rows, gathers
+and validates metadata, picks the backend, wraps it in autograd and reduces the per-token
+result. A backend computes per-token values on its local shard and combines statistics
+across ``call.group`` with the collectives of ``vtp_runtime.comm``, whose number never
+depends on the local vocabulary size (uneven shards would deadlock otherwise).
 
 Contract of ``forward(call, inputs, index, mask)``:
 
 - ``inputs``: one (``cross_entropy``, ``logprobs``, ``entropy``) or two (``kl``, ``jsd``:
   student, teacher) floating tensors of shape ``[N, V_local]``, in the memory layout the
   backend declares with ``Backend.input_layout`` (``INPUT_LAYOUTS``; the core copies an
-  input only when it is not in that layout). ``V_local`` may be 0 and ``N`` may be 0.
+  input only when it is not in that layout). ``N >= 1``; ``V_local`` may be 0.
 - ``index``: int64 ``[N]`` labels (``cross_entropy``), ``[N]`` or ``[N, k]`` (``logprobs``)
   holding **global** vocabulary ids or ``call.options["ignore_index"]``; else None.
 - ``mask``: bool ``[N]`` (True = keep) for ``entropy``/``kl``/``jsd``, already combined with
@@ -31,15 +34,15 @@ from the tensors forward saved; ``grad`` is the upstream gradient shaped like ``
 (with ``return_entropy``: the log-probs' gradients, then the entropy's in the last column);
 return one gradient per input (shape and dtype of that input) or None where
 ``call.needs_grad`` is False. No collectives: every rank back-propagates the same values.
-``state``'s tensors must not be modified, so a second backward through a retained graph is
-right.
+``state``'s tensors must not be modified, so that a second backward through a retained
+graph is right (or raise a ``RuntimeError`` saying why it cannot be).
 Backward runs without building a graph: the core makes differentiating its result (a
 gradient penalty after ``create_graph=True``) raise, so no backend computes second order.
 
-Head inputs (``vtp.Head``, ``OpCapability(head_inputs=True)``): the core's driver in
-``vtp_runtime/head.py`` calls ``forward``/``head_backward`` once per token chunk on logits it
-computes into a reused buffer, so ``state`` must refer to the input tensors themselves (the
-driver refills the buffer before backward); ``head_driver`` may take over the whole call.
+Beyond the core, a backend may opt into two protocols by subclassing them (both are
+``Backend`` subclasses, so one class may take both): ``TakesHead`` (``vtp.Head`` inputs: the
+fused linear head) and ``Compiles`` (running inside a ``torch.compile``'d graph, where its
+state must be the op's inputs plus one statistics tensor of a width known when tracing).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .ops import FEATURES, OPS
+from .ops import FEATURES, OPS, dtype_name
 
 ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
 LOW_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
@@ -92,19 +95,6 @@ class OpCapability:
     tp_sizes: frozenset[int] | None = None  # None: any TP size
     even_shards_only: bool = False
     empty_shards: bool = True  # can a rank hold V_local = 0?
-    empty_tokens: bool = True  # can N be 0?
-    # a second backward through a retained graph gives the same gradient (True), or raises a
-    # RuntimeError saying why (False: e.g. a kernel that overwrites what it saved)
-    repeat_backward: bool = True
-    # takes ``vtp_runtime.Head`` inputs (the fused linear head, vtp_runtime/head.py); kept
-    # apart from ``features``: it is a form of input, not an option of the op
-    head_inputs: bool = False
-    # with Head inputs, also a per-token result (reduction="none"), whose gradients need the
-    # per-token upstream gradient in backward; False: only sum/mean (gradients in forward)
-    head_per_token: bool = True
-    # runs inside a torch.compile'd graph: its SavedState implements statistics() and
-    # from_statistics(), so the state is the op's inputs plus one [N, W] statistics tensor
-    compiled: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.features) - set(FEATURES)
@@ -165,8 +155,7 @@ class SavedState:
     The core saves the fields with ``ctx.save_for_backward`` (so autograd detects an input
     modified in place before backward) and hands ``backward`` an object of the same class
     rebuilt from them with ``from_tensors``. Facts that are not tensors belong in ``call``,
-    which backward receives too. ``tensors()`` lists the fields in declaration order: the
-    outputs, besides the values, that a registered custom op would return.
+    which backward receives too.
     """
 
     @classmethod
@@ -185,44 +174,6 @@ class SavedState:
     def from_tensors(cls, tensors: Sequence[torch.Tensor | None]) -> SavedState:
         """The state whose ``tensors()`` are ``tensors``."""
         return cls(*tensors)
-
-    # Inside a torch.compile'd graph every output of an op, and so what backward gets, must
-    # have a shape known when the graph is traced, before any backend is chosen. There the
-    # core keeps the call's own inputs (floating inputs as [N, V_local] rows, index, mask)
-    # and one statistics tensor instead of the state; backends that declare
-    # OpCapability(compiled=True) convert both ways.
-    def statistics(self) -> torch.Tensor:
-        """Everything this state holds beyond the call's own inputs, as one new ``[N, W]``
-        tensor: fp32 (fp64 for fp64 inputs), ``W = statistics_width(call.op, call.options)``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be saved inside torch.compile")
-
-    @classmethod
-    def from_statistics(
-        cls,
-        call: Call,
-        inputs: tuple[torch.Tensor, ...],
-        index: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        statistics: torch.Tensor,
-    ) -> SavedState:
-        """The state forward returned, rebuilt from the call's inputs (as forward got them)
-        and ``statistics()``."""
-        raise NotImplementedError(f"{cls.__name__} cannot be rebuilt inside torch.compile")
-
-
-def statistics_width(op: str, options: Mapping[str, Any]) -> int:
-    """``W`` of the ``[N, W]`` statistics a call from a compiled graph keeps for backward:
-    cross_entropy and logprobs 2 (anchor, log-sum), entropy and logprobs with return_entropy 3
-    (and the entropy), kl 5 (both anchors and log-sums, the KL), jsd 6 (both anchors and
-    log-sums, KL(p_s||M), KL(p_t||M)); jsd at beta 0 or 1 is a plain KL: 5."""
-    if op == "jsd" and options["beta"] in (0.0, 1.0):
-        return 5
-    if op == "logprobs" and options["return_entropy"]:
-        return 3
-    return _STATISTICS_WIDTH[op]
-
-
-_STATISTICS_WIDTH = {"cross_entropy": 2, "logprobs": 2, "entropy": 3, "kl": 5, "jsd": 6}
 
 
 _GETTERS: dict[type, Callable[[SavedState], tuple]] = {}
@@ -255,7 +206,8 @@ class Backend:
         return []
 
     def probe_reasons(self, device_type: str) -> list[str]:
-        """``probe`` cached per device type; exceptions become reasons."""
+        """``probe`` cached per device type (for the life of the backend object); exceptions
+        become reasons."""
         cache = self.__dict__.setdefault("_probe_cache", {})
         if device_type not in cache:
             try:
@@ -277,26 +229,25 @@ class Backend:
                 f"device type {request.device_type!r} not supported (supports {', '.join(sorted(cap.device_types))})"
             )
         if request.dtype not in cap.dtypes:
-            names = ", ".join(sorted(str(d).replace("torch.", "") for d in cap.dtypes))
-            out.append(f"dtype {str(request.dtype).replace('torch.', '')} not supported (supports {names})")
+            names = ", ".join(sorted(dtype_name(d) for d in cap.dtypes))
+            out.append(f"dtype {dtype_name(request.dtype)} not supported (supports {names})")
         if cap.tp_sizes is not None and request.tp_size not in cap.tp_sizes:
             out.append(f"TP size {request.tp_size} not supported (supports {sorted(cap.tp_sizes)})")
         if cap.even_shards_only and not request.even_shards:
             out.append("needs even vocabulary shards in rank order (vocab_start = rank * V_local)")
         if not cap.empty_shards and request.empty_shard:
             out.append("cannot handle a rank with an empty vocabulary shard (V_local = 0)")
-        if not cap.empty_tokens and request.num_tokens == 0:
-            out.append("cannot handle zero tokens")
         for feature in sorted(request.features - cap.features):
             out.append(f"does not support {feature}")
-        if request.head_inputs and not cap.head_inputs:
+        head = head_support(self, request.op)
+        if request.head_inputs and head is None:
             out.append("head inputs not supported (pass logits, or force a backend that takes vtp.Head)")
-        elif request.head_per_token and not cap.head_per_token:
+        elif request.head_per_token and head is not None and not head.per_token:
             out.append("head inputs with a per-token result not supported (use reduction='sum' or 'mean')")
-        if request.compiled and not cap.compiled:
+        if request.compiled and not compiles(self, request.op):
             out.append(
-                "cannot run inside torch.compile (its saved state is not the op's inputs plus "
-                "fixed-width statistics: OpCapability(compiled=False))"
+                "cannot run inside torch.compile (it does not implement the Compiles protocol for this op: "
+                "its saved state as the op's inputs plus fixed-width statistics)"
             )
         return out
 
@@ -313,21 +264,83 @@ class Backend:
     def backward(self, call: Call, state: SavedState | None, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         raise NotImplementedError
 
-    # -- the fused head (vtp_runtime/head.py), for backends declaring head_inputs --------
-    def head_driver(self, call: Call):
+
+# -- opt-in protocols -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadSupport:
+    """How a backend takes ``vtp.Head`` inputs for one op."""
+
+    # also a per-token result (reduction="none"), whose gradients need the per-token upstream
+    # gradient in backward; False: only sum/mean (gradients in forward)
+    per_token: bool = True
+
+
+class TakesHead(Backend):
+    """A ``Backend`` that takes ``vtp.Head`` inputs (the fused linear head,
+    ``vtp_runtime/head.py``). By default the core's token-chunk driver computes each chunk's
+    logits into a reused buffer and calls ``forward`` and ``head_backward`` on them: ``state``
+    must then refer to the input tensors themselves (the driver refills the buffer before
+    backward)."""
+
+    head_ops: ClassVar[Mapping[str, HeadSupport]]  # the ops that take Head inputs
+
+    def head_driver(self, call: Call) -> Any:
         """A ``vtp_runtime.head.HeadDriver`` that runs a call with Head inputs its own way
-        (e.g. a library's fused linear cross entropy), or None for the generic token-chunk
-        driver, which calls ``forward``/``head_backward`` on each chunk's logits."""
+        (e.g. a library's fused linear cross entropy), or None for the token-chunk driver."""
         return None
 
     def head_backward(
         self, call: Call, state: SavedState | None, grad: torch.Tensor, scratch: tuple[bool, ...]
     ) -> tuple[torch.Tensor | None, ...]:
-        """``backward`` of one token chunk under the generic head driver. ``scratch[i]``:
-        input i is a logits buffer the driver owns and refills before any later use, so
-        its gradient may be written into it in place (one ``[rows, V_local]`` buffer less).
-        The default calls ``backward``."""
+        """``backward`` of one token chunk under the chunk driver. ``scratch[i]``: input i is
+        a logits buffer the driver owns and refills before any later use, so its gradient
+        may be written into it in place (one ``[rows, V_local]`` buffer less). The default
+        calls ``backward``."""
         return self.backward(call, state, grad)
+
+
+class Compiles(Backend):
+    """A ``Backend`` that runs inside a ``torch.compile``'d graph
+    (``vtp_runtime/library.py``). There every tensor an op returns, and so what backward
+    gets, must have a shape known when the graph is traced, before any backend is chosen:
+    the core keeps the call's own inputs (floating inputs as ``[N, V_local]`` rows, index,
+    mask) and one ``[N, W]`` statistics tensor instead of the state."""
+
+    compiled_ops: ClassVar[frozenset[str]]
+
+    def statistics_width(self, op: str, options: Mapping[str, Any]) -> int:
+        """``W`` of this backend's statistics for a call of ``op`` with these options (those
+        that reach backends): the same for every call of one signature."""
+        raise NotImplementedError
+
+    def statistics(self, call: Call, state: SavedState) -> torch.Tensor:
+        """Everything ``state`` holds beyond the call's own inputs, as one new ``[N, W]``
+        tensor, fp32 (fp64 for fp64 inputs)."""
+        raise NotImplementedError
+
+    def from_statistics(
+        self,
+        call: Call,
+        inputs: tuple[torch.Tensor, ...],
+        index: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        statistics: torch.Tensor,
+    ) -> SavedState:
+        """The state forward returned, rebuilt from the call's inputs (as forward got them)
+        and ``statistics()``."""
+        raise NotImplementedError
+
+
+def head_support(backend: Backend, op: str) -> HeadSupport | None:
+    """How ``backend`` takes Head inputs for ``op``, or None where it does not."""
+    return backend.head_ops.get(op) if isinstance(backend, TakesHead) else None
+
+
+def compiles(backend: Backend, op: str) -> bool:
+    """Whether ``backend`` runs ``op`` inside a torch.compile'd graph."""
+    return isinstance(backend, Compiles) and op in backend.compiled_ops
 
 
 def check_backend(backend: Backend) -> None:
@@ -349,3 +362,11 @@ def check_backend(backend: Backend) -> None:
             raise ValueError(f"backend {name!r}: unknown op {op!r}; the ops are {', '.join(OPS)}")
         if not isinstance(cap, OpCapability):
             raise ValueError(f"backend {name!r}: ops[{op!r}] must be an OpCapability")
+    # head_ops and compiled_ops may name ops beyond ``ops`` (a subclass narrowing its ops):
+    # those are never dispatched
+    if isinstance(backend, TakesHead):
+        for op, head in backend.head_ops.items():
+            if op not in OPS or not isinstance(head, HeadSupport):
+                raise ValueError(f"backend {name!r}: head_ops[{op!r}] must be a HeadSupport of a known op")
+    if isinstance(backend, Compiles) and not set(backend.compiled_ops) <= set(OPS):
+        raise ValueError(f"backend {name!r}: compiled_ops {sorted(backend.compiled_ops)} must be known ops")

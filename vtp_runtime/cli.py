@@ -10,9 +10,12 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("vtp_runtime.demo", "train a small vocabulary-sharded student on 2 ranks and check it against float64"),
+    "demo": (
+        "vtp_runtime.tools.demo",
+        "train a small vocabulary-sharded student on 2 ranks and check it against float64",
+    ),
     "info": ("vtp_runtime.info", "versions, devices, plugins and which backend can run which op"),
-    "bench": ("vtp_runtime.bench", "benchmark ops x backends x shard sizes against peers"),
+    "bench": ("vtp_runtime.tools.bench", "benchmark ops x backends x shard sizes against peers"),
 }
 
 

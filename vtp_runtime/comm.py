@@ -1,25 +1,38 @@
-"""The few collectives backends use. With ``group=None`` (or a group of one) they do nothing."""
+"""The collectives a backend may use (public: third-party backends import them).
+
+With ``group=None`` (or a group of one) they do nothing. Their number per call must never
+depend on the local vocabulary size: every rank of the group issues the same collectives.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+__all__ = ["all_gather_stack", "all_reduce", "group_rank", "group_size", "is_group"]
+
+
+def is_group(group) -> bool:
+    """Whether ``group`` is a torch.distributed ProcessGroup (None is not: no group)."""
+    return group is not None and dist.is_available() and isinstance(group, dist.ProcessGroup)
+
 
 def group_size(group) -> int:
+    """The number of ranks of ``group`` (1 without a group or without torch.distributed)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
+    """This process's rank within ``group`` (0 without a group)."""
     if group_size(group) == 1:
         return 0
     return dist.get_rank(group)
 
 
-def all_reduce_(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce (``op`` is "sum" or "max"); returns ``tensor``."""
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce over ``group`` (``op`` is "sum" or "max"); returns ``tensor``."""
     if group_size(group) > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
     return tensor

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
+from . import env
 from .backend import Backend, Request
 from .errors import BackendUnavailable, add_note
+from .metadata import Shards, backend_key
+from .ops import dtype_name
 from .registry import REGISTRY
-from .shards import Layout, backend_key
 
 log = logging.getLogger("vtp_runtime")
 
@@ -54,7 +55,7 @@ def forced_backend(op: str, argument: str | None) -> tuple[str | None, str]:
         if scoped_op is None or scoped_op == op:
             return name, "use_backend()"
     for var in (f"VTP_BACKEND_{op.upper()}", "VTP_BACKEND"):
-        value = os.environ.get(var, "").strip()
+        value = env.text(var)
         if value:
             return value, var
     return None, ""
@@ -82,7 +83,7 @@ class Explanation:
     def __str__(self) -> str:
         r = self.request
         lines = [
-            f"vtp_runtime: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
+            f"vtp_runtime: op={r.op} device={r.device_type} dtype={dtype_name(r.dtype)} "
             f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
             f"shards={'even' if r.even_shards else 'uneven'}{', one empty' if r.empty_shard else ''} "
             f"features={','.join(sorted(r.features)) or '-'}" + (" inputs=head" if r.head_inputs else "")
@@ -104,14 +105,14 @@ class Explanation:
         return "\n".join(lines)
 
 
-def _reasons(backend: Backend, request: Request, layout: Layout | None) -> tuple[list[str], list[str]]:
+def _reasons(backend: Backend, request: Request, shards: Shards | None) -> tuple[list[str], list[str]]:
     """(reasons every rank agrees on, reasons only this rank knows)."""
-    if layout is None or layout.tp_size == 1:  # single process: the probe is the whole truth
+    if shards is None or shards.tp_size == 1:  # single process: the probe is the whole truth
         return backend.reasons(request), []
     key = backend_key(backend.name, backend.priority)
     out = []
-    if key not in layout.available:
-        missing = [r for r, keys in enumerate(layout.available_per_rank) if key not in keys]
+    if key not in shards.available:
+        missing = [r for r, keys in enumerate(shards.available_per_rank) if key not in keys]
         out.append(
             f"not available on rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
             f"(not installed there, or its environment probe failed)"
@@ -120,7 +121,7 @@ def _reasons(backend: Backend, request: Request, layout: Layout | None) -> tuple
 
 
 def explain_request(
-    request: Request, layout: Layout | None, forced: str | None = None, forced_by: str = ""
+    request: Request, shards: Shards | None, forced: str | None = None, forced_by: str = ""
 ) -> Explanation:
     """Pure selection: the same inputs give the same answer on every rank."""
     backends = REGISTRY.backends()
@@ -128,7 +129,7 @@ def explain_request(
         REGISTRY.get(forced)
     reasons, notes, chosen = {}, {}, None
     for name, backend in backends.items():
-        why, local = _reasons(backend, request, layout)
+        why, local = _reasons(backend, request, shards)
         reasons[name] = why
         if local:
             notes[name] = local
@@ -137,49 +138,54 @@ def explain_request(
     return Explanation(request, chosen, forced, forced_by, reasons, notes)
 
 
+# selections already made, by everything they depend on (no tensors, no groups); cleared past
+# MAX_SELECTIONS entries
 _CACHE: dict = {}
+MAX_SELECTIONS = 4096
 
 
-def select(request: Request, layout: Layout | None, forced: str | None, forced_by: str) -> Backend:
+def select(request: Request, shards: Shards | None, forced: str | None, forced_by: str) -> Backend:
     """The backend for this call, or the same BackendUnavailable on every rank."""
     key = (
         request,
-        None if layout is None or layout.tp_size == 1 else (layout.available, layout.available_per_rank),
+        None if shards is None or shards.tp_size == 1 else (shards.available, shards.available_per_rank),
         forced,
         REGISTRY.version,
     )
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    ex = explain_request(request, layout, forced, forced_by)
+    ex = explain_request(request, shards, forced, forced_by)
     if ex.backend is None:
         err = BackendUnavailable(_unavailable_message(ex))
         for name, local in ex.local_notes.items():
             add_note(err, f"on this rank, `{name}`: " + "; ".join(local))
         raise err
-    _debug_log(ex, layout)
+    _debug_log(ex, shards)
     backend = REGISTRY.get(ex.backend)
-    if len(_CACHE) > 4096:
+    if len(_CACHE) >= MAX_SELECTIONS:
         _CACHE.clear()
     _CACHE[key] = backend
     return backend
 
 
-_LOGGED: set = set()
+_LOGGED: set = set()  # selections logged under VTP_DEBUG=1; cleared past MAX_SELECTIONS
 
 
-def _debug_log(ex: Explanation, layout: Layout | None) -> None:
+def _debug_log(ex: Explanation, shards: Shards | None) -> None:
     """With VTP_DEBUG=1, log a selection (chosen backend, every candidate and its reasons)
     once per call signature: the request up to its token count (only zero/non-zero matters),
     the forced backend and the choice. At WARNING level, so it shows without logging setup."""
-    if os.environ.get("VTP_DEBUG", "").strip() in ("", "0"):
+    if env.text("VTP_DEBUG") in ("", "0"):
         return
     r = ex.request
     signature = (replace(r, num_tokens=min(r.num_tokens, 1)), ex.forced, ex.backend, REGISTRY.version)
     if signature in _LOGGED:
         return
+    if len(_LOGGED) >= MAX_SELECTIONS:
+        _LOGGED.clear()
     _LOGGED.add(signature)
-    where = f" (rank {layout.rank} of {layout.tp_size})" if layout is not None and layout.tp_size > 1 else ""
+    where = f" (rank {shards.rank} of {shards.tp_size})" if shards is not None and shards.tp_size > 1 else ""
     log.warning("vtp_runtime selected %s for %s%s [VTP_DEBUG]\n%s", ex.backend, r.op, where, ex)
 
 
@@ -199,7 +205,7 @@ def _unavailable_message(ex: Explanation) -> str:
             blocks.extend(f"    {r}" for r in why)
     r = ex.request
     call = (
-        f"call: op={r.op} device={r.device_type} dtype={str(r.dtype).replace('torch.', '')} "
+        f"call: op={r.op} device={r.device_type} dtype={dtype_name(r.dtype)} "
         f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
         f"features={','.join(sorted(r.features)) or '-'}"
     )

@@ -27,10 +27,11 @@ How a call runs (the generic driver, ``ChunkedDriver``):
   all-reduced over ``tp_group`` (Megatron's column-parallel convention) unless
   ``reduce_hidden_grad=False``.
 
-A backend taking Head inputs declares ``OpCapability(head_inputs=True)``. Under the generic
-driver its ``forward`` must keep the **input tensors themselves** in its state (as the
-backend contract already asks: inputs and O(N) statistics), since the driver refills them
-before calling backward. ``Backend.head_driver`` lets a backend run Head calls its own way.
+A backend taking Head inputs subclasses ``vtp_runtime.backend.TakesHead`` and names the ops
+in ``head_ops``. Under the generic driver its ``forward`` must keep the **input tensors
+themselves** in its state (as the backend contract already asks: inputs and O(N)
+statistics), since the driver refills them before calling backward. ``head_driver`` lets a
+backend run Head calls its own way.
 
 Precision: logits are computed in the weight's dtype (fp32 accumulation inside the matmul),
 as ``hidden @ weight.T`` would be. ``dW`` accumulates over chunks in the weight's dtype:
@@ -45,19 +46,17 @@ from typing import Any
 
 import torch
 
-from . import second_order
-from .backend import Backend, Call, meets_layout
-from .comm import all_reduce_
+from .autograd import OpFunction
+from .backend import Call, TakesHead, meets_layout
+from .comm import all_reduce
 
 Tensor = torch.Tensor
 
 # Budget of one [rows, V_local] logits buffer. Each chunk reads and writes the whole weight
 # gradient once (addmm into dW), so fewer, larger chunks cost less, but the matmuls run best
-# on rows in multiples of 256 (see chunk_rows). On the H200 at N=8192, H=4096, bf16, 384 MiB
-# gives 1280-row chunks at V_local=151936 and 2048-row ones at 75968, the fastest of those
-# measured (1.075x and 1.033x the materialized path; benchmarks/results/h200_head_chunks.log),
-# 0.36 GiB per buffer: under 0.5 GiB of temporaries for one-input ops, under 1 GiB with a
-# teacher head.
+# on rows in multiples of 256 (see chunk_rows); the sizes measured are in docs/benchmarks.md
+# ("Fused head"). One buffer per Head input, alive for one call (until its backward for
+# per-token results).
 CHUNK_BYTES = 384 * 2**20
 
 
@@ -206,9 +205,8 @@ def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int 
     """Token rows per chunk, from quantities every rank shares: ``requested`` if given, else
     at most the rows of a ``CHUNK_BYTES`` buffer of the widest shard, balanced over the
     chunks N needs (so that the last chunk's matmuls are not small) and rounded to a multiple
-    of 256 rows, which keeps cuBLAS's 128- and 256-row tiles full: on the H200 (N=8192,
-    H=4096, bf16) 1280-row chunks ran 1.075x the materialized path at V_local=151936 where
-    1408-row ones ran 1.14x (``benchmarks/results/h200_head_chunks.log``)."""
+    of 256 rows, which keeps cuBLAS's 128- and 256-row tiles full (measured in
+    ``docs/benchmarks.md``, "Fused head")."""
     if requested is not None:
         return max(1, min(requested, num_tokens))
     most = CHUNK_BYTES // max(1, max_v_local * itemsize)
@@ -224,7 +222,7 @@ def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int 
 
 
 @dataclasses.dataclass(eq=False)
-class HeadInput:
+class ChunkInput:
     """One floating input of the op, as rows: a Head (hidden ``[N, H]``, weight, bias) or
     plain logits ``[N, V_local]``; with what needs a gradient and the gradients so far."""
 
@@ -247,12 +245,12 @@ class HeadInput:
 
     def head_parts(self) -> tuple[Tensor, Tensor, Tensor | None]:
         """``(hidden, weight, bias)`` of a Head input."""
-        assert self.hidden is not None and self.weight is not None  # run_call sets both for a Head
+        assert self.hidden is not None and self.weight is not None  # set together for a Head
         return self.hidden, self.weight, self.bias
 
     def logits_rows(self) -> Tensor:
         """The ``[N, V_local]`` logits of a logits input."""
-        assert self.logits is not None  # run_call sets them for a logits input
+        assert self.logits is not None  # set for a logits input
         return self.logits
 
     @property
@@ -265,9 +263,9 @@ class HeadInput:
 class HeadRun:
     """Everything a driver needs for one call with Head inputs on this rank."""
 
-    backend: Backend
+    backend: TakesHead
     call: Call
-    inputs: list[HeadInput]
+    inputs: list[ChunkInput]
     index: Tensor | None  # [N] or [N, k] int64
     mask: Tensor | None  # [N] bool
     num_tokens: int
@@ -319,7 +317,6 @@ class HeadRun:
     def start_grads(self) -> None:
         """Fresh gradients: dh and dlogits written chunk by chunk, dW by the first chunk then
         accumulated, db accumulated in fp32 (fp64 for fp64 inputs)."""
-        n = self.num_tokens
         for x in self.inputs:
             nh, nw, nb, nl = x.needs
             if not x.is_head:
@@ -327,11 +324,10 @@ class HeadRun:
                 continue
             hidden, weight, bias = x.head_parts()
             acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-            # dh and dW are written by the first chunk (lo = 0); zeros only when there is none
-            new = torch.zeros_like if n == 0 else torch.empty_like
+            # dh and dW are written by the first chunk (lo = 0)
             x.grads = [
-                new(hidden) if nh else None,
-                new(weight) if nw else None,
+                torch.empty_like(hidden) if nh else None,
+                torch.empty_like(weight) if nw else None,
                 torch.zeros(bias.shape, dtype=acc, device=bias.device) if nb and bias is not None else None,
                 None,
             ]
@@ -365,7 +361,7 @@ class HeadRun:
             x.grads = [None, None, None, None]
             if x.is_head:
                 if dh is not None and x.reduce_hidden_grad:
-                    all_reduce_(dh, self.call.group, "sum")
+                    all_reduce(dh, self.call.group, "sum")
                 # the bias has the weight's dtype (checked with the Head)
                 out += [dh, dw, None if db is None else db.to(x.primary.dtype)]
             else:
@@ -382,6 +378,11 @@ class HeadRun:
         for x in self.inputs:
             if x.buffer is not None:
                 x.buffer.untyped_storage().resize_(x.buffer.numel() * x.buffer.element_size())
+
+    def drop_inputs(self) -> None:
+        """Forget the inputs' tensors (after a scalar call's forward: nothing of them is needed)."""
+        for x in self.inputs:
+            x.hidden = x.weight = x.bias = x.logits = x.buffer = None
 
 
 class HeadDriver:
@@ -422,7 +423,7 @@ class ChunkedDriver(HeadDriver):
             else:
                 for x in run.inputs:
                     x.buffer = None
-        return torch.cat(values) if values else _empty_values(run)
+        return torch.cat(values)
 
     def backward(self, run: HeadRun, grad: Tensor) -> None:
         run.start_grads()
@@ -442,101 +443,82 @@ class ChunkedDriver(HeadDriver):
 CHUNKED = ChunkedDriver()
 
 
-def _empty_values(run: HeadRun) -> Tensor:
-    like = run.inputs[0].primary
-    k = 1
-    if run.call.topk:
-        assert run.index is not None  # top-k log-probs have an [N, k] index
-        k = run.index.shape[1]
-    shape: tuple[int, ...] = (0, k) if run.call.topk else (0,)
-    if run.call.options.get("return_entropy"):  # the log-probs, then the entropy
-        shape = (0, k + 1)
-    return torch.empty(shape, dtype=torch.float64 if like.dtype == torch.float64 else torch.float32, device=like.device)
+class HeadRunner:
+    """A call with Head inputs, as ``autograd.OpFunction`` runs it: the driver's forward;
+    scalar results keep the gradients computed there (scaled in backward, in place: handed
+    over, so a second backward raises), per-token results save the flat inputs (so an input
+    modified in place before backward raises) and recompute in backward."""
 
+    def __init__(self, run: HeadRun, driver: HeadDriver, shapes: list) -> None:
+        self.run, self.driver, self.shapes = run, driver, shapes
+        self.op = run.call.op
+        self.grads: list[Tensor | None] | None = None
 
-# -- autograd ---------------------------------------------------------------------------------
+    def forward(self, flat: tuple[Tensor | None, ...]) -> tuple[Tensor, tuple[Tensor | None, ...]]:
+        run = self.run
+        values = self.driver.forward(run)
+        if not run.scalar:
+            return values, flat
+        self.grads = run.finish_grads() if run.needs_grad else None
+        run.drop_inputs()
+        return values, ()
 
-
-class _HeadFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, run: HeadRun, driver: HeadDriver, *flat):
-        values = driver.forward(run)
-        ctx.run, ctx.driver = run, driver
-        ctx.shapes = [None if t is None else t.shape for t in flat]
-        ctx.links = second_order.graph_links(tuple(t for t in flat if t is not None), ())
+    def backward(self, saved: tuple[Tensor | None, ...], grad: Tensor) -> tuple[Tensor | None, ...]:
+        run = self.run
         if run.scalar:
-            ctx.grads = run.finish_grads() if run.needs_grad else None
-            for x in run.inputs:  # nothing of the inputs is needed any more
-                x.hidden = x.weight = x.bias = x.logits = None
+            grads, self.grads = self.grads, None
+            if grads is None:
+                raise HeadGradientConsumed(
+                    "backward ran twice through a vtp call with Head inputs and reduction='sum'/'mean': its "
+                    "gradients are computed in the forward pass and handed over (scaled in place) by the first "
+                    "backward. Run backward once, or use reduction='none' (gradients recomputed in backward) "
+                    "and reduce the result yourself."
+                )
+            if grad.numel():
+                scale = grad.reshape(-1)[0]  # the upstream gradient of a sum/mean is one number
+                # one multi-tensor pass in fp32 math, the scale read on the device (a mul_ by a
+                # 0-dim fp32 tensor sends bf16 gradients through torch's unvectorized casting kernel)
+                torch._foreach_mul_([g for g in grads if g is not None], scale)
         else:
-            ctx.save_for_backward(*flat)  # version check: inputs modified before backward raise
-        return values
-
-    @staticmethod
-    def backward(ctx, grad):
-        return second_order.gradients(ctx.run.call.op, lambda: _backward(ctx, grad), 2, (*ctx.links, grad))
+            self.driver.backward(run, grad)
+            grads = run.finish_grads()
+        # rows back to the inputs' shapes ([N, H] -> [..., H], [N, V_local] -> [..., V_local])
+        return tuple(None if g is None else g.view(shape) for g, shape in zip(grads, self.shapes))
 
 
-def _backward(ctx, grad):
-    run = ctx.run
-    if run.scalar:
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
-            raise HeadGradientConsumed(
-                "backward ran twice through a vtp call with Head inputs and reduction='sum'/'mean': its "
-                "gradients are computed in the forward pass and handed over (scaled in place) by the first "
-                "backward. Run backward once, or use reduction='none' (gradients recomputed in backward) "
-                "and reduce the result yourself."
-            )
-        if grad.numel():
-            scale = grad.reshape(-1)[0]  # the upstream gradient of a sum/mean is one number
-            # a multi-tensor pass in fp32 math, the scale read on the device: g.mul_(scale)
-            # with a 0-dim fp32 CUDA tensor sends bf16 gradients through torch's unvectorized
-            # casting kernel (1.5 ms for dW at V=151936, H=4096 on the H200)
-            torch._foreach_mul_([g for g in grads if g is not None], scale)
-    else:
-        ctx.saved_tensors  # noqa: B018 (raises if an input was modified in place since forward)
-        ctx.driver.backward(run, grad)
-        grads = run.finish_grads()
-    # rows back to the inputs' shapes ([N, H] -> [..., H], [N, V_local] -> [..., V_local])
-    return (None, None, *(None if g is None else g.view(shape) for g, shape in zip(grads, ctx.shapes)))
-
-
-def run_call(
-    backend: Backend,
+def run_heads(
+    backend: TakesHead,
     call: Call,
-    heads: Sequence[Head | None],
-    inputs: Sequence[Tensor],
+    inputs: Sequence[Any],
     index: Tensor | None,
     mask: Tensor | None,
-    reduction: str,
-    max_v_local: int,
+    scalar: bool,
+    rows: int,
 ) -> Tensor:
-    """Values ``[N]`` (``[N, k]``) of ``call`` whose inputs are ``heads`` (a Head, or None
-    where ``inputs`` holds that input's logits ``[..., V_local]``)."""
+    """Values ``[N]`` (``[N, k]``) of ``call`` whose ``inputs`` are each a Head or logits
+    ``[..., V_local]``; ``rows`` tokens per chunk (the same on every rank); ``scalar``: the
+    result is reduced to one number (gradients during forward)."""
     n = call.request.num_tokens
     flat: list[Tensor | None] = []
     run_inputs = []
-    requested = [h.chunk_rows for h in heads if h is not None and h.chunk_rows is not None]
-    for head, z in zip(heads, inputs):
-        if head is None:
-            flat.append(z)
-            rows = z.reshape(n, z.shape[-1])
-            if not meets_layout(rows, backend.input_layout):  # chunks are row slices of it: 2-D
-                rows = rows.contiguous()
-            run_inputs.append(HeadInput(logits=rows, needs=(False, False, False, _needs(z))))
+    for x in inputs:
+        if not isinstance(x, Head):
+            flat.append(x)
+            z = x.reshape(n, x.shape[-1])
+            if not meets_layout(z, backend.input_layout):  # chunks are row slices of it: 2-D
+                z = z.contiguous()
+            run_inputs.append(ChunkInput(logits=z, needs=(False, False, False, _needs(x))))
         else:
-            flat += [head.hidden, head.weight, head.bias]
+            flat += [x.hidden, x.weight, x.bias]
             run_inputs.append(
-                HeadInput(
-                    hidden=head.hidden.reshape(n, head.hidden.shape[-1]),
-                    weight=head.weight,
-                    bias=head.bias,
-                    reduce_hidden_grad=head.reduce_hidden_grad,
-                    needs=(_needs(head.hidden), _needs(head.weight), _needs(head.bias), False),
+                ChunkInput(
+                    hidden=x.hidden.reshape(n, x.hidden.shape[-1]),
+                    weight=x.weight,
+                    bias=x.bias,
+                    reduce_hidden_grad=x.reduce_hidden_grad,
+                    needs=(_needs(x.hidden), _needs(x.weight), _needs(x.bias), False),
                 )
             )
-    itemsize = next(h.weight.element_size() for h in heads if h is not None)
     run = HeadRun(
         backend=backend,
         call=call,
@@ -544,11 +526,20 @@ def run_call(
         index=index,
         mask=mask,
         num_tokens=n,
-        rows=chunk_rows(n, max_v_local, itemsize, min(requested) if requested else None),
-        scalar=reduction != "none",
+        rows=rows,
+        scalar=scalar,
     )
     driver = backend.head_driver(call) or CHUNKED
-    return _HeadFunction.apply(run, driver, *flat)
+    shapes = [None if t is None else t.shape for t in flat]
+    return OpFunction.apply(HeadRunner(run, driver, shapes), *flat)
+
+
+def rows_per_chunk(num_tokens: int, max_v_local: int, heads: Sequence[Any]) -> int:
+    """Tokens per chunk of a call whose inputs include ``heads`` (``chunk_rows``, from what
+    every rank shares)."""
+    found = [h for h in heads if isinstance(h, Head)]
+    requested = [h.chunk_rows for h in found if h.chunk_rows is not None]
+    return chunk_rows(num_tokens, max_v_local, found[0].weight.element_size(), min(requested) if requested else None)
 
 
 __all__ = [
@@ -556,7 +547,7 @@ __all__ = [
     "HeadDriver",
     "ChunkedDriver",
     "HeadRun",
-    "HeadInput",
+    "ChunkInput",
     "HeadGradientConsumed",
     "CHUNK_BYTES",
     "chunk_rows",

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from . import dispatch
-from .backend import Backend, Request
+from .backend import Backend, Request, compiles, head_support
 from .errors import PluginError, VtpError
-from .ops import FEATURES, OPS
+from .ops import FEATURES, OPS, dtype_name
 from .registry import REGISTRY, PluginLoadWarning
 
 DISTRIBUTIONS = ("vtp-runtime", "torch", "triton", "liger-kernel", "intel-extension-for-pytorch", "pluggy")
@@ -177,6 +177,7 @@ def collect() -> dict[str, Any]:
         for op in OPS:
             why = op_reasons(b, op, device)
             cap = b.ops.get(op)
+            head = head_support(b, op)
             ops[op] = (
                 {"implemented": False, "available": False, "reasons": [f"does not implement {op}"]}
                 if why is None or cap is None
@@ -184,13 +185,14 @@ def collect() -> dict[str, Any]:
                     "implemented": True,
                     "available": not why,
                     "reasons": why,
-                    "dtypes": sorted(str(d).replace("torch.", "") for d in cap.dtypes),
+                    "dtypes": sorted(dtype_name(d) for d in cap.dtypes),
                     "features": sorted(cap.features),
                     "devices": None if cap.device_types is None else sorted(cap.device_types),
                     "tp_sizes": None if cap.tp_sizes is None else sorted(cap.tp_sizes),
                     "even_shards_only": cap.even_shards_only,
-                    "head_inputs": cap.head_inputs,
-                    "head_per_token": cap.head_per_token,
+                    "head_inputs": head is not None,
+                    "head_per_token": head is not None and head.per_token,
+                    "compiled": compiles(b, op),
                 }
             )
         backends[name] = {
@@ -322,7 +324,7 @@ def explain_data(ex: dispatch.Explanation) -> dict[str, Any]:
         "request": {
             "op": r.op,
             "device_type": r.device_type,
-            "dtype": str(r.dtype).replace("torch.", ""),
+            "dtype": dtype_name(r.dtype),
             "tp_size": r.tp_size,
             "vocab_size": r.vocab_size,
             "num_tokens": r.num_tokens,
@@ -389,7 +391,7 @@ def _explain(args) -> int:
             args.head,
         )
         forced, forced_by = dispatch.forced_backend(args.explain, args.backend)
-        ex = dispatch.explain_request(request, layout=None, forced=forced, forced_by=forced_by or "--backend")
+        ex = dispatch.explain_request(request, shards=None, forced=forced, forced_by=forced_by or "--backend")
     except (VtpError, ValueError) as exc:
         print(f"vtp-runtime info: {exc}", file=sys.stderr)
         return 2

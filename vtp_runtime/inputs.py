@@ -27,13 +27,15 @@ local tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import torch
 
 from .head import Head
-from .ops import get_spec
+from .ops import OpSpec, get_spec
+from .weak import IdentityMap
 
 Tensor = torch.Tensor
 Wrap = Callable[[Tensor], Any]
@@ -42,20 +44,34 @@ _TENSOR_OPTIONS = ("mask", "labels", "normalizer")
 _DT: Any = None  # the torch DTensor names, imported on first use (see _dtensor)
 
 
-def normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple, dict[str, Any], Wrap | None]:
-    """``(tensors, options, wrap)`` for ``_prepare``: plain local tensors, options with the
-    layout a DTensor carries, and ``wrap`` to turn the result back into a DTensor (None when
-    no DTensor was given: use the result as it is). Raises ValueError/TypeError for a
-    DTensor layout vtp_runtime cannot take; the placement is the same on every rank, so
-    every rank raises the same error before any collective."""
+def normalize(
+    op: str, tensors: tuple, options: dict[str, Any]
+) -> tuple[tuple, dict[str, Any], Wrap | None, Exception | None]:
+    """``(tensors, options, wrap, failure)`` for the pipeline: plain local tensors, options
+    with the layout a DTensor carries, and ``wrap`` to turn the result back into a DTensor
+    (None when no DTensor was given: use the result as it is). A DTensor layout vtp_runtime
+    cannot take is not raised here but returned as ``failure`` (ValueError/TypeError), with
+    ``options["tp_group"]`` the group this rank's call would have used, so that the pipeline
+    raises it on every rank through the metadata gather: a rank that raised alone here would
+    leave the others waiting in the gather."""
     for t in tensors:
         if type(t) is not Tensor:
-            return _normalize(op, tensors, options)
+            return _normalize_or_fail(op, tensors, options)
     for name in _TENSOR_OPTIONS:
         t = options.get(name)
         if t is not None and type(t) is not Tensor and isinstance(t, Tensor):
-            return _normalize(op, tensors, options)
-    return tensors, options, None
+            return _normalize_or_fail(op, tensors, options)
+    return tensors, options, None, None
+
+
+def _normalize_or_fail(
+    op: str, tensors: tuple, options: dict[str, Any]
+) -> tuple[tuple, dict[str, Any], Wrap | None, Exception | None]:
+    seen: dict[str, Any] = {"group": options.get("tp_group")}  # the group, as soon as it is known
+    try:
+        return (*_normalize(op, tensors, options, seen), None)
+    except Exception as exc:  # raised on every rank by the pipeline, through the gather
+        return tensors, {**options, "tp_group": seen["group"]}, None, exc
 
 
 def _dtensor():
@@ -88,27 +104,51 @@ class _Torch:
         self.local_shape_and_offset = local_shape_and_offset
 
 
-class _Layout:
-    """What a logits DTensor's mesh and placement say about the shards, on this rank."""
+@dataclass(frozen=True)
+class _Placement:
+    """What a logits DTensor's placement says about the shards on this rank; the same for
+    every batch shape and every mesh of one shape (cached per mesh)."""
 
-    __slots__ = (
-        "mesh",
-        "placements",
-        "vocab_mesh_dim",
-        "batch_sharded",
-        "group",
-        "vocab_start",
-        "vocab_end",
-        "vocab_size",
-    )
-    mesh: Any  # DeviceMesh
     placements: tuple
     vocab_mesh_dim: int | None  # None: the vocabulary is replicated
     batch_sharded: bool
-    group: Any  # the vocabulary's ProcessGroup; None when vocab_mesh_dim is None
     vocab_start: int | None
     vocab_end: int | None
     vocab_size: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A logits DTensor's placement with its mesh and the vocabulary's process group, for
+    one call (never cached: a cache holding them would keep them alive)."""
+
+    mesh: Any  # DeviceMesh
+    placement: _Placement
+    group: Any  # the vocabulary's ProcessGroup; None when vocab_mesh_dim is None
+
+    @property
+    def placements(self) -> tuple:
+        return self.placement.placements
+
+    @property
+    def vocab_mesh_dim(self) -> int | None:
+        return self.placement.vocab_mesh_dim
+
+    @property
+    def batch_sharded(self) -> bool:
+        return self.placement.batch_sharded
+
+    @property
+    def vocab_start(self) -> int | None:
+        return self.placement.vocab_start
+
+    @property
+    def vocab_end(self) -> int | None:
+        return self.placement.vocab_end
+
+    @property
+    def vocab_size(self) -> int:
+        return self.placement.vocab_size
 
 
 def _placements(t, torch_names: _Torch) -> tuple:
@@ -116,39 +156,42 @@ def _placements(t, torch_names: _Torch) -> tuple:
     return tuple(torch_names.Shard(p.dim % t.dim()) if p.is_shard() and p.dim < 0 else p for p in t.placements)
 
 
-_LAYOUTS: dict = {}  # (mesh, placements, ndim, (V,)) -> _Layout: the same for every batch shape
+# per mesh (held weakly, by identity: an equal mesh of a re-initialized world gets its own),
+# at most 256 placements each: (placements, ndim, (V,)) -> _Placement
+_PLACEMENTS: IdentityMap[dict] = IdentityMap()
+MAX_PLACEMENTS = 256
 
 
-def _layout(logits, names: _Torch) -> _Layout:
-    return _layout_for(logits.device_mesh, _placements(logits, names), tuple(logits.shape), names)
+def _layout_for(mesh, placements: tuple, shape: tuple, names: _Torch, seen: dict | None = None) -> _Layout:
+    """The layout of logits of ``shape`` placed so on ``mesh`` (its placement cached per mesh;
+    the group read from the mesh on every call). ``seen["group"]``: set to the group as soon
+    as it is known, for a failure that follows."""
+    cached = _PLACEMENTS.setdefault(mesh, dict)
+    key = (placements, len(shape), shape[-1:])
+    found = cached.get(key)
+    if found is None:
+        found = _new_placement(mesh, placements, shape, names)
+        if len(cached) >= MAX_PLACEMENTS:
+            cached.clear()
+        cached[key] = found
+    group = None if found.vocab_mesh_dim is None else mesh.get_group(found.vocab_mesh_dim)
+    if seen is not None and group is not None:
+        seen["group"] = group
+    return _Layout(mesh, found, group)
 
 
-def _layout_for(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Layout:
-    """The layout of logits of ``shape`` placed so on ``mesh`` (cached)."""
-    key = (mesh, placements, len(shape), shape[-1:])
-    lay = _LAYOUTS.get(key)
-    if lay is None:
-        lay = _new_layout(mesh, placements, shape, names)
-        if len(_LAYOUTS) > 256:
-            _LAYOUTS.clear()
-        _LAYOUTS[key] = lay
-    return lay
-
-
-def _new_layout(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Layout:
+def _new_placement(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Placement:
     ndim = len(shape)
     if ndim < 1:
         raise ValueError("logits must have a vocabulary dimension: shape [..., V]")
-    lay = _Layout()
-    lay.mesh, lay.placements, lay.vocab_size = mesh, placements, shape[-1]
-    vocab_dims, lay.batch_sharded = [], False
+    vocab_dims, batch_sharded = [], False
     for i, p in enumerate(placements):
         # a strided shard (FSDP2 + TP) also reports is_shard() on some torch versions
         if p.is_shard() and not hasattr(p, "split_factor"):
             if p.dim == ndim - 1:
                 vocab_dims.append(i)
             else:
-                lay.batch_sharded = True
+                batch_sharded = True
         elif not p.is_replicate():
             what = "a pending reduction (Partial)" if p.is_partial() else "not a plain Shard or Replicate"
             raise ValueError(
@@ -161,27 +204,26 @@ def _new_layout(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Layout
             f"the logits DTensor shards the vocabulary on mesh dimensions {vocab_dims} "
             f"(placements {placements}); shard it on exactly one"
         )
-    lay.vocab_mesh_dim = vocab_dims[0] if vocab_dims else None
-    if lay.vocab_mesh_dim is None:
-        lay.group, lay.vocab_start, lay.vocab_end = None, None, None
-        return lay
+    vocab_size = shape[-1]
+    if not vocab_dims:
+        return _Placement(placements, None, batch_sharded, None, None, vocab_size)
     if mesh.get_coordinate() is None:
         raise ValueError(
             "this rank is not part of the logits DTensor's device mesh; call vtp_runtime only on the ranks of the mesh"
         )
-    lay.group = mesh.get_group(lay.vocab_mesh_dim)
     # The bounds torch's chunking gives this rank; they do not depend on the other dimensions
-    # (so the layout is cached without them). The local tensor is checked against them after
+    # (so the placement is cached without them). The local tensor is checked against them after
     # the metadata gather, so a DTensor built with a wrong global shape fails on every rank.
     # An empty shard sits at the end, [V, V), whatever offset this torch reports for it.
     local_shape, offset = names.local_shape_and_offset(shape, mesh, placements)
     size = int(local_shape[-1])
-    lay.vocab_start = int(offset[-1]) if size else lay.vocab_size
-    lay.vocab_end = lay.vocab_start + size
-    return lay
+    start = int(offset[-1]) if size else vocab_size
+    return _Placement(placements, vocab_dims[0], batch_sharded, start, start + size, vocab_size)
 
 
-def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple, dict[str, Any], Wrap | None]:
+def _normalize(
+    op: str, tensors: tuple, options: dict[str, Any], seen: dict[str, Any]
+) -> tuple[tuple, dict[str, Any], Wrap | None]:
     names = _dtensor()
     if names is None:
         return tensors, options, None
@@ -190,9 +232,10 @@ def _normalize(op: str, tensors: tuple, options: dict[str, Any]) -> tuple[tuple,
     n_logits = len(spec.inputs)
     logits = tensors[0] if tensors else None
     if _sharded_head(logits, names):
-        lay, lead = _head_layout(logits, names), tuple(logits.hidden.shape[:-1])
+        lay, lead = _head_layout(logits, names, seen), tuple(logits.hidden.shape[:-1])
     elif isinstance(logits, DTensor):
-        lay, lead = _layout(logits, names), tuple(logits.shape[:-1])
+        lay = _layout_for(logits.device_mesh, _placements(logits, names), tuple(logits.shape), names, seen)
+        lead = tuple(logits.shape[:-1])
     else:
         named = _named_tensors(spec, tensors, options)
         given = [name for name, t in named if isinstance(t, DTensor) or _sharded_head(t, names)]
@@ -299,7 +342,7 @@ def _local_input(name: str, t, lay: _Layout, lead: tuple, names: _Torch):
     return t
 
 
-def _head_layout(head: Head, names: _Torch) -> _Layout:
+def _head_layout(head: Head, names: _Torch, seen: dict | None = None) -> _Layout:
     """The layout of the logits a Head with a DTensor weight stands for. The weight's
     ``Shard(0)`` (its vocabulary) is the logits' last dimension; on the weight's other mesh
     dimensions (replicated) the batch is placed as the hidden DTensor places it. A plain
@@ -338,7 +381,7 @@ def _head_layout(head: Head, names: _Torch) -> _Layout:
                 f"the weight's Shard(0) (the vocabulary) with a replicated hidden on one mesh dimension, "
                 f"and a replicated weight elsewhere (the hidden's batch sharded or replicated there)"
             )
-    return _layout_for(w.device_mesh, tuple(placements), tuple(h.shape[:-1]) + (w.shape[0],), names)
+    return _layout_for(w.device_mesh, tuple(placements), tuple(h.shape[:-1]) + (w.shape[0],), names, seen)
 
 
 def _local_head(head: Head, names: _Torch) -> Head:
@@ -416,3 +459,20 @@ def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch) -> Wrap:
         return DTensor.from_local(out, lay.mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
     return wrap
+
+
+def index_and_mask(
+    spec: OpSpec, topk: bool, n: int, index: Tensor | None, options: Mapping[str, Any]
+) -> tuple[Tensor | None, Tensor | None]:
+    """The index as int64 rows (``[N]``, ``[N, k]``) for ops that take one, else the mask as
+    bool ``[N]``: ``mask`` and ``labels != ignore_index`` combined (None: every token counts)."""
+    if spec.index:
+        assert index is not None  # the op takes an index: checked with the call
+        return (index.reshape(n, index.shape[-1]) if topk else index.reshape(n)).long(), None
+    mask, labels = options.get("mask"), options.get("labels")
+    if mask is not None:
+        mask = mask.reshape(n)
+    if labels is not None:
+        keep = labels.reshape(n) != options.get("ignore_index", -100)
+        mask = keep if mask is None else mask & keep
+    return None, mask

@@ -5,183 +5,268 @@
 reductions) around two custom ops, so dynamo never sees a metadata gather, a hash, a host
 read or a backend, and ``fullgraph=True`` compiles.
 
-- ``vtp_runtime::forward(op, inputs, index, mask, group_name, options...) -> (values, statistics)``
+- ``vtp_runtime::forward(op, inputs, index, mask, options...) -> (values, statistics, chosen)``
   runs at run time what an eager call runs -- the plan of the call's signature (the
-  metadata gather on its first call, see ``vtp_runtime.plan``), dispatch, the backend's
-  forward -- and returns the values and the backend's state as one ``[N, W]`` statistics
-  tensor (``backend.statistics_width``), so that both have shapes known when tracing.
-- ``vtp_runtime::backward(grad, statistics, op, inputs, index, mask, options...) -> grads`` finds the
-  same plan (it never gathers) and runs the backend's backward. ``register_autograd`` ties
-  the two; the forward's inputs and statistics are what autograd saves.
+  metadata gather on its first call, see ``vtp_runtime.plans``), dispatch, the backend's
+  forward -- and returns the values, the backend's state as one ``[N, W]`` statistics
+  tensor (``Compiles.statistics``; ``W`` the widest any compiling backend declares for the
+  call, known when tracing), and ``chosen``: a small int64 CPU tensor naming the backend and
+  this rank's shards.
+- ``vtp_runtime::backward(grad, statistics, chosen, op, inputs, index, mask, options...) -> grads``
+  rebuilds the backend's ``Call`` and state from what the forward returned (no plan lookup,
+  no collective) and runs the backend's backward. ``register_autograd`` ties the two; the
+  forward's inputs and outputs are what autograd saves.
 
 Checked when tracing (the same checks as an eager call, on shapes, dtypes and option
 values): the arguments of this rank. Checked when the graph runs, inside the op: everything
 that needs the other ranks (the metadata gather and its checks) and the backend choice,
-exactly as in eager mode. Only backends declaring ``OpCapability(compiled=True)`` run here
-(eager, triton, triton_xpu). The forced backend (``backend=``, ``use_backend``,
-``VTP_BACKEND*``) is read when tracing. A process group cannot be an argument of a custom
-op: its name (``group.group_name``) is, resolved at run time.
+exactly as in eager mode. Only backends implementing the ``Compiles`` protocol for the op
+run here. The forced backend (``backend=``, ``use_backend``, ``VTP_BACKEND*``) is read when
+tracing. A process group cannot be an argument of a custom op: its name
+(``group.group_name``) is, resolved through torch's own registry on every call (names
+restart after ``destroy_process_group()``: no cache may map them).
+
+The custom ops' scalar arguments are written from the option schema (``ops.OPS``): every
+option any op hands its backends, then the layout, the group's name, the forced backend,
+which inputs need gradients and whether the index is top-k. An option the op does not take
+is passed as None.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, get_type_hints
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from . import api, dispatch
-from .backend import statistics_width
-from .ops import get_spec
+from . import checks, dispatch, inputs, metadata, plans
+from .backend import Call, Compiles, Request
+from .checks import Check
+from .ops import OPS, OpSpec, features_of, get_spec
+from .outputs import finish
+from .registry import REGISTRY
 
 Tensor = torch.Tensor
 
-_GROUPS: dict[str, Any] = {}
+# what every op hands its backends, by name (one Option per name across ops)
+_BACKEND_OPTIONS = {o.name: o for spec in OPS.values() for o in spec.options.values() if o.backend}
+_LAYOUT = ("vocab_start", "vocab_end", "global_vocab_size")
+_SCHEMA_TYPES = {float: "float?", int: "SymInt?", bool: "bool?"}
+# (name, schema type) of the scalar arguments both custom ops end with, in order
+FIELDS: tuple[tuple[str, str], ...] = (
+    *((name, _SCHEMA_TYPES[o.kind]) for name, o in sorted(_BACKEND_OPTIONS.items()) if o.kind is not None),
+    *((name, "SymInt?") for name in _LAYOUT),
+    ("group_name", "str"),
+    ("backend", "str"),
+    ("backend_source", "str"),
+    ("needs_grad", "bool[]"),
+    ("topk", "bool"),
+)
+_NAMES = tuple(name for name, _ in FIELDS)
+_SCHEMA = ", ".join(f"{kind} {name}" for name, kind in FIELDS)
+# the layout of ``chosen``: the backend (metadata.backend_key) and this rank's shards
+_CHOSEN = ("backend", "rank", "vocab_start", "vocab_end", "vocab_size", "tp_size", "even_shards", "empty_shard")
 
 
-def _group(name: str):
-    """The process group registered under ``name`` ("" for none)."""
+def _args(scalars: tuple) -> dict[str, Any]:
+    return dict(zip(_NAMES, scalars))
+
+
+def _group(name: str) -> Any:
+    """The process group registered under ``name`` ("" for none), looked up in torch's own
+    registry on every call."""
     if not name:
         return None
-    group = _GROUPS.get(name)
-    if group is None:
-        from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d
 
-        resolve = getattr(c10d, "_resolve_process_group", None)
-        if resolve is not None:  # torch 2.11, 2.13
-            group = resolve(name)
-        else:  # the registry it reads
-            group = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
-            if group is None:
-                raise RuntimeError(f"no process group is registered as {name!r}")
-        _GROUPS[name] = group
-    return group
+    resolve = getattr(c10d, "_resolve_process_group", None)
+    if resolve is not None:  # torch 2.11, 2.13
+        return resolve(name)
+    found = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
+    if found is None:
+        raise RuntimeError(f"no process group is registered as {name!r}")
+    return found
 
 
-class Options(NamedTuple):
-    """The scalar arguments both custom ops end with, in their schema's order (-1: not given).
-    The schemas are written from these fields, so the argument list is written here only."""
-
-    group_name: str
-    temperature: float
-    ignore_index: int
-    label_smoothing: float
-    z_loss: float
-    beta: float
-    reverse: bool
-    return_entropy: bool
-    vocab_start: int
-    vocab_end: int
-    global_vocab_size: int
-    backend: str
-    backend_source: str
-    needs_grad: list[bool]
-    topk: bool
-
-
-# as torch.library.infer_schema writes them (an int may be symbolic when tracing: SymInt)
-_SCHEMA_TYPES = {str: "str", float: "float", int: "SymInt", bool: "bool", list[bool]: "bool[]"}
-_OPTIONS_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[t]} {name}" for name, t in get_type_hints(Options).items())
-
-
-def _given(op: str, mask: Tensor | None, o: Options) -> dict[str, Any]:
-    """The options of an eager call that the op's arguments stand for."""
-    given: dict[str, Any] = {"tp_group": _group(o.group_name), "temperature": o.temperature}
-    if o.vocab_start >= 0:
-        given["vocab_start"], given["vocab_end"] = o.vocab_start, o.vocab_end
-    if o.global_vocab_size >= 0:
-        given["global_vocab_size"] = o.global_vocab_size
-    spec = get_spec(op)
-    if "ignore_index" in spec.options:
-        given["ignore_index"] = o.ignore_index
-    if op == "cross_entropy":
-        given["label_smoothing"], given["z_loss"] = o.label_smoothing, o.z_loss
-    if op == "logprobs":
-        given["return_entropy"] = o.return_entropy
-    if op == "kl":
-        given["reverse"] = o.reverse
-    if op == "jsd":
-        given["beta"] = o.beta
+def _given(spec: OpSpec, mask: Tensor | None, a: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of an eager call that the custom op's arguments stand for."""
+    given: dict[str, Any] = {"tp_group": _group(a["group_name"])}
+    for name in (*_BACKEND_OPTIONS, *_LAYOUT):
+        if name in spec.options and a[name] is not None:
+            given[name] = a[name]
     if mask is not None:
         given["mask"] = mask
     return given
 
 
+def _backend_options(spec: OpSpec, a: Mapping[str, Any]) -> dict[str, Any]:
+    """What the op's backends get in ``Call.options``, from the custom op's arguments."""
+    return {
+        name: (spec.defaults[name] if a[name] is None else a[name]) for name in spec.options if name in _BACKEND_OPTIONS
+    }
+
+
+def _width(op: str, options: Mapping[str, Any]) -> int:
+    """The statistics width of a compiled call: the widest any registered backend that can
+    run ``op`` in a compiled graph declares (a narrower backend's columns are padded)."""
+    widths = [
+        b.statistics_width(op, options)
+        for b in REGISTRY.backends().values()
+        if isinstance(b, Compiles) and op in b.compiled_ops
+    ]
+    if not widths:
+        raise RuntimeError(f"no registered backend runs {op} inside torch.compile (the Compiles protocol)")
+    assert all(isinstance(w, int) for w in widths)
+    return max(widths)
+
+
+def _values_shape(op: str, n: Any, index: Tensor | None, a: Mapping[str, Any]) -> tuple:
+    k = index.shape[1] if a["topk"] and index is not None else 1
+    if op == "logprobs" and a["return_entropy"]:
+        return (n, k + 1)
+    return (n, k) if a["topk"] else (n,)
+
+
 def _forward(
-    op: str, inputs: list[Tensor], index: Tensor | None, mask: Tensor | None, *options: Any
-) -> tuple[Tensor, Tensor]:
+    op: str, rows: list[Tensor], index: Tensor | None, mask: Tensor | None, *scalars: Any
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token values ``[N]`` (``[N, k]`` top-k log-probs; with ``return_entropy`` ``[N, k + 1]``,
-    the entropy last) and the ``[N, W]`` statistics
-    backward needs, for ``inputs`` as ``[N, V_local]`` rows, ``index`` int64 ``[N]``/``[N, k]``,
-    ``mask`` bool ``[N]`` (already combined with labels). Replicated on every rank."""
-    o = Options(*options)
-    tensors = tuple(inputs) + ((index,) if index is not None else ())
-    traced = api.Traced(tuple(o.needs_grad), o.backend or None, o.backend_source)
-    made = api._planned(op, tensors, _given(op, mask, o), traced)
-    values, state = made.backend.forward(made.call, tuple(inputs), index, mask)
+    the entropy last), the ``[N, W]`` statistics backward needs, and ``chosen``, for ``rows``
+    ``[N, V_local]``, ``index`` int64 ``[N]``/``[N, k]``, ``mask`` bool ``[N]`` (already
+    combined with labels). Values and statistics are replicated on every rank."""
+    a = _args(scalars)
+    spec = get_spec(op)
+    tensors = tuple(rows) + ((index,) if index is not None else ())
+    traced = plans.Traced(tuple(a["needs_grad"]), a["backend"] or None, a["backend_source"])
+    given = _given(spec, mask, a)
+    made = plans.plan_for(op, tensors, given, traced)
+    backend = made.backend
+    assert isinstance(backend, Compiles)  # dispatch gave a compiled call to a backend that compiles
+    call = made.call(given["tp_group"])
+    n = made.num_tokens
+    width = _width(op, made.backend_options)
+    dtype = torch.float64 if rows[0].dtype == torch.float64 else torch.float32
+    chosen = torch.tensor(
+        [
+            metadata.backend_key(backend.name, backend.priority),
+            made.rank,
+            made.vocab_start,
+            made.vocab_end,
+            made.request.vocab_size,
+            made.request.tp_size,
+            int(made.request.even_shards),
+            int(made.request.empty_shard),
+        ],
+        dtype=torch.int64,
+    )
+    if n == 0:  # no rank has a token: nothing to compute or communicate
+        values = rows[0].new_zeros(_values_shape(op, 0, index, a), dtype=dtype)
+        return values, rows[0].new_zeros((0, width), dtype=dtype), chosen
+    values, state = backend.forward(call, tuple(rows), index, mask)
     if state is None:
-        raise RuntimeError(f"backend {made.backend.name!r} returned no state; it cannot run inside torch.compile")
-    made.state_type = type(state)
-    stats = state.statistics()
-    width = statistics_width(op, made.call.options)
-    if tuple(stats.shape) != (values.shape[0], width):
+        raise RuntimeError(f"backend {backend.name!r} returned no state; it cannot run inside torch.compile")
+    stats = backend.statistics(call, state)
+    w = backend.statistics_width(op, made.backend_options)
+    if tuple(stats.shape) != (n, w):
         raise RuntimeError(
-            f"backend {made.backend.name!r}: statistics() gave shape {tuple(stats.shape)}, "
-            f"expected [N, {width}] = {(values.shape[0], width)}"
+            f"backend {backend.name!r}: statistics() gave shape {tuple(stats.shape)}, "
+            f"expected [N, statistics_width] = {(n, w)}"
         )
-    return values, stats
+    if w < width:
+        stats = torch.nn.functional.pad(stats, (0, width - w))
+    return values, stats, chosen
 
 
 forward_op = torch.library.custom_op(
     "vtp_runtime::forward",
     _forward,
     mutates_args=(),
-    schema=f"(str op, Tensor[] inputs, Tensor? index, Tensor? mask, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor)",
+    schema=f"(str op, Tensor[] inputs, Tensor? index, Tensor? mask, {_SCHEMA}) -> (Tensor, Tensor, Tensor)",
 )
 
 
 @forward_op.register_fake
-def _(op, inputs, index, mask, *options):
-    o = Options(*options)
+def _(op, inputs, index, mask, *scalars):
+    a = _args(scalars)
+    spec = get_spec(op)
     z = inputs[0]
     n = z.shape[0]
     dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
-    if op == "logprobs" and o.return_entropy:
-        shape = (n, (index.shape[1] if o.topk else 1) + 1)
-    else:
-        shape = (n, index.shape[1]) if o.topk else (n,)
-    values = z.new_empty(shape, dtype=dtype)
-    width = statistics_width(op, {"beta": o.beta, "return_entropy": o.return_entropy})
-    return values, z.new_empty((n, width), dtype=dtype)
+    width = _width(op, _backend_options(spec, a))
+    chosen = torch.empty((len(_CHOSEN),), dtype=torch.int64, device="cpu")
+    return z.new_empty(_values_shape(op, n, index, a), dtype=dtype), z.new_empty((n, width), dtype=dtype), chosen
+
+
+def _call_of(op: str, chosen: list[int], rows: list[Tensor], index: Tensor | None, mask, a) -> tuple[Compiles, Call]:
+    """The backend and the ``Call`` a compiled forward ran, from what it returned."""
+    c = dict(zip(_CHOSEN, chosen))
+    backend = next(
+        (b for b in REGISTRY.backends().values() if metadata.backend_key(b.name, b.priority) == c["backend"]), None
+    )
+    if not isinstance(backend, Compiles):
+        raise RuntimeError(
+            f"vtp_runtime: the backend that ran the forward of this {op} call is no longer registered; "
+            f"keep the registry unchanged between a compiled forward and its backward"
+        )
+    spec = get_spec(op)
+    options = _backend_options(spec, a)
+    z = rows[0]
+    request = Request(
+        op=op,
+        device_type=z.device.type,
+        dtype=z.dtype,
+        tp_size=c["tp_size"],
+        vocab_size=c["vocab_size"],
+        num_tokens=z.shape[0],
+        even_shards=bool(c["even_shards"]),
+        empty_shard=bool(c["empty_shard"]),
+        features=features_of(
+            spec,
+            {**spec.defaults, **options, "mask": mask},
+            topk=a["topk"],
+            teacher_grad=len(rows) == 2 and a["needs_grad"][1],
+        ),
+        compiled=True,
+    )
+    call = Call(
+        request=request,
+        group=_group(a["group_name"]),
+        rank=c["rank"],
+        vocab_start=c["vocab_start"],
+        vocab_end=c["vocab_end"],
+        options=options,
+        needs_grad=tuple(a["needs_grad"]),
+        topk=a["topk"],
+    )
+    return backend, call
 
 
 def _backward_op(
     grad: Tensor,
     statistics: Tensor,
+    chosen: Tensor,
     op: str,
-    inputs: list[Tensor],
+    rows: list[Tensor],
     index: Tensor | None,
     mask: Tensor | None,
-    *options: Any,
+    *scalars: Any,
 ) -> list[Tensor]:
-    """The gradients of the inputs in ``needs_grad`` (only those), from the forward's plan
-    and statistics. No collective."""
-    from . import plan
-
-    o = Options(*options)
-    tensors = tuple(inputs) + ((index,) if index is not None else ())
-    forced = (o.backend or None, o.backend_source)
-    key = plan.signature(op, tensors, _given(op, mask, o), forced, api.REGISTRY.version, tuple(o.needs_grad))
-    made = None if key is None else plan.lookup(key)
-    if made is None or made.state_type is None:
-        raise RuntimeError(
-            f"vtp_runtime: no plan for the backward of this {op} call: its forward ran under "
-            f"another registry of backends, or more than {2 * plan.MAX_PLANS} other signatures "
-            f"ran since; run backward sooner, or call vtp_runtime.plan.clear() on no rank in between"
-        )
-    state = made.state_type.from_statistics(made.call, tuple(inputs), index, mask, statistics)
-    grads = made.backend.backward(made.call, state, grad.contiguous())
-    return [g for g, need in zip(grads, o.needs_grad) if need]
+    """The gradients of the inputs in ``needs_grad`` (only those), from the forward's
+    ``statistics`` and ``chosen``. No collective."""
+    a = _args(scalars)
+    backend, call = _call_of(op, chosen.tolist(), rows, index, mask, a)  # chosen is on the host
+    if call.request.num_tokens == 0:
+        return [torch.zeros_like(t) for t, need in zip(rows, a["needs_grad"]) if need]
+    w = backend.statistics_width(op, call.options)
+    state = backend.from_statistics(call, tuple(rows), index, mask, statistics[:, :w])
+    grads = backend.backward(call, state, grad.contiguous())
+    out = []
+    for g, need in zip(grads, a["needs_grad"]):
+        if need:
+            assert g is not None, f"backend {backend.name!r} gave no gradient for an input that needs one"
+            out.append(g)
+    return out
 
 
 backward_op = torch.library.custom_op(
@@ -189,35 +274,35 @@ backward_op = torch.library.custom_op(
     _backward_op,
     mutates_args=(),
     schema=(
-        f"(Tensor grad, Tensor statistics, str op, Tensor[] inputs, Tensor? index, Tensor? mask, "
-        f"{_OPTIONS_SCHEMA}) -> Tensor[]"
+        f"(Tensor grad, Tensor statistics, Tensor chosen, str op, Tensor[] inputs, Tensor? index, Tensor? mask, "
+        f"{_SCHEMA}) -> Tensor[]"
     ),
 )
 
 
 @backward_op.register_fake
-def _(grad, statistics, op, inputs, index, mask, *options):
-    return [torch.empty_like(t) for t, need in zip(inputs, Options(*options).needs_grad) if need]
+def _(grad, statistics, chosen, op, inputs, index, mask, *scalars):
+    return [torch.empty_like(t) for t, need in zip(inputs, _args(scalars)["needs_grad"]) if need]
 
 
 def _setup_context(ctx, inputs, output):
     op, tensors, index, mask = inputs[:4]
-    ctx.op, ctx.options, ctx.n = op, inputs[4:], len(tensors)
-    ctx.save_for_backward(*tensors, index, mask, output[1])
+    ctx.op, ctx.scalars, ctx.n = op, inputs[4:], len(tensors)
+    ctx.save_for_backward(*tensors, index, mask, output[1], output[2])
 
 
-def _backward(ctx, grad_values, grad_statistics):
+def _backward(ctx, grad_values, grad_statistics, grad_chosen):
     saved = ctx.saved_tensors
     n = ctx.n
-    tensors, (index, mask, stats) = list(saved[:n]), saved[n:]
-    needs_grad = Options(*ctx.options).needs_grad
+    tensors, (index, mask, stats, chosen) = list(saved[:n]), saved[n:]
+    needs_grad = _args(ctx.scalars)["needs_grad"]
     grads = (
-        iter(backward_op(grad_values, stats, ctx.op, tensors, index, mask, *ctx.options))
+        iter(backward_op(grad_values, stats, chosen, ctx.op, tensors, index, mask, *ctx.scalars))
         if any(needs_grad)
         else iter(())
     )
     input_grads = [next(grads) if need else None for need in needs_grad]
-    return (None, input_grads) + (None,) * (2 + len(Options._fields))
+    return (None, input_grads) + (None,) * (2 + len(FIELDS))
 
 
 torch.library.register_autograd("vtp_runtime::forward", _backward, setup_context=_setup_context)
@@ -230,9 +315,11 @@ def _forced(op: str, argument: str | None) -> str:
     return f"{name or ''}\0{source}"
 
 
-def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
-    """``loss(op, *tensors, **options)`` as dynamo traces it: local checks on what tracing
-    knows (shapes, dtypes, option values), then the custom op."""
+def traced_loss(op: str, tensors: tuple, given: dict[str, Any], check: Check | None = None) -> Any:
+    """``loss(op, *tensors, **options)`` as dynamo traces it: this rank's checks on what
+    tracing knows (shapes, dtypes, option values), then the custom op. ``check`` (per-call
+    data checks, which read the host) does not run here: callers make bad data NaN on the
+    device instead."""
     spec = get_spec(op)
     n_inputs = len(spec.inputs)
     for t in tensors:
@@ -242,54 +329,31 @@ def traced_loss(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor | tu
                 f"pass a DTensor's local shard (.to_local()) with tp_group, vocab_start and "
                 f"vocab_end, and call a Head outside the compiled region"
             )
-    given = options
-    api._check_arguments(op, tensors, given)
-    options = {**api._DEFAULTS[spec.name], **given}
-    api._local_checks(spec, tensors[:n_inputs], tensors[n_inputs] if spec.index else None, options)
+    checks.check_arguments(spec, tensors, given)
+    options = {**spec.defaults, **given}
+    index = tensors[n_inputs] if spec.index else None
+    checks.check_tensors(spec, tensors[:n_inputs], index, options)
     group = options["tp_group"]
-    group_name = "" if group is None else group.group_name
     forced = _forced(op, options["backend"]).split("\0")
-    inputs = tuple(tensors[:n_inputs])
-    lead = tuple(inputs[0].shape[:-1])
+    lead = tuple(tensors[0].shape[:-1])
     n = math.prod(lead)
-    rows = [t.reshape(n, t.shape[-1]) for t in inputs]
+    rows = [t.reshape(n, t.shape[-1]) for t in tensors[:n_inputs]]
     grad_on = torch.is_grad_enabled()
-    needs_grad = [bool(grad_on and t.requires_grad) for t in inputs]
-    ignore_index = options.get("ignore_index", -100)
-    index = mask = None
-    topk = False
-    if spec.index:
-        index = tensors[n_inputs]
-        topk = spec.name == "logprobs" and index.dim() == len(lead) + 1
-        index = (index.reshape(n, index.shape[-1]) if topk else index.reshape(n)).long()
-    else:
-        if options["mask"] is not None:
-            mask = options["mask"].reshape(n)
-        if options["labels"] is not None:
-            keep = options["labels"].reshape(n) != ignore_index
-            mask = keep if mask is None else mask & keep
-    vocab_start = options["vocab_start"]
-    options_given = Options(
-        group_name=group_name,
-        temperature=float(options["temperature"]),
-        ignore_index=int(ignore_index),
-        label_smoothing=float(options.get("label_smoothing", 0.0)),
-        z_loss=float(options.get("z_loss", 0.0)),
-        beta=float(options.get("beta", 0.5)),
-        reverse=bool(options.get("reverse", False)),
-        return_entropy=bool(options.get("return_entropy", False)),
-        vocab_start=-1 if vocab_start is None else vocab_start,
-        vocab_end=-1 if vocab_start is None else options["vocab_end"],
-        global_vocab_size=-1 if options["global_vocab_size"] is None else options["global_vocab_size"],
+    topk = spec.name == "logprobs" and index is not None and index.dim() == len(lead) + 1
+    index, mask = inputs.index_and_mask(spec, topk, n, index, options)
+    scalars: dict[str, Any] = {name: None for name in _NAMES}
+    for name in (*_BACKEND_OPTIONS, *_LAYOUT):
+        if name in spec.options and options[name] is not None:
+            value = options[name]
+            scalars[name] = (
+                float(value) if _BACKEND_OPTIONS.get(name) and _BACKEND_OPTIONS[name].kind is float else value
+            )
+    scalars.update(
+        group_name="" if group is None else group.group_name,
         backend=forced[0],
         backend_source=forced[1],
-        needs_grad=needs_grad,
+        needs_grad=[bool(grad_on and t.requires_grad) for t in tensors[:n_inputs]],
         topk=topk,
     )
-    values, _ = forward_op(spec.name, rows, index, mask, *options_given)
-    if options.get("return_entropy"):
-        assert index is not None  # return_entropy is an option of logprobs, which takes an index
-        return api._logprobs_and_entropy(values, lead, topk, index, options, ignore_index)
-    if len(lead) != 1:
-        values = values.view(lead + api._topk_dims(index, topk))
-    return api._reduce(values, options, index, mask, ignore_index)
+    values, _, _ = forward_op(spec.name, rows, index, mask, *(scalars[name] for name in _NAMES))
+    return finish(values, lead, topk, index, mask, options)

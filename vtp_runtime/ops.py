@@ -32,34 +32,131 @@ jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b
   entropy, which does not depend on the index, stays finite; the row's gradient is NaN).
 - ``0 * log 0 = 0``; KL is ``+inf`` where the weighting distribution has mass the other
   lacks; an unmasked row of all ``-inf`` gives NaN in that row only.
+
+Every option of every op is declared once, as an ``Option`` of its ``OpSpec``: its default,
+its type, the rule its value must meet, whether backends receive it, and the feature it
+turns on. Defaults, the checks, the cross-rank fingerprint, the plan signature, the custom
+ops' schema (``vtp_runtime.library``) and the feature test all derive from it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-# Features a call may use beyond the plain op, each with how a call turns it on: from its
-# options, whether its index has a top-k dimension, whether its teacher requires grad. A
-# backend declares the ones it supports, per op; ``OpSpec.features`` says which apply to an op.
-_USES: dict[str, Callable[[Mapping[str, Any], bool, bool], bool]] = {
-    "label_smoothing": lambda options, topk, teacher_grad: options["label_smoothing"] != 0.0,
-    "z_loss": lambda options, topk, teacher_grad: options["z_loss"] != 0.0,
-    "temperature": lambda options, topk, teacher_grad: options["temperature"] != 1.0,
-    "topk": lambda options, topk, teacher_grad: topk,  # logprobs with an index [..., k]
-    "mask": lambda options, topk, teacher_grad: options["mask"] is not None or options["labels"] is not None,
-    "reverse": lambda options, topk, teacher_grad: bool(options["reverse"]),
-    "teacher_grad": lambda options, topk, teacher_grad: teacher_grad,
-    # logprobs: also the entropy of each token, from the same read of the logits
-    "return_entropy": lambda options, topk, teacher_grad: bool(options["return_entropy"]),
-}
-FEATURES = tuple(_USES)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-REDUCTIONS = ("none", "sum", "mean")
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how every message names a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+def _finite_positive(v: Any) -> bool:
+    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) numbers are symbols
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+
+def _unit(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+
+
+def _finite_non_negative(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < math.inf
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _normalizer(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):  # e.g. HF Trainer's num_items_in_batch; never read on the host
+        return v.numel() == 1 and not v.is_complex()
+    return v is None or _finite_positive(v)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of an op.
+
+    - ``kind``: the Python type a scalar value is given before it is checked and compared
+      across ranks (``float``: ints, numpy scalars and 0-d CPU tensors become floats, so
+      ``2``, ``2.0`` and ``np.float32(2)`` agree); None for options that are not scalars
+      (tensors, groups, names).
+    - ``rule``: what a valid value is, in words; ``valid`` tests it (None: anything).
+    - ``backend``: handed to backends in ``Call.options`` (else the core consumes it).
+    - ``per_call``: data of each call (a number ``normalizer``): its value is not part of a
+      plan's signature and is checked on every call.
+    - ``feature``: the feature (``FEATURES``) a value other than the default turns on.
+    - ``compared``: part of the options fingerprint the ranks compare in the metadata
+      gather (False: compared another way -- the layout, the forced backend -- or per rank
+      by nature, like tensors).
+    """
+
+    name: str
+    default: Any
+    kind: type | None = None
+    rule: str = ""
+    valid: Callable[[Any], bool] | None = None
+    backend: bool = False
+    per_call: bool = False
+    feature: str | None = None
+    error: type[Exception] = ValueError  # raised when the value breaks the rule
+    compared: bool = True
+
+
+# Options every op takes; the core handles them, backends see the layout they lead to.
+COMMON = (
+    Option("tp_group", None, compared=False),
+    Option("temperature", 1.0, float, "a finite number > 0", _finite_positive, backend=True, feature="temperature"),
+    Option("reduction", "none", str, "one of 'none', 'sum', 'mean'", lambda v: v in ("none", "sum", "mean")),
+    Option(
+        "normalizer",
+        None,
+        float,
+        "a finite number > 0 (e.g. num_items_in_batch) or a one-element tensor",
+        _normalizer,
+        per_call=True,
+    ),
+    Option("vocab_start", None, int, compared=False),
+    Option("vocab_end", None, int, compared=False),
+    Option(
+        "global_vocab_size",
+        None,
+        int,
+        "a positive int",
+        lambda v: v is None or (_is_int(v) and v > 0),
+        compared=False,
+    ),
+    Option(
+        "backend",
+        None,
+        None,
+        "a backend name (str)",
+        lambda v: v is None or isinstance(v, str),
+        error=TypeError,
+        compared=False,
+    ),
+)
+_IGNORE_INDEX = Option("ignore_index", -100, int, "an int", _is_int, backend=True)
+_MASKING = (
+    Option("mask", None, feature="mask", compared=False),
+    Option("labels", None, feature="mask", compared=False),
+    _IGNORE_INDEX,
+)
+
+# Features a call may use beyond the plain op. Most are turned on by an option's value (its
+# ``Option.feature``); ``topk`` by an index with a trailing k dimension, ``teacher_grad`` by
+# a teacher that requires grad. A backend declares the ones it supports, per op.
+FEATURES = ("label_smoothing", "z_loss", "temperature", "topk", "mask", "reverse", "teacher_grad", "return_entropy")
 
 
 @dataclass(frozen=True)
@@ -67,11 +164,23 @@ class OpSpec:
     name: str
     inputs: tuple[str, ...]  # floating-point logits inputs, in call order
     index: str | None  # name of the integer index input, if any
-    options: Mapping[str, Any]  # op-specific options and their defaults
+    own: tuple[Option, ...]  # the options of this op beyond the common ones
     features: tuple[str, ...]  # the FEATURES that apply to this op
+    options: Mapping[str, Option] = field(init=False)  # every option, common ones first, by name
+    defaults: Mapping[str, Any] = field(init=False)  # every option's default, by name
 
+    def __post_init__(self) -> None:
+        options = {o.name: o for o in (*COMMON, *self.own)}
+        object.__setattr__(self, "options", options)
+        object.__setattr__(self, "defaults", {name: o.default for name, o in options.items()})
+        unknown = set(self.features) - set(FEATURES)
+        assert not unknown, f"{self.name}: unknown features {unknown}"
 
-_MASKING = {"mask": None, "labels": None, "ignore_index": -100}
+    @property
+    def n_tensors(self) -> int:
+        """How many tensor arguments the op takes: its logits inputs and its index."""
+        return len(self.inputs) + (1 if self.index else 0)
+
 
 OPS: dict[str, OpSpec] = {
     spec.name: spec
@@ -80,61 +189,59 @@ OPS: dict[str, OpSpec] = {
             "cross_entropy",
             ("logits",),
             "labels",
-            {"ignore_index": -100, "label_smoothing": 0.0, "z_loss": 0.0},
+            (
+                _IGNORE_INDEX,
+                Option("label_smoothing", 0.0, float, "in [0, 1]", _unit, backend=True, feature="label_smoothing"),
+                Option(
+                    "z_loss", 0.0, float, "a finite number >= 0", _finite_non_negative, backend=True, feature="z_loss"
+                ),
+            ),
             ("label_smoothing", "z_loss", "temperature"),
         ),
         OpSpec(
             "logprobs",
             ("logits",),
             "index",
-            {"ignore_index": -100, "return_entropy": False},
+            (
+                _IGNORE_INDEX,
+                Option("return_entropy", False, bool, "a bool", _is_bool, backend=True, feature="return_entropy"),
+            ),
             ("topk", "temperature", "return_entropy"),
         ),
-        OpSpec("entropy", ("logits",), None, dict(_MASKING), ("mask", "temperature")),
+        OpSpec("entropy", ("logits",), None, _MASKING, ("mask", "temperature")),
         OpSpec(
             "kl",
             ("student_logits", "teacher_logits"),
             None,
-            {"reverse": False, **_MASKING},
+            (Option("reverse", False, bool, "a bool", _is_bool, backend=True, feature="reverse"), *_MASKING),
             ("mask", "temperature", "reverse", "teacher_grad"),
         ),
         OpSpec(
             "jsd",
             ("student_logits", "teacher_logits"),
             None,
-            {"beta": 0.5, **_MASKING},
+            (
+                Option(
+                    "beta",
+                    0.5,
+                    float,
+                    "in [0, 1] (0 = forward KL, 1 = reverse KL)",
+                    _unit,
+                    backend=True,
+                ),
+                *_MASKING,
+            ),
             ("mask", "temperature", "teacher_grad"),
         ),
     )
 }
-# per op, the (feature, how a call uses it) pairs features_of tests: built once, it is on every call's path
-_FEATURE_TESTS = {name: tuple((f, _USES[f]) for f in spec.features) for name, spec in OPS.items()}
-
-# Options every op takes; handled by the core, not by backends.
-COMMON_OPTIONS: dict[str, Any] = {
-    "tp_group": None,
-    "temperature": 1.0,
-    "reduction": "none",
-    "normalizer": None,
-    "vocab_start": None,
-    "vocab_end": None,
-    "global_vocab_size": None,
-    "backend": None,
-}
 
 
-# Scalar options are given one Python type before they are checked and compared across ranks,
-# so that equal values agree: temperature=2 on one rank and 2.0, np.float32(2) or
-# torch.tensor(2.) on another.
-FLOAT_OPTIONS = frozenset({"temperature", "label_smoothing", "z_loss", "beta", "normalizer"})
-SCALAR_OPTIONS = FLOAT_OPTIONS | {
-    "ignore_index",
-    "vocab_start",
-    "vocab_end",
-    "global_vocab_size",
-    "reverse",
-    "return_entropy",
-}
+def get_spec(op: str) -> OpSpec:
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(OPS)}") from None
 
 
 def _python_scalar(name: str, value: Any) -> Any:
@@ -153,12 +260,13 @@ def _python_scalar(name: str, value: Any) -> Any:
     return value
 
 
-def normalize_options(options: dict[str, Any], given: Iterable[str]) -> None:
-    """Give the scalar options among ``given`` one Python type each, in place: numpy scalars
+def normalize_options(spec: OpSpec, options: dict[str, Any], given: Iterable[str]) -> None:
+    """Give the scalar options among ``given`` their ``Option.kind``, in place: numpy scalars
     and 0-d CPU tensors become Python numbers, and ints of float options floats. A tensor
     ``normalizer`` stays a tensor (it is never read on the host)."""
     for name in given:
-        if name not in SCALAR_OPTIONS:
+        kind = spec.options[name].kind
+        if kind not in (int, float, bool):
             continue
         value = options[name]
         if (
@@ -167,48 +275,29 @@ def normalize_options(options: dict[str, Any], given: Iterable[str]) -> None:
             and not (name == "normalizer" and isinstance(value, torch.Tensor))
         ):
             value = _python_scalar(name, value)
-        if type(value) is int and name in FLOAT_OPTIONS:
+        if type(value) is int and kind is float:
             value = float(value)
         options[name] = value
 
 
-def get_spec(op: str) -> OpSpec:
-    try:
-        return OPS[op]
-    except KeyError:
-        raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(OPS)}") from None
-
-
 def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
-    """Validate option values (not tensors). Raises ValueError with what to change."""
-    t = options["temperature"]
-    # comparisons rather than math.isfinite: under torch.compile(dynamic=True) numbers are symbols
-    if not (isinstance(t, (int, float)) and 0 < t < math.inf):
-        raise ValueError(f"temperature must be a finite number > 0, got {t!r}")
-    if options["reduction"] not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {options['reduction']!r}")
-    n = options["normalizer"]
-    if isinstance(n, torch.Tensor):  # e.g. HF Trainer's num_items_in_batch; not read (no host sync):
-        if n.numel() != 1 or n.is_complex():  # a value that is not finite and > 0 gives NaN instead
-            raise ValueError(f"normalizer must be a number or a one-element tensor, got shape {tuple(n.shape)}")
-    elif n is not None and not (isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n > 0):
-        raise ValueError(f"normalizer must be a finite number > 0 (e.g. num_items_in_batch), got {n!r}")
-    if not isinstance(options.get("ignore_index", -100), int):
-        raise ValueError(f"ignore_index must be an int, got {options['ignore_index']!r}")
-    if spec.name == "cross_entropy":
-        eps, lam = options["label_smoothing"], options["z_loss"]
-        if not (isinstance(eps, (int, float)) and 0.0 <= eps <= 1.0):
-            raise ValueError(f"label_smoothing must be in [0, 1], got {eps!r}")
-        if not (isinstance(lam, (int, float)) and 0.0 <= lam < math.inf):
-            raise ValueError(f"z_loss must be a finite number >= 0, got {lam!r}")
-    if spec.name == "jsd":
-        beta = options["beta"]
-        if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
-            raise ValueError(f"beta must be in [0, 1] (0 = forward KL, 1 = reverse KL), got {beta!r}")
-    if spec.name == "logprobs" and not isinstance(options["return_entropy"], bool):
-        raise ValueError(f"return_entropy must be a bool, got {options['return_entropy']!r}")
-    if spec.name == "kl" and not isinstance(options["reverse"], bool):
-        raise ValueError(f"reverse must be a bool, got {options['reverse']!r}")
+    """Validate option values (not tensors) against their rules. Raises ValueError saying
+    what to change."""
+    for name, option in spec.options.items():
+        if option.valid is not None and not option.valid(options[name]):
+            value = options[name]
+            if isinstance(value, torch.Tensor):
+                got = f"a tensor of shape {tuple(value.shape)}"
+            elif option.error is TypeError:
+                got = type(value).__name__
+            else:
+                got = repr(value)
+            raise option.error(f"{name} must be {option.rule}, got {got}")
+
+
+def backend_options(spec: OpSpec, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options backends receive (``Call.options``), from a call's full options."""
+    return {name: options[name] for name, o in spec.options.items() if o.backend}
 
 
 def kl_direction(op: str, options: Mapping[str, Any]) -> bool | None:
@@ -221,7 +310,16 @@ def kl_direction(op: str, options: Mapping[str, Any]) -> bool | None:
     return None
 
 
-def features_of(op: str, options: Mapping[str, Any], *, topk: bool, teacher_grad: bool) -> frozenset[str]:
+def features_of(spec: OpSpec, options: Mapping[str, Any], *, topk: bool, teacher_grad: bool) -> frozenset[str]:
     """The features (see FEATURES) a call uses; dispatch matches them against capabilities.
-    ``options`` holds every option of ``op`` (defaults filled in)."""
-    return frozenset([f for f, uses in _FEATURE_TESTS[op] if uses(options, topk, teacher_grad)])
+    ``options`` holds every option of the op (defaults filled in)."""
+    on = {o.feature for name, o in spec.options.items() if o.feature and _differs(options[name], o.default)}
+    if topk:
+        on.add("topk")
+    if teacher_grad:
+        on.add("teacher_grad")
+    return frozenset(on & set(spec.features))
+
+
+def _differs(value: Any, default: Any) -> bool:
+    return value is not default if default is None else value != default

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -35,6 +34,7 @@ from importlib import metadata
 
 import pluggy
 
+from . import env
 from .backend import Backend, check_backend
 from .errors import PluginError, UnknownBackend
 
@@ -77,10 +77,6 @@ class PluginRecord:
     def source(self) -> str:
         """Who registered: ``"dist version"``, or the plugin name for in-process plugins."""
         return f"{self.dist} {self.version}".strip() or self.name
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _entry_points() -> list[metadata.EntryPoint]:
@@ -192,8 +188,8 @@ class Registry:
         for module in BUILTIN_MODULES:
             record = PluginRecord(module, "vtp-runtime", _version("vtp-runtime"), value=module)
             failed += self._load(functools.partial(importlib.import_module, module), record)
-        allowed = {_norm(a) for a in os.environ.get("VTP_PLUGINS", "").split(",") if a.strip()}
-        disabled = _env_flag("VTP_DISABLE_PLUGIN_AUTOLOAD")
+        allowed = {_norm(a) for a in env.text("VTP_PLUGINS").split(",") if a.strip()}
+        disabled = env.flag("VTP_DISABLE_PLUGIN_AUTOLOAD")
         seen = set()
         for ep in _entry_points():
             dist = ep.dist
@@ -212,7 +208,7 @@ class Registry:
                 PluginLoadWarning,
                 stacklevel=4,
             )
-        if failed and _env_flag("VTP_STRICT_PLUGINS"):
+        if failed and env.flag("VTP_STRICT_PLUGINS"):
             self._strict_error = PluginError(
                 "backend plugins failed to load (VTP_STRICT_PLUGINS=1 makes this an error):\n"
                 + "\n".join(f"  {r.name} ({r.source}): {r.error}" for r in failed)
@@ -226,7 +222,7 @@ class Registry:
         except Exception as exc:  # isolation: any failure is recorded, never propagated
             record.status, record.error, record.backends = "failed", f"{type(exc).__name__}: {exc}", ()
             self.plugins.append(record)
-            if not _env_flag("VTP_STRICT_PLUGINS"):
+            if not env.flag("VTP_STRICT_PLUGINS"):
                 warnings.warn(
                     f"vtp_runtime: backend plugin {record.name!r} ({record.source}) failed to "
                     f"load and is skipped: {record.error}. Other backends are unaffected; "

@@ -31,15 +31,21 @@ from typing import Any
 
 import torch
 
-from . import inputs, shards
-from .ops import COMMON_OPTIONS, check_options, get_spec, normalize_options
+from . import checks, inputs, metadata, pipeline
+from .ops import check_options, get_spec, normalize_options
+from .outputs import reduce
 
 Tensor = torch.Tensor
 
-# the options kl takes with a TopK teacher (besides reverse and tail)
-_OPTIONS = {**COMMON_OPTIONS, "mask": None, "labels": None, "ignore_index": -100}
+_KL = get_spec("kl")
+# the options kl takes with a TopK teacher, besides tail (reverse is one of kl's own)
+_OPTIONS = {name: o.default for name, o in _KL.options.items()}
 # those passed on to the student's logprobs call
 _LOGPROBS_OPTIONS = ("tp_group", "temperature", "vocab_start", "vocab_end", "global_vocab_size", "backend")
+# TopK log-probs whose probabilities sum above this, on a token, are not log-probabilities
+# (raw logits passed by mistake, say); the margin is far above the rounding of any dtype's
+# log-probs
+MAX_MASS = 1.01
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,8 @@ class TopK:
     """A teacher given by its top-k log-probs: what offline distillation stores.
 
     ``logprobs``: float ``[..., k]``, the teacher's log-probs (natural log, already at the
-    teacher's temperature) at ``index``. ``index``: int ``[..., k]``, global vocabulary ids,
+    teacher's temperature) at ``index``: on each token their probabilities sum to at most 1
+    (``MAX_MASS`` allows for rounding). ``index``: int ``[..., k]``, global vocabulary ids,
     distinct on each token; entries equal to ``ignore_index`` are padding (no mass, no term).
     Both are replicated on every rank of the TP group (``[...]`` is the student's token
     shape). Either may be a DTensor placed like the student's per-token values.
@@ -62,21 +69,38 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
     (fp64 for fp64 logits), or reduced. Takes the options of ``kl``: ``temperature`` (the
     student's only: the teacher's log-probs are used as given), ``mask=``/``labels=`` with
     ``ignore_index``, ``reduction``, ``normalizer``, the layout and ``backend`` (which runs the
-    student's log-probs). Raises ValueError when an id repeats on a token: the check reads
-    one flag on the host (a device sync), skipped while a CUDA graph is being captured."""
-    from . import api
+    student's log-probs).
 
-    # the layout of DTensor inputs: the same on every rank, so is any error it raises
-    tensors, opts, wrap = inputs.normalize("logprobs", (student_logits, getattr(teacher, "index", None)), options)
-    student, index = tensors
+    A token whose ids repeat, or whose teacher probabilities sum above ``MAX_MASS``, is an
+    error: outside ``torch.compile`` it raises ValueError on every rank, before any
+    collective (one flag read on the host per call); inside a compiled graph or a CUDA graph
+    capture, where the host cannot read it, that token's result is NaN."""
+    failure = None
+    group = options.get("tp_group")
+    wrap = student = index = logprobs = None
+    opts: dict[str, Any] = {}
     try:
+        # the layout of DTensor inputs: an error it finds is raised below, on every rank
+        tensors, opts, wrap, found = inputs.normalize(
+            "logprobs", (student_logits, getattr(teacher, "index", None)), options
+        )
+        group = opts.get("tp_group")
+        if found is not None:
+            raise found
+        student, index = tensors
         opts = _prepare(teacher, reverse, tail, opts)
         logprobs = teacher.logprobs
         if type(logprobs) is not Tensor:  # a DTensor: this rank's part, as for the index
-            logprobs = inputs.normalize("logprobs", (student_logits, logprobs), {})[0][1]
+            parts, _, _, found = inputs.normalize("logprobs", (student_logits, logprobs), {})
+            if found is not None:
+                raise found
+            logprobs = parts[1]
         _check_shapes(student, index, opts)
     except Exception as exc:  # the other ranks may be in the log-probs' metadata gather already
-        _raise_on_every_rank(exc, opts.get("tp_group"), student)
+        failure = exc
+    if failure is not None:
+        metadata.fail(failure, group, checks.device_of((student_logits,)))
+    assert index is not None and logprobs is not None
     ii = opts["ignore_index"]
     keep = _token_mask(opts, index, ii)
     # masked tokens get an all-ignored index: the log-probs op skips their rows
@@ -84,35 +108,39 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
     if keep is not None:
         valid = valid & keep[..., None]
     student_index = torch.where(valid, index, torch.full_like(index, ii))
-    lp_s = api.loss("logprobs", student, student_index, ignore_index=ii, **{k: opts[k] for k in _LOGPROBS_OPTIONS})
-    _check_distinct(index, ii)  # after the collective: a rank that raises leaves none waiting
+    bad = _bad_tokens(index, logprobs, ii)
+    readable = not (torch.compiler.is_compiling() or (index.is_cuda and torch.cuda.is_current_stream_capturing()))
+    lp_s = pipeline.run(
+        "logprobs",
+        (student, student_index),
+        {"ignore_index": ii, **{k: opts[k] for k in _LOGPROBS_OPTIONS}},
+        check=(lambda: _raise_bad(bad, index, logprobs, ii)) if readable else None,
+    )
     lp_t = logprobs.to(lp_s.dtype)
     a, b = (lp_s, lp_t) if opts["reverse"] else (lp_t, lp_s)  # KL(A || B) over the k ids
     values = _kl_over_ids(a, b, valid, tail)
+    if not readable:
+        values = torch.where(bad, torch.full_like(values, math.nan), values)
     if keep is not None:
         values = torch.where(keep, values, torch.zeros_like(values))
-    out = api._reduce(values, opts, None, keep, ii)
+    out = reduce(values, opts, None, keep, ii)
     return out if wrap is None else wrap(out)
 
 
 def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **options: Any):
     """Which backend runs the student's log-probs of ``kl(student_logits, teacher)``
     (``gather`` as for ``vtp.explain``)."""
-    from . import api
-
     try:
         given = _prepare(teacher, options.pop("reverse", False), options.pop("tail", False), options)
     except Exception as exc:
         if gather:  # the other ranks may be in the metadata gather already
-            _raise_on_every_rank(exc, options.get("tp_group"), student_logits)
+            metadata.fail(exc, options.get("tp_group"), checks.device_of((student_logits,)))
         raise
-    return api.explain(
+    return pipeline.explain(
         "logprobs",
-        student_logits,
-        teacher.index,
+        (student_logits, teacher.index),
+        {"ignore_index": given["ignore_index"], **{k: given[k] for k in _LOGPROBS_OPTIONS}},
         gather=gather,
-        ignore_index=given["ignore_index"],
-        **{k: given[k] for k in _LOGPROBS_OPTIONS},
     )
 
 
@@ -124,17 +152,16 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
     scalar options as Python numbers (as ``vtp.loss`` takes them)."""
     if not isinstance(teacher, TopK):
         raise TypeError(f"teacher must be a vtp.TopK, got {type(teacher).__name__}")
-    unknown = sorted(options.keys() - _OPTIONS.keys())
+    unknown = sorted(options.keys() - _OPTIONS.keys() - {"reverse"})
     if unknown:
         raise TypeError(
-            f"kl with a TopK teacher got unknown option(s) {', '.join(unknown)}; it takes: "
-            f"reverse, tail, {', '.join(_OPTIONS)}"
+            f"kl with a TopK teacher got unknown option(s) {', '.join(unknown)}; it takes: tail, {', '.join(_OPTIONS)}"
         )
     if not isinstance(tail, bool):
         raise ValueError(f"tail must be a bool, got {tail!r}")
     given = {**_OPTIONS, **options, "reverse": reverse}
-    normalize_options(given, [*options, "reverse"])
-    check_options(get_spec("kl"), given)
+    normalize_options(_KL, given, [*options, "reverse"])
+    check_options(_KL, given)
     lp, index = teacher.logprobs, teacher.index
     if not isinstance(lp, Tensor) or not lp.is_floating_point():
         raise TypeError(
@@ -153,17 +180,6 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
     if lp.device != index.device:
         raise ValueError(f"TopK.logprobs ({lp.device}) and TopK.index ({index.device}) must be on one device")
     return given
-
-
-def _raise_on_every_rank(exc: Exception, group, student) -> None:
-    """Raise ``exc``, after joining the metadata gather of the log-probs call the other ranks
-    make, as a rank whose call failed: they raise too instead of waiting there (see
-    ``api._gather``). Where they all failed alike, each raises its own error."""
-    if shards.group_size(group) > 1:
-        device = student.device if isinstance(student, Tensor) else None
-        row = shards.pack_failure(group, device)
-        shards.validate(shards.gather(row, group), None, group, row.device, exc)
-    raise exc
 
 
 def _check_shapes(student, index: Tensor, options: dict[str, Any]) -> None:
@@ -198,18 +214,31 @@ def _token_mask(options: dict[str, Any], index: Tensor, ignore_index: int) -> Te
     return None if keep is None else keep.to(index.device)
 
 
-def _check_distinct(index: Tensor, ignore_index: int) -> None:
-    if index.is_cuda and torch.cuda.is_current_stream_capturing():
-        return  # a host read would break the capture
+def _bad_tokens(index: Tensor, logprobs: Tensor, ignore_index: int) -> Tensor:
+    """bool ``[...]``: tokens whose ids repeat, or whose teacher probabilities sum above
+    ``MAX_MASS`` (device work only)."""
     ids = index.sort(dim=-1).values
-    repeat = (ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] != ignore_index)
-    if bool(repeat.any()):
-        where = repeat.any(-1).nonzero()[0].tolist()
-        token = tuple(where)
+    repeat = ((ids[..., 1:] == ids[..., :-1]) & (ids[..., 1:] != ignore_index)).any(-1)
+    lp = torch.where(index != ignore_index, logprobs.float(), torch.full_like(logprobs, -math.inf, dtype=torch.float32))
+    return repeat | (torch.logsumexp(lp, dim=-1) > math.log(MAX_MASS))
+
+
+def _raise_bad(bad: Tensor, index: Tensor, logprobs: Tensor, ignore_index: int) -> None:
+    """Raise ValueError naming the first bad token (one flag read on the host)."""
+    if not bool(bad.any()):
+        return
+    token = tuple(bad.nonzero()[0].tolist())
+    ids = [i for i in index[token].tolist() if i != ignore_index]
+    if len(set(ids)) < len(ids):
         raise ValueError(
-            f"TopK.index repeats an id on token {token} (ids {index[token].tolist()}); the k ids "
-            f"of a token must be distinct (pad with ignore_index={ignore_index})"
+            f"TopK.index repeats an id on token {token} (ids {index[token].tolist()}); the k ids of a token "
+            f"must be distinct (pad with ignore_index={ignore_index})"
         )
+    mass = logprobs[token].double().exp().sum().item()
+    raise ValueError(
+        f"TopK.logprobs on token {token} are not log-probabilities: their probabilities sum to {mass:.4g} "
+        f"(more than 1); pass log-probs (e.g. log_softmax(teacher_logits).topk(k)), not logits"
+    )
 
 
 def _kl_over_ids(a: Tensor, b: Tensor, valid: Tensor, tail: bool) -> Tensor:

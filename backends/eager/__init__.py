@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import ALL_DTYPES, Backend, Call, OpCapability, SavedState
-from vtp_runtime.comm import all_reduce_
+from vtp_runtime.backend import ALL_DTYPES, Call, Compiles, HeadSupport, OpCapability, SavedState, TakesHead
+from vtp_runtime.comm import all_reduce
 from vtp_runtime.ops import OPS, kl_direction
 from vtp_runtime.registry import hookimpl
 
@@ -56,7 +56,7 @@ def _global_max(call: Call, inputs: tuple[Tensor, ...]) -> Tensor:
         for lo, hi in _row_chunks(n, v):
             for i, z in enumerate(inputs):
                 m[i, lo:hi] = _scaled(z, lo, hi, call).amax(dim=1)
-    all_reduce_(m, call.group, "max")
+    all_reduce(m, call.group, "max")
     return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
 
 
@@ -132,7 +132,7 @@ class PairState(SavedState):
         return cls(inputs[0], inputs[1], statistics.t(), mask)
 
 
-class EagerBackend(Backend):
+class EagerBackend(TakesHead, Compiles):
     name = "eager"
     priority = 0
     input_layout = "any"  # torch ops take any strides: never a copy of a viewable input
@@ -140,17 +140,35 @@ class EagerBackend(Backend):
     # or from vtp.Head inputs (the core's token-chunk driver computes each chunk's logits), and
     # inside torch.compile
     ops = {
-        op: OpCapability(
-            device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features), head_inputs=True, compiled=True
-        )
+        op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
         for op, spec in OPS.items()
     }
+    head_ops = {op: HeadSupport() for op in OPS}
+    compiled_ops = frozenset(OPS)
 
     def forward(self, call, inputs, index, mask):
         return _math(call)[0](call, inputs, index, mask)
 
     def backward(self, call, state, grad):
         return _math(call)[1](call, state, grad)
+
+    # -- inside torch.compile: the state as the inputs plus [N, W] statistics ------------------
+    def statistics_width(self, op, options):
+        """cross_entropy and logprobs 2 (max, log-sum), entropy and logprobs with
+        return_entropy 3 (and the entropy), kl 5 (both maxima and log-sums, the KL), jsd 6
+        (both maxima and log-sums, KL(p_s||M), KL(p_t||M)); jsd at beta 0 or 1 is a plain KL."""
+        if kl_direction(op, options) is not None:
+            return 5
+        if op == "logprobs" and options["return_entropy"]:
+            return 3
+        return {"cross_entropy": 2, "logprobs": 2, "entropy": 3, "jsd": 6}[op]
+
+    def statistics(self, call, state):
+        return state.statistics()
+
+    def from_statistics(self, call, inputs, index, mask, statistics):
+        kind = {"cross_entropy": IndexState, "logprobs": IndexState, "entropy": EntropyState}.get(call.op, PairState)
+        return kind.from_statistics(call, inputs, index, mask, statistics)
 
 
 def _math(call: Call):
@@ -183,7 +201,7 @@ def _ce_forward(call, inputs, labels, mask):
         if v:
             picked = xm.gather(1, local[lo:hi, None]).squeeze(1)
             sums[2, lo:hi] = torch.where(inside[lo:hi], picked, torch.zeros_like(picked))
-    all_reduce_(sums, call.group, "sum")
+    all_reduce(sums, call.group, "sum")
     log_s = sums[0].log()
     value = (1 - eps) * (log_s - sums[2])
     if eps:
@@ -243,7 +261,7 @@ def _logprobs_forward(call, inputs, index, mask):
         if v:
             got = xm.gather(1, local[lo:hi])
             sums[lo:hi, first:] = torch.where(inside[lo:hi], got, torch.zeros_like(got))
-    all_reduce_(sums, call.group, "sum")
+    all_reduce(sums, call.group, "sum")
     log_s = sums[:, 0].log()
     value = sums[:, first:] - log_s[:, None]
     value = torch.where(_bad_index(idx, call), torch.full_like(value, math.nan), value)
@@ -302,7 +320,7 @@ def _entropy_forward(call, inputs, index, mask):
         e = xm.exp()
         sums[0, lo:hi] = e.sum(dim=1)
         sums[1, lo:hi] = _xlogy_rel(e, xm).sum(dim=1)
-    all_reduce_(sums, call.group, "sum")
+    all_reduce(sums, call.group, "sum")
     log_s = sums[0].log()
     h = log_s - sums[1] / sums[0]
     if mask is not None:
@@ -343,7 +361,7 @@ def _kl_forward(call, inputs, index, mask):
         sums[0, lo:hi] = ea.sum(dim=1)
         sums[1, lo:hi] = lb.exp().sum(dim=1)
         sums[2, lo:hi] = _xlogy_rel(ea, la - lb).sum(dim=1)
-    all_reduce_(sums, call.group, "sum")
+    all_reduce(sums, call.group, "sum")
     log_sa, log_sb = sums[0].log(), sums[1].log()
     value = sums[2] / sums[0] - log_sa + log_sb
     if mask is not None:
@@ -394,7 +412,7 @@ def _jsd_forward(call, inputs, index, mask):
     for lo, hi in _row_chunks(n, v):
         for i, z in enumerate(inputs):
             s[i, lo:hi] = _scaled(z, lo, hi, call).sub_(m[i, lo:hi, None]).exp_().sum(dim=1)
-    all_reduce_(s, call.group, "sum")
+    all_reduce(s, call.group, "sum")
     log_s = s.log()
     kls = torch.zeros(2, n, dtype=m.dtype, device=student.device)  # KL(p_s||M), KL(p_t||M)
     for lo, hi in _row_chunks(n, v):
@@ -404,7 +422,7 @@ def _jsd_forward(call, inputs, index, mask):
         lm = _log_mixture(lps, lpt, beta)
         kls[0, lo:hi] = _xlogy_rel(lps.exp(), lps - lm).sum(dim=1)
         kls[1, lo:hi] = _xlogy_rel(lpt.exp(), lpt - lm).sum(dim=1)
-    all_reduce_(kls, call.group, "sum")
+    all_reduce(kls, call.group, "sum")
     value = (1 - beta) * kls[0] + beta * kls[1]
     if mask is not None:
         value = torch.where(mask, value, torch.zeros_like(value))

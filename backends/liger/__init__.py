@@ -31,7 +31,7 @@ Liger computes the head's gradients in its forward pass for an upstream gradient
   set to NaN here.
 - TP > 1 (even shards): the generic token-chunk driver of ``vtp_runtime.head`` with the
   vocabulary-parallel CE above on each chunk (its fp32 softmax buffer is per chunk).
-- ``reduction="none"`` with a Head is refused (``head_per_token=False``).
+- ``reduction="none"`` with a Head is refused (``HeadSupport(per_token=False)``).
 
 ``kl`` and ``jsd`` — Liger's JSD primitive (``jsd_loss_and_grad``, the kernel behind
 ``LigerJSDFunction``) at TP = 1 only (it has no cross-rank statistics).
@@ -53,14 +53,14 @@ Liger computes the head's gradients in its forward pass for an upstream gradient
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState
+from vtp_runtime import env
+from vtp_runtime.backend import LOW_DTYPES, Call, HeadSupport, OpCapability, SavedState, TakesHead
 from vtp_runtime.head import HeadDriver, HeadRun
 from vtp_runtime.registry import hookimpl
 
@@ -94,10 +94,6 @@ def liger_version() -> str | None:
     return None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip() == "1"
-
-
 class _Ctx:
     """Stands in for an autograd context when calling Liger's Function methods directly."""
 
@@ -118,10 +114,10 @@ def _jsd_primitive():
     return dispatch
 
 
-_CAP: dict[str, Any] = dict(device_types=DEVICE_TYPES, dtypes=LOW_DTYPES, empty_shards=False, empty_tokens=False)
+_CAP: dict[str, Any] = dict(device_types=DEVICE_TYPES, dtypes=LOW_DTYPES, empty_shards=False)
 
 
-class LigerBackend(Backend):
+class LigerBackend(TakesHead):
     name = "liger"
     priority = 10
     # Liger's kernels step through rows by their stride and read columns at stride 1; the
@@ -129,12 +125,12 @@ class LigerBackend(Backend):
     # layout (a transposed input gives transposed log-probs), so inputs come contiguous
     input_layout = "contiguous"
     ops = {
-        "cross_entropy": OpCapability(
-            **_CAP, even_shards_only=True, repeat_backward=False, head_inputs=True, head_per_token=False
-        ),
+        "cross_entropy": OpCapability(**_CAP, even_shards_only=True),
         "kl": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "reverse", "temperature"})),
         "jsd": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "temperature"})),
     }
+    # Liger computes the head's gradients in its forward pass: sum/mean results only
+    head_ops = {"cross_entropy": HeadSupport(per_token=False)}
 
     def probe(self, device_type: str) -> list[str]:
         version = liger_version()
@@ -156,7 +152,7 @@ class LigerBackend(Backend):
             elif torch.version.hip is not None:
                 reasons.append("ROCm build of torch: the liger backend is validated on NVIDIA CUDA only")
         elif device_type == "cpu":
-            if not _interpreting():
+            if not env.triton_interpret():
                 reasons.append("cpu tensors need TRITON_INTERPRET=1 (Triton's interpreter; for tests)")
         else:  # refused by the declared device types, with their own line
             return []

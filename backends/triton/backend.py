@@ -21,26 +21,35 @@ the inputs plus O(N) fp32 statistics.
 XPU backend subclasses it with its own name, probe, device types and configuration and
 launches the very same kernels. Kernels are launched with keyword arguments, named as in
 ``kernels.py``; the sizes of the partials and statistics it allocates come from
-``layout.py``, which the kernels read too. Importing this module never imports triton.
+``fields.py``, which the kernels read too. Importing this module never imports triton.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState, meets_layout
+from vtp_runtime import env
+from vtp_runtime.backend import (
+    LOW_DTYPES,
+    Call,
+    Compiles,
+    HeadSupport,
+    OpCapability,
+    SavedState,
+    TakesHead,
+    meets_layout,
+)
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import OPS, kl_direction
 
-from . import layout
+from . import fields
 from .launch import launch
 
 LOG2E = 1.4426950408889634
-_ONE_INPUT_KIND = {"cross_entropy": layout.CE, "logprobs": layout.LOGPROBS, "entropy": layout.ENTROPY}
+_ONE_INPUT_KIND = {"cross_entropy": fields.CE, "logprobs": fields.LOGPROBS, "entropy": fields.ENTROPY}
 
 
 @dataclass(frozen=True)
@@ -140,16 +149,9 @@ def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
-    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16,
-    from logits or from ``vtp.Head`` inputs."""
+    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16."""
     return {
-        op: OpCapability(
-            device_types=device_types,
-            dtypes=LOW_DTYPES,
-            features=frozenset(spec.features),
-            head_inputs=True,
-            compiled=True,
-        )
+        op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features))
         for op, spec in OPS.items()
     }
 
@@ -209,9 +211,9 @@ def _one_input_options(call: Call, kind: int) -> dict[str, Any]:
         "smoothing": float(opts.get("label_smoothing", 0.0)),
         "z_loss": float(opts.get("z_loss", 0.0)),
         "KIND": kind,
-        "SMOOTH": kind == layout.CE and opts["label_smoothing"] != 0.0,
-        "ZLOSS": kind == layout.CE and opts["z_loss"] != 0.0,
-        "WITH_ENTROPY": kind == layout.LOGPROBS and opts["return_entropy"],
+        "SMOOTH": kind == fields.CE and opts["label_smoothing"] != 0.0,
+        "ZLOSS": kind == fields.CE and opts["z_loss"] != 0.0,
+        "WITH_ENTROPY": kind == fields.LOGPROBS and opts["return_entropy"],
     }
 
 
@@ -232,9 +234,10 @@ def _gather(part: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     return stacked.view(-1, *part.shape[1:]), stacked.shape[0] * part.shape[0]
 
 
-class TritonBackend(Backend):
-    """Fused vocabulary-parallel kernels. Subclass with another ``name``, ``priority``,
-    ``ops`` (device types), ``probe`` and ``default_config`` to launch them elsewhere."""
+class TritonBackend(TakesHead, Compiles):
+    """Fused vocabulary-parallel kernels, from logits or ``vtp.Head`` inputs, and inside
+    ``torch.compile``. Subclass with another ``name``, ``priority``, ``ops`` (device types),
+    ``probe`` and ``default_config`` to launch them elsewhere."""
 
     name = "triton"
     priority = 20
@@ -242,6 +245,8 @@ class TritonBackend(Backend):
     # other than 1 is copied by the core (strided column loads would not coalesce anyway)
     input_layout = "unit_vocab_stride_3d"
     ops = capabilities(frozenset({"cuda", "cpu"}))
+    head_ops = {op: HeadSupport() for op in OPS}
+    compiled_ops = frozenset(OPS)
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
         self._config = config
@@ -253,7 +258,7 @@ class TritonBackend(Backend):
         except Exception as exc:  # ImportError, or a broken install
             return [f"triton is not importable ({type(exc).__name__}: {exc}); pip install triton"]
         if device_type == "cpu":
-            if os.environ.get("TRITON_INTERPRET") != "1":
+            if not env.triton_interpret():
                 return [
                     "CPU tensors run only under Triton's interpreter: set TRITON_INTERPRET=1 "
                     "before importing triton (meant for tests; it is slow)"
@@ -268,9 +273,29 @@ class TritonBackend(Backend):
     def config_for(self, device: torch.device) -> LaunchConfig:
         if self._config is not None:
             return self._config
-        if device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        if device.type == "cpu" or env.triton_interpret():
             return INTERPRETER_CONFIG
         return CUDA_CONFIG
+
+    # -- inside torch.compile: the state as the inputs plus [N, W] statistics ------------------
+    def statistics_width(self, op, options):
+        """The fp32 statistics the kernels keep per token: cross_entropy and logprobs 2
+        (anchor, log2-sum), entropy and logprobs with return_entropy 3 (and the entropy), kl 5
+        (both anchors and log2-sums, the KL), jsd 6 (..., KL(p_s||M), KL(p_t||M)); jsd at
+        beta 0 or 1 is a plain KL."""
+        if kl_direction(op, options) is not None:
+            return fields.KL_STATS
+        if op in _ONE_INPUT_KIND:
+            with_entropy = op == "entropy" or (op == "logprobs" and options["return_entropy"])
+            return fields.ENTROPY_STATS if with_entropy else fields.STATS
+        return fields.JSD_STATS
+
+    def statistics(self, call, state):
+        return state.statistics()
+
+    def from_statistics(self, call, inputs, index, mask, statistics):
+        kind = OneInputState if call.op in _ONE_INPUT_KIND else PairState
+        return kind.from_statistics(call, inputs, index, mask, statistics)
 
     # -- forward -----------------------------------------------------------------------
     # Triton needs a tensor for every pointer argument: where a call has no index or no
@@ -295,31 +320,31 @@ class TritonBackend(Backend):
             return self._backward1(call, state, grad, in_place=scratch[0])
         reverse = kl_direction(call.op, call.options)
         if reverse is not None:
-            return self._backward2(call, state, grad, layout.KL, reverse, scratch)
-        return self._backward2(call, state, grad, layout.JSD, False, scratch)
+            return self._backward2(call, state, grad, fields.KL, reverse, scratch)
+        return self._backward2(call, state, grad, fields.JSD, False, scratch)
 
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
         kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]
         dev = z.device
         idx = _index_arg(call, index)
-        n_idx = 0 if idx is None else 1 if kind == layout.CE else idx.shape[1]
+        n_idx = 0 if idx is None else 1 if kind == fields.CE else idx.shape[1]
         keep = _keep(mask)
         options = _one_input_options(call, kind)
         zloss = options.pop("ZLOSS")
         # log-probs with return_entropy: the entropy's sum rides in the same pass
         with_entropy = options["WITH_ENTROPY"]
         n_fields = {
-            layout.CE: layout.CE_FIELDS,
-            layout.ENTROPY: layout.ENTROPY_FIELDS,
-            layout.LOGPROBS: (layout.LOGPROBS_ENTROPY_FIELDS if with_entropy else layout.LOGPROBS_FIELDS) + n_idx,
+            fields.CE: fields.CE_FIELDS,
+            fields.ENTROPY: fields.ENTROPY_FIELDS,
+            fields.LOGPROBS: (fields.LOGPROBS_ENTROPY_FIELDS if with_entropy else fields.LOGPROBS_FIELDS) + n_idx,
         }[kind]
-        n_stats = layout.ENTROPY_STATS if kind == layout.ENTROPY or with_entropy else layout.STATS
+        n_stats = fields.ENTROPY_STATS if kind == fields.ENTROPY or with_entropy else fields.STATS
         val_shape: tuple[int, ...]
         if with_entropy:
             val_shape = (n, n_idx + 1)  # the log-probs, then the entropy
         else:
-            val_shape = (n, n_idx) if (kind == layout.LOGPROBS and call.topk) else (n,)
+            val_shape = (n, n_idx) if (kind == fields.LOGPROBS and call.topk) else (n,)
         values = torch.empty(val_shape, dtype=torch.float32, device=dev)
         stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
         state = OneInputState(z, idx, stats, keep)
@@ -379,7 +404,7 @@ class TritonBackend(Backend):
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
         student, teacher = inputs
         a, b = (student, teacher) if reverse else (teacher, student)
-        values, state = _pair_outputs(student, teacher, mask, layout.KL_STATS)
+        values, state = _pair_outputs(student, teacher, mask, fields.KL_STATS)
         n = values.shape[0]
         if n == 0:
             return values, state
@@ -390,12 +415,12 @@ class TritonBackend(Backend):
         finish = splits == 1 and call.request.tp_size == 1  # see _forward1
         part = self._stats2(call, cfg, a, b, values, state, splits, with_kl=True, finish=finish)
         if not finish:
-            self._finish2(call, cfg, part, values, state, layout.KL, beta=0.0)  # beta: read only by the JSD kind
+            self._finish2(call, cfg, part, values, state, fields.KL, beta=0.0)  # beta: read only by the JSD kind
         return values, state
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float):
         student, teacher = inputs
-        values, state = _pair_outputs(student, teacher, mask, layout.JSD_STATS)
+        values, state = _pair_outputs(student, teacher, mask, fields.JSD_STATS)
         n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
         if n == 0:
             return values, state
@@ -429,7 +454,7 @@ class TritonBackend(Backend):
             return values, state
         part = self._stats2(call, cfg, student, teacher, values, state, splits, with_kl=False, finish=False)
         part, n_parts = _gather(part, call.group)
-        part2 = torch.empty((div_splits, n, layout.DIV_FIELDS), dtype=torch.float32, device=dev)
+        part2 = torch.empty((div_splits, n, fields.DIV_FIELDS), dtype=torch.float32, device=dev)
         launch(
             k.jsd_div_kernel,
             (n * div_splits,),
@@ -444,7 +469,7 @@ class TritonBackend(Backend):
             BLOCK=cfg.block_div,
             num_warps=cfg.warps_div,
         )
-        self._finish2(call, cfg, part2, values, state, layout.JSD, beta)
+        self._finish2(call, cfg, part2, values, state, fields.JSD, beta)
         return values, state
 
     def _stats2(
@@ -463,8 +488,8 @@ class TritonBackend(Backend):
         ``[splits, N, F]`` partials it fills, or with ``finish`` (KL, one split at TP 1) the
         values, filled with the statistics as ``finish2_kernel`` would."""
         n, v_local, keep = values.shape[0], a.shape[-1], state.keep
-        fields = layout.KL_FIELDS if with_kl else layout.PAIR_FIELDS
-        part = values if finish else torch.empty((splits, n, fields), dtype=torch.float32, device=a.device)
+        n_fields = fields.KL_FIELDS if with_kl else fields.PAIR_FIELDS
+        part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=a.device)
         launch(
             _kernels().stats2_kernel,
             (n * splits,),
@@ -559,7 +584,7 @@ class TritonBackend(Backend):
         student, teacher, stats, keep = state.student, state.teacher, state.stats, state.keep
         need_s, need_t = call.needs_grad
         # KL(A || B): forward A = teacher, reverse A = student; JSD: a = student, b = teacher
-        if kind == layout.KL and not reverse:
+        if kind == fields.KL and not reverse:
             a, b, need_a, need_b = teacher, student, need_t, need_s
             in_place_a, in_place_b = scratch[1], scratch[0]
         else:
@@ -587,16 +612,16 @@ class TritonBackend(Backend):
                 chunk=chunk,
                 k2=LOG2E / call.options["temperature"],
                 inv_t=1.0 / call.options["temperature"],
-                beta=call.options["beta"] if kind == layout.JSD else 0.0,  # read only by the JSD kind
+                beta=call.options["beta"] if kind == fields.JSD else 0.0,  # read only by the JSD kind
                 KIND=kind,
                 NEED_A=need_a,
                 NEED_B=need_b,
                 HAS_KEEP=keep is not None,
-                FAST_LOG2=cfg.fast_log2 and kind == layout.JSD,
+                FAST_LOG2=cfg.fast_log2 and kind == fields.JSD,
                 BLOCK=cfg.block_bwd,
                 num_warps=cfg.warps_bwd,
             )
-        if kind == layout.KL and not reverse:
+        if kind == fields.KL and not reverse:
             return db, da
         return da, db
 

@@ -19,7 +19,7 @@ Layouts. Logits rows may be strided: row ``r`` starts at
 ``(r // rows_b) * stride_a + (r % rows_b) * stride_b`` (a 3-D ``[A, B, V]`` view such as
 ``logits[:, :-1]`` has ``rows_b = B``; a 2-D tensor has ``rows_b = N, stride_a = 0``).
 Partials are ``[P, N, F]`` fp32 (P = splits x ranks) and saved statistics ``[N, S]`` fp32;
-``layout.py`` gives F and S, the offsets of the fields are named below. Gradients are
+``fields.py`` gives F and S, the offsets of the fields are named below. Gradients are
 written contiguous.
 Each stats/divergence/backward program handles one row and one contiguous chunk of its
 local vocabulary (``pid = row * splits + split``), so few rows still fill the GPU.
@@ -28,25 +28,25 @@ local vocabulary (``pid = row * splits + split``), so few rows still fill the GP
 import triton
 import triton.language as tl
 
-from . import layout
+from . import fields
 
-# Kernels read only constexpr globals. The layout shared with backend.py, from layout.py:
-CE = tl.constexpr(layout.CE)
-LOGPROBS = tl.constexpr(layout.LOGPROBS)
-ENTROPY = tl.constexpr(layout.ENTROPY)
-KL = tl.constexpr(layout.KL)
-JSD = tl.constexpr(layout.JSD)
-CE_FIELDS = tl.constexpr(layout.CE_FIELDS)
-LOGPROBS_FIELDS = tl.constexpr(layout.LOGPROBS_FIELDS)
-LOGPROBS_ENTROPY_FIELDS = tl.constexpr(layout.LOGPROBS_ENTROPY_FIELDS)
-ENTROPY_FIELDS = tl.constexpr(layout.ENTROPY_FIELDS)
-PAIR_FIELDS = tl.constexpr(layout.PAIR_FIELDS)
-KL_FIELDS = tl.constexpr(layout.KL_FIELDS)
-DIV_FIELDS = tl.constexpr(layout.DIV_FIELDS)
-STATS = tl.constexpr(layout.STATS)
-ENTROPY_STATS = tl.constexpr(layout.ENTROPY_STATS)
-KL_STATS = tl.constexpr(layout.KL_STATS)
-JSD_STATS = tl.constexpr(layout.JSD_STATS)
+# Kernels read only constexpr globals. The field counts shared with backend.py, from fields.py:
+CE = tl.constexpr(fields.CE)
+LOGPROBS = tl.constexpr(fields.LOGPROBS)
+ENTROPY = tl.constexpr(fields.ENTROPY)
+KL = tl.constexpr(fields.KL)
+JSD = tl.constexpr(fields.JSD)
+CE_FIELDS = tl.constexpr(fields.CE_FIELDS)
+LOGPROBS_FIELDS = tl.constexpr(fields.LOGPROBS_FIELDS)
+LOGPROBS_ENTROPY_FIELDS = tl.constexpr(fields.LOGPROBS_ENTROPY_FIELDS)
+ENTROPY_FIELDS = tl.constexpr(fields.ENTROPY_FIELDS)
+PAIR_FIELDS = tl.constexpr(fields.PAIR_FIELDS)
+KL_FIELDS = tl.constexpr(fields.KL_FIELDS)
+DIV_FIELDS = tl.constexpr(fields.DIV_FIELDS)
+STATS = tl.constexpr(fields.STATS)
+ENTROPY_STATS = tl.constexpr(fields.ENTROPY_STATS)
+KL_STATS = tl.constexpr(fields.KL_STATS)
+JSD_STATS = tl.constexpr(fields.JSD_STATS)
 
 # Where each field sits in a row of partials (P_) or of saved statistics (S_).
 P_MAX = tl.constexpr(0)  # every partial state starts with (max, sum)
@@ -106,9 +106,8 @@ def _log2(x, FAST: tl.constexpr):
 def _entropy_moment(t, s, shift, alpha, e, x):
     # sum e (z - a) k2: the running state (t, s) moved to the tile's new anchor, plus the
     # tile's terms. The floor makes e x exactly 0 where e = 0 (x = -inf: the 0 log 0 = 0
-    # rule) in the multiply itself. Measured on the H200 (bf16, N=8192, V=151936), this
-    # form's pass ran 0.78 ms, against 0.84 with the terms kept in per-lane registers and
-    # one reduction per row, and 0.90 with those lanes rescaled only when the anchor moved.
+    # rule) in the multiply itself. One block sum per tile measured faster than per-lane
+    # terms with one reduction per row (docs/benchmarks.md, "Log-probs with the entropy").
     return alpha * (t + s * shift) + tl.sum(e * tl.maximum(x, LOGP_FLOOR), 0)
 
 

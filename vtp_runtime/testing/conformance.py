@@ -14,10 +14,10 @@ Cases are derived from what the backend **declares** (its ``ops`` and their
   the gradient with ``create_graph=True`` and checks that differentiating it raises.
 - ``refused`` cases: every op, feature, dtype, TP size or shard layout the backend does
   **not** claim must make a forced call raise ``BackendUnavailable`` — never run.
-- Head inputs (``OpCapability.head_inputs``): where claimed, ``match`` cases through
+- Head inputs (the ``TakesHead`` protocol, ``head_ops``): where claimed, ``match`` cases through
   ``vtp.Head`` (``head_cases.run_head_case``: values and hidden/weight/bias gradients against
   float64 on ``h @ W.T + b``, several token chunks, each shard layout, Head and logits
-  mixed, per-token results where ``head_per_token``); where not, a forced call with a Head
+  mixed, per-token results where ``HeadSupport.per_token``); where not, a forced call with a Head
   must be refused.
 
 In a plugin's tests (pytest)::
@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..backend import Backend, OpCapability
+from ..backend import Backend, HeadSupport, OpCapability, head_support
 from ..errors import BackendUnavailable
 from ..ops import OPS
 from ..registry import REGISTRY, registered
@@ -133,8 +133,7 @@ def _match_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, 
     if "mask" in claimed or OPS[op].index:
         edges.append("all_neg_inf_masked")
     out += [(main.with_(edge=e), f"edge values: {e}") for e in edges]
-    if cap.empty_tokens:
-        out.append((main.with_(shape=(0,)), "zero tokens"))
+    out.append((main.with_(shape=(0,)), "zero tokens (the core's: no backend runs)"))
     out.append((main.with_(strided=True, shape=(2, 4)), "strided rows (a causal-shift view)"))
     out.append((main.with_(options=(("reduction", "sum"),)), "reduction=sum"))
     out.append((main.with_(shape=(2, 3), vocab=9001), "a vocabulary wider than a block"))
@@ -154,8 +153,7 @@ def _layout_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case,
     out = [(main.with_(view=v, shape=(2, 3)), f"input layout: {VIEWS[v]}") for v in views]
     if world > 1 and cap.empty_shards and not cap.even_shards_only:
         out.append((main.with_(layout="empty", view="transposed", shape=(2, 3)), "transposed input, an empty shard"))
-    if cap.empty_tokens:
-        out.append((main.with_(shape=(0,), view="every_other"), "zero tokens, every other column"))
+    out.append((main.with_(shape=(0,), view="every_other"), "zero tokens, every other column"))
     out.append((main.with_(second_order=True), "create_graph=True: right gradient, differentiating it raises"))
     return out
 
@@ -164,12 +162,12 @@ def _as_head(case: Case, **fields) -> HeadCase:
     return HeadCase(**{**{f.name: getattr(case, f.name) for f in dataclasses.fields(Case)}, **fields})
 
 
-def _head_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, str]]:
+def _head_cases(base: Case, cap: OpCapability, head: HeadSupport, world: int) -> list[tuple[Case, str]]:
     """Match cases through ``vtp.Head``: a few per TP size, each over several token chunks."""
     op = base.op
     two = len(OPS[op].inputs) == 2
     scalar = (("reduction", "mean"),)
-    per_token = (("reduction", "none"),) if cap.head_per_token else scalar
+    per_token = (("reduction", "none"),) if head.per_token else scalar
     main = _as_head(base, options=scalar, bias=True)
     if world == 1:
         out: list[tuple[Case, str]] = [
@@ -180,8 +178,7 @@ def _head_cases(base: Case, cap: OpCapability, world: int) -> list[tuple[Case, s
             out.append((main.with_(heads=(True, False)), "a Head student, teacher logits"))
             if "teacher_grad" in cap.features:
                 out.append((main.with_(grads=(True, False), options=per_token), "a frozen teacher Head"))
-        if cap.empty_tokens:
-            out.append((main.with_(shape=(0,)), "head inputs, zero tokens"))
+        out.append((main.with_(shape=(0,)), "head inputs, zero tokens"))
         combo: Case = main
         for f in OPS[op].features:
             if f in cap.features and f != "teacher_grad":
@@ -215,7 +212,7 @@ def conformance_cases(
     probe = "; ".join(b.probe_reasons("cpu"))
     out: list[ConformanceCase] = []
     later: list[tuple[int, Case, OpCapability]] = []
-    head_refusals: list[tuple[Case, OpCapability]] = []
+    head_refusals: list[Case] = []
 
     def add(world: int, case: Case, expect: str, why: str) -> None:
         case = case.with_(seed=len(out))
@@ -236,9 +233,7 @@ def conformance_cases(
         for d in DTYPES.values():
             if d not in cap.dtypes:
                 add(1, base.with_(dtype=DTYPE_NAMES[d]), "refused", f"does not claim {DTYPE_NAMES[d]}")
-        if not cap.empty_tokens:
-            add(1, base.with_(shape=(0,)), "refused", "does not claim zero tokens")
-        head_refusals.append((base, cap))
+        head_refusals.append(base)
         for world in world_sizes:
             if cap.tp_sizes is not None and world not in cap.tp_sizes:
                 add(world, base.with_(layout="even"), "refused", f"does not claim TP size {world}")
@@ -255,13 +250,15 @@ def conformance_cases(
             add(world, case, "match", why)
     # head inputs last, so that adding them moves no other case's seed
     for world, base, cap in later:
-        if cap.head_inputs:
-            for case, why in _head_cases(base, cap, world):
+        head = head_support(b, base.op)
+        if head is not None:
+            for case, why in _head_cases(base, cap, head, world):
                 add(world, case, "match", why)
-    for base, cap in head_refusals:
-        if not cap.head_inputs:
+    for base in head_refusals:
+        head = head_support(b, base.op)
+        if head is None:
             add(1, _as_head(base), "refused", "does not claim head inputs")
-        elif not cap.head_per_token:
+        elif not head.per_token:
             add(
                 1,
                 _as_head(base, options=(("reduction", "none"),)),

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from vtp_runtime import Backend, OpCapability, SavedState, hookimpl
-from vtp_runtime.comm import all_reduce_
+from vtp_runtime.comm import all_reduce
 
 __version__ = "0.1.0"
 
@@ -120,10 +120,10 @@ def _entropy_forward(call, z: Tensor, mask):
         t += _p_times(e, xm).sum(dim=1)
         m = m_new
     # combine the ranks: one MAX, a local rescale, one SUM
-    big_m = all_reduce_(m.clone(), call.group, "max")
+    big_m = all_reduce(m.clone(), call.group, "max")
     a, shift = _rescale(m, big_m)
     sums = torch.stack([a * s, a * (t + shift * s)])
-    all_reduce_(sums, call.group, "sum")
+    all_reduce(sums, call.group, "sum")
     log_s = sums[0].log()
     h = _masked(log_s - sums[1] / sums[0], mask)
     return h, EntropyState(z, _finite_or_zero(big_m), log_s, h, mask)
@@ -162,10 +162,10 @@ def _kl_forward(call, student: Tensor, teacher: Tensor, mask, reverse: bool):
         s[1] += (xb - _finite_or_zero(m_new[1])[:, None]).exp().sum(dim=1)
         u += _p_times(ea, xa - xb).sum(dim=1)
         m = m_new
-    big_m = all_reduce_(m.clone(), call.group, "max")
+    big_m = all_reduce(m.clone(), call.group, "max")
     r, _ = _rescale(m, big_m)
     sums = torch.cat([r * s, (r[0] * u)[None]])
-    all_reduce_(sums, call.group, "sum")
+    all_reduce(sums, call.group, "sum")
     big_m = _finite_or_zero(big_m)
     log_sa, log_sb = sums[0].log(), sums[1].log()
     value = _masked(sums[2] / sums[0] - (big_m[0] - big_m[1]) - log_sa + log_sb, mask)

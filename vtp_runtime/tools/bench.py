@@ -25,9 +25,10 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from .timing import copy_bandwidth, fmt, peak, print_rows, time_graph, time_loop, time_stream, version
 
 # logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
 OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
@@ -70,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="H",
         default=None,
         help="time the fused linear head at hidden size H instead: vtp ops on vtp.Head(h, W) "
-        "against h @ W.T then the op, and fused-linear peers (see vtp_runtime/bench_head.py)",
+        "against h @ W.T then the op, and fused-linear peers (see vtp_runtime/tools/bench_head.py)",
     )
     parser.add_argument(
         "--device",
@@ -222,88 +223,6 @@ def _liger_vp_arm(op, z, other):
 # -- timing -------------------------------------------------------------------------------------
 
 
-def time_loop(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of one ``fn()`` on the current CUDA stream, each call timed with
-    CUDA events and synchronized, after ``warmup`` calls."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def time_stream(fn, reps: int) -> float:
-    """Time per call of ``reps`` calls issued back to back, synchronized once at the end: what
-    a training loop sees when Python runs ahead of the GPU (max of CPU and GPU cost per call),
-    where ``time_loop``'s per-call sync adds the CPU issue time to the GPU time."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
-def _time_graph(fn, reps: int) -> float:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graphs asks
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del graph
-    return statistics.median(times)
-
-
-def _peak(fn) -> float:
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
-def copy_bandwidth(reps: int = 20) -> float:
-    """Device-to-device copy in GB/s, counting bytes read + written (1 GiB buffers)."""
-    import torch
-
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = time_loop(lambda: dst.copy_(src), 3, reps)
-    return 2 * 2**30 / (ms * 1e-3) / 1e9
-
-
 def dispatch_overhead(calls: int = 2000) -> dict:
     """CPU microseconds per call at TP=1 in steady state, tiny inputs (so the GPU keeps up):
     the full ``vtp.loss`` forward, forward + backward, and the bare kernel launches."""
@@ -438,12 +357,12 @@ def run(args) -> int:
                     if kind == "liger"
                     else _liger_vp_arm(op, z, other)
                 )
-                row.peak_gib = _peak(fn)
+                row.peak_gib = peak(fn)
                 row.ms = time_loop(fn, args.warmup, args.reps)
                 row.stream_ms = time_stream(fn, args.reps)
                 if not args.no_graph:
                     try:
-                        row.graph_ms = _time_graph(fn, args.reps)
+                        row.graph_ms = time_graph(fn, args.reps)
                     except Exception as exc:  # not capturable: report the loop time only
                         row.error = f"graph: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
                         torch.cuda.synchronize()
@@ -468,8 +387,8 @@ def run(args) -> int:
                 {
                     "device": torch.cuda.get_device_name(),
                     "torch": torch.__version__,
-                    "triton": _version("triton"),
-                    "liger_kernel": _version("liger-kernel"),
+                    "triton": version("triton"),
+                    "liger_kernel": version("liger-kernel"),
                     "copy_gbps": copy_gbps,
                     "vocab": args.vocab,
                     "dtype": args.dtype,
@@ -493,38 +412,17 @@ def replot(json_path: str, png_path: str) -> None:
     _plot([Row(**r) for r in data["rows"]], png_path, data["vocab"])
 
 
-def _version(dist: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _fmt(x, spec):
-    return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
-
-
-def _print_rows(header: str, lines: Iterable[str]) -> None:
-    """A text table: the header, a rule as wide, then one line per row."""
-    print(header)
-    print("-" * len(header))
-    for line in lines:
-        print(line)
-
-
 def print_table(rows: list[Row], copy_gbps: float, overhead: dict | None) -> None:
     """The measurements as the text table ``vtp-runtime bench`` prints."""
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
-    _print_rows(
+    print_rows(
         f"{'op':16s} {'arm':9s} {'TP':>2s} {'N':>6s} {'V_local':>7s} {'ms':>8s} {'stream ms':>9s} "
         f"{'graph ms':>8s} {'GB/s':>6s} {'%copy':>5s} {'peak GiB':>8s}  note",
         (
-            f"{r.op:16s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {_fmt(r.ms, '8.3f')} "
-            f"{_fmt(r.stream_ms, '9.3f')} "
-            f"{_fmt(r.graph_ms, '8.3f')} {_fmt(r.gbps, '6.0f')} {_fmt(r.pct_copy, '5.0f')} "
-            f"{_fmt(r.peak_gib, '8.2f')}  {r.error}"
+            f"{r.op:16s} {r.arm:9s} {r.tp:2d} {r.tokens:6d} {r.v_local:7d} {fmt(r.ms, '8.3f')} "
+            f"{fmt(r.stream_ms, '9.3f')} "
+            f"{fmt(r.graph_ms, '8.3f')} {fmt(r.gbps, '6.0f')} {fmt(r.pct_copy, '5.0f')} "
+            f"{fmt(r.peak_gib, '8.2f')}  {r.error}"
             for r in rows
         ),
     )

@@ -1,4 +1,4 @@
-"""Cross-rank metadata: one fixed-size int64 all-gather per call, then checks every rank
+"""The metadata protocol: one fixed-size int64 all-gather per call, then checks every rank
 runs identically on the gathered table, so every rank raises the same error or none.
 
 Each rank describes its call in a vector of ``META_SIZE`` int64 (no pickling): whether the
@@ -14,20 +14,20 @@ failed, each rank's option values).
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather_stack, group_rank, group_size
+from . import env
+from .comm import all_gather_stack, group_rank, group_size, is_group
 from .errors import ShardError, add_note
-from .ops import OPS
+from .ops import DTYPES, OPS, dtype_name
 
-MAGIC = 0x7674_7002  # "vtp" + layout version: ranks on different vtp_runtime layouts disagree here
+MAGIC = 0x7674_7003  # "vtp" + protocol version: ranks on different vtp_runtime versions disagree here
 MAX_BACKEND_SLOTS = 24
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "npu")
 
 # Fixed fields of the metadata vector, in order. "error" is 1 on a rank whose call failed
@@ -70,7 +70,7 @@ def backend_key(name: str, priority: int) -> int:
 
 def check_enabled() -> bool:
     """``VTP_CHECK=1``: compare checksums of the labels/index, mask and tensor normalizer."""
-    return os.environ.get("VTP_CHECK", "").strip().lower() in ("1", "true", "yes", "on")
+    return env.check_mode() == "check"
 
 
 _K1, _K2 = 0x5851_F42D_4C95_7F2D, 0x1405_7B7E_F767_814F  # odd 63-bit multipliers
@@ -120,8 +120,8 @@ class LocalCall:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The validated shard layout and the facts every rank agrees on."""
+class Shards:
+    """The validated vocabulary shards of a call and the facts every rank agrees on."""
 
     rank: int
     tp_size: int
@@ -135,8 +135,8 @@ class Layout:
     available_per_rank: tuple[frozenset[int], ...]
 
 
-def single_rank_layout(v_local: int, vocab_start: int | None, global_vocab_size: int | None, num_tokens: int) -> Layout:
-    """The layout of a call without a TP group (or a group of one): no gather needed."""
+def single_rank_shards(v_local: int, vocab_start: int | None, global_vocab_size: int | None, num_tokens: int) -> Shards:
+    """The shards of a call without a TP group (or a group of one): no gather needed."""
     if vocab_start not in (None, 0):
         raise ShardError(
             f"vocab_start={vocab_start}, but a single rank must hold the whole vocabulary "
@@ -149,7 +149,7 @@ def single_rank_layout(v_local: int, vocab_start: int | None, global_vocab_size:
         )
     if v_local == 0:
         raise ShardError("the global vocabulary is empty (V_local = 0 on every rank)")
-    return Layout(
+    return Shards(
         rank=0,
         tp_size=1,
         vocab_start=0,
@@ -329,8 +329,8 @@ def _detail_text(local: LocalCall) -> str:
 
 def validate(
     table: list[list[int]], local: LocalCall | None, group, device: torch.device, failure: Exception | None = None
-) -> Layout:
-    """Check the gathered table; raise on every rank, or return the layout. ``failure``: this
+) -> Shards:
+    """Check the gathered table; raise on every rank, or return the shards. ``failure``: this
     rank's local exception (``local`` is None then); ``device``: where the table was gathered."""
     rank, world = group_rank(group), len(table)
     _disagree(table, "magic", "vtp_runtime metadata version (install the same vtp_runtime on every rank)", show=hex)
@@ -341,7 +341,7 @@ def validate(
         table,
         "dtype",
         "the logits dtype",
-        show=lambda v: str(DTYPES[v]).replace("torch.", "") if v < len(DTYPES) else v,
+        show=lambda v: dtype_name(DTYPES[v]) if v < len(DTYPES) else v,
     )
     _disagree(table, "device_type", "the device type", show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
     if len({row[F["options"]] for row in table}) > 1 or len({row[F["forced"]] for row in table}) > 1:
@@ -391,7 +391,7 @@ def validate(
         raise ShardError("the global vocabulary is empty (V_local = 0 on every rank)")
     per_rank = tuple(frozenset(k for k in row[len(FIELDS) :] if k) for row in table)
     even = len(set(sizes)) == 1 and all(starts[r] == r * sizes[0] for r in range(world))
-    return Layout(
+    return Shards(
         rank=rank,
         tp_size=world,
         vocab_start=starts[rank],
@@ -403,3 +403,13 @@ def validate(
         available=frozenset.intersection(*per_rank),
         available_per_rank=per_rank,
     )
+
+
+def fail(exc: Exception, group: Any, device: torch.device | None) -> NoReturn:
+    """Raise ``exc``, found on this rank before a call, on every rank of ``group``: this rank
+    joins the call's metadata gather as a failed rank, so the others raise too instead of
+    waiting there. Where they all failed alike, each raises its own error."""
+    if is_group(group) and group_size(group) > 1:
+        row = pack_failure(group, device)
+        validate(gather(row, group), None, group, row.device, exc)
+    raise exc

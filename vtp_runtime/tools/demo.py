@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def shard_sizes(vocab: int, world: int) -> list[int]:
     """V_local per rank under VocabParallelHead's split (torch.chunk's)."""
-    from .nn import shard_bounds
+    from vtp_runtime.nn import shard_bounds
 
     return [end - start for start, end in (shard_bounds(vocab, world, r) for r in range(world))]
 

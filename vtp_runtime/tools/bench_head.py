@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from .timing import fmt, print_rows, time_loop, version
+
 HEAD_OPS = ("cross_entropy", "jsd")
 VTP_ARMS = ("materialized", "fused", "fused_none")  # the arms run once per vtp backend
 
@@ -123,7 +125,6 @@ def _time(fn, device: str, warmup: int, reps: int) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
-    from .bench import time_loop
 
     return time_loop(fn, 0, reps)
 
@@ -222,17 +223,15 @@ def run(args) -> int:
             r.vs_mat = r.ms / ref.ms
     print_table(rows)
     if args.json:
-        from .bench import _version
-
         with open(args.json, "w") as f:
             json.dump(
                 {
                     "mode": "head",
                     "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                     "torch": torch.__version__,
-                    "triton": _version("triton"),
-                    "liger_kernel": _version("liger-kernel"),
-                    "cut_cross_entropy": _version("cut-cross-entropy"),
+                    "triton": version("triton"),
+                    "liger_kernel": version("liger-kernel"),
+                    "cut_cross_entropy": version("cut-cross-entropy"),
                     "vocab": args.vocab,
                     "hidden": hidden,
                     "dtype": args.dtype,
@@ -249,14 +248,13 @@ def run(args) -> int:
 
 
 def print_table(rows) -> None:
-    from .bench import _fmt, _print_rows
 
-    _print_rows(
+    print_rows(
         f"{'op':14s} {'arm':20s} {'TP':>2s} {'N':>6s} {'H':>5s} {'V_local':>7s} {'ms':>9s} {'vs_mat':>6s} "
         f"{'temp GiB':>8s}  note",
         (
-            f"{r.op:14s} {r.arm:20s} {r.tp:2d} {r.tokens:6d} {r.hidden:5d} {r.v_local:7d} {_fmt(r.ms, '9.3f')} "
-            f"{_fmt(r.vs_mat, '6.3f')} {_fmt(r.temp_gib, '8.3f')}  {r.error}"
+            f"{r.op:14s} {r.arm:20s} {r.tp:2d} {r.tokens:6d} {r.hidden:5d} {r.v_local:7d} {fmt(r.ms, '9.3f')} "
+            f"{fmt(r.vs_mat, '6.3f')} {fmt(r.temp_gib, '8.3f')}  {r.error}"
             for r in rows
         ),
     )

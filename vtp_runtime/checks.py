@@ -1,0 +1,241 @@
+"""This rank's checks of a call: what it can verify and look up on its own, before any
+collective, and what it contributes to the metadata gather.
+
+Everything here raises ``ValueError``/``TypeError`` (or ``UnknownBackend``) saying what to
+change; the caller (``vtp_runtime.plans``) routes a failure through the metadata gather so
+that every rank of the group raises.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import dispatch, head, metadata
+from .backend import Request
+from .errors import UnknownBackend
+from .head import Head
+from .ops import OpSpec, check_options, features_of, get_spec, normalize_options
+from .outputs import head_reduction
+from .registry import REGISTRY
+
+Tensor = torch.Tensor
+Check = Callable[[], None]  # a check of per-call data; raises what is wrong
+
+
+@dataclass(frozen=True)
+class Local:
+    """A call after this rank's own checks: what the metadata gather and dispatch need."""
+
+    spec: OpSpec
+    options: Mapping[str, Any]  # every option of the op, defaults filled in
+    inputs: tuple[Tensor, ...]  # the logits, or a stand-in (shape, dtype, device) for each Head
+    heads: tuple[Head | None, ...] | None  # per input, its Head (None for logits); None: no Head
+    index: Tensor | None
+    lead: tuple[int, ...]  # the logits' leading (token) dims
+    topk: bool  # logprobs with an [..., k] index
+    needs_grad: tuple[bool, ...]  # per floating input
+    forced: str | None
+    forced_by: str
+
+
+def check_arguments(spec: OpSpec, tensors: tuple, given: Mapping[str, Any]) -> None:
+    """The number of tensors and the option names."""
+    if len(tensors) != spec.n_tensors:
+        names = ", ".join(spec.inputs + ((spec.index,) if spec.index else ()))
+        raise TypeError(f"{spec.name} takes {spec.n_tensors} tensor argument(s) ({names}), got {len(tensors)}")
+    unknown = sorted(given.keys() - spec.options.keys())
+    if unknown:
+        raise TypeError(f"{spec.name} got unknown option(s) {', '.join(unknown)}; it takes: {', '.join(spec.options)}")
+
+
+def local(op: str, tensors: tuple, given: Mapping[str, Any], traced: Any = None) -> Local:
+    """Everything this rank can check and look up on its own; raises on a bad call.
+    ``traced``: a ``plans.Traced`` (needs_grad and the forced backend fixed when tracing)."""
+    spec = get_spec(op)
+    check_arguments(spec, tensors, given)
+    options = {**spec.defaults, **given}
+    normalize_options(spec, options, given)
+    index = tensors[len(spec.inputs)] if spec.index else None
+    # Head inputs are checked and validated through stand-ins of their logits
+    heads, logits = head.stand_ins(tensors[: len(spec.inputs)], spec.inputs)
+    check_tensors(spec, logits, index, options)
+    lead = tuple(logits[0].shape[:-1])
+    grad_on = torch.is_grad_enabled()
+    needs_grad = tuple(grad_on and t.requires_grad for t in logits)
+    forced, forced_by = dispatch.forced_backend(op, options["backend"])
+    if traced is not None:
+        needs_grad, forced, forced_by = traced.needs_grad, traced.forced, traced.forced_by
+    registered = REGISTRY.backends()  # under VTP_STRICT_PLUGINS=1, a plugin that failed raises here
+    if forced is not None and forced not in registered:
+        raise UnknownBackend(
+            f"unknown backend {forced!r} (from {forced_by}); registered backends: {', '.join(sorted(registered))}"
+        )
+    return Local(
+        spec=spec,
+        options=options,
+        inputs=logits,
+        heads=heads,
+        index=index,
+        lead=lead,
+        topk=spec.name == "logprobs" and index is not None and index.dim() == len(lead) + 1,
+        needs_grad=needs_grad,
+        forced=forced,
+        forced_by=forced_by,
+    )
+
+
+def check_tensors(spec: OpSpec, logits: tuple, index: Tensor | None, options: Mapping[str, Any]) -> None:
+    """Raise ValueError/TypeError describing what is wrong with this rank's arguments."""
+    check_options(spec, options)
+    for name, t in zip(spec.inputs, logits):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+        if t.dim() < 1:
+            raise ValueError(f"{name} must have a vocabulary dimension: shape [..., V_local]")
+    first = logits[0]
+    if len(logits) == 2:
+        student, teacher = logits
+        if student.shape != teacher.shape:
+            raise ValueError(
+                f"student_logits {tuple(student.shape)} and teacher_logits "
+                f"{tuple(teacher.shape)} must have the same shape"
+            )
+        if student.dtype != teacher.dtype:
+            raise TypeError(
+                f"student_logits ({student.dtype}) and teacher_logits ({teacher.dtype}) must have the same dtype"
+            )
+        if student.device != teacher.device:
+            raise ValueError(
+                f"student_logits ({student.device}) and teacher_logits ({teacher.device}) must be on the same device"
+            )
+    lead = tuple(first.shape[:-1])
+    extra = {spec.index: index} if spec.index else {"mask": options["mask"], "labels": options["labels"]}
+    for name, t in extra.items():
+        if t is None:
+            if spec.index:
+                raise TypeError(f"{spec.name} needs {name}")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != first.device:
+            raise ValueError(f"{name} ({t.device}) must be on the logits' device ({first.device})")
+        if name == "mask":
+            if t.dtype != torch.bool:
+                raise TypeError(f"mask must be a bool tensor (True = keep), got {t.dtype}")
+        elif t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        shapes = [lead, lead + tuple(t.shape[-1:])] if name == "index" and t.dim() == len(lead) + 1 else [lead]
+        if tuple(t.shape) not in shapes:
+            want = "logits.shape[:-1] or logits.shape[:-1] + (k,)" if name == "index" else "logits.shape[:-1]"
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want} = {lead}")
+    start, end = options["vocab_start"], options["vocab_end"]
+    if (start is None) != (end is None):
+        raise ValueError("pass both vocab_start and vocab_end, or neither (rank order is the default)")
+    if start is not None:
+        v_local = first.shape[-1]
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start and end - start == v_local):
+            raise ValueError(
+                f"vocab_start={start}, vocab_end={end} must be ints with 0 <= vocab_start "
+                f"and vocab_end - vocab_start == V_local = {v_local}"
+            )
+
+
+def per_call_failure(spec: OpSpec, given: Mapping[str, Any], check: Check | None) -> Exception | None:
+    """What is wrong with a planned call's per-call data (its signature was checked before):
+    a number option given per call (``normalizer``) and ``check``."""
+    try:
+        for name, option in spec.options.items():
+            if option.per_call and name in given:
+                value = given[name]
+                if type(value) in (int, float) and option.valid is not None and not option.valid(value):
+                    raise option.error(f"{name} must be {option.rule}, got {value!r}")
+        if check is not None:
+            check()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def fingerprint(loc: Local, compiled: bool) -> str:
+    """``name=value|...`` of everything about a call that every rank must agree on (beyond the
+    shapes and dtypes gathered on their own); shown per option when ranks disagree."""
+    options = loc.options
+    parts = [
+        f"op={loc.spec.name}",
+        f"top-k size={loc.index.shape[-1] if loc.topk and loc.index is not None else 0}",
+        f"requires_grad={loc.needs_grad}",
+        f"mask={options.get('mask') is not None}",
+        f"labels={options.get('labels') is not None}",
+        f"leading dims={len(loc.lead)}",
+    ]
+    for name in sorted(options):
+        if not loc.spec.options[name].compared:
+            continue
+        value = options[name]
+        # a tensor normalizer is compared by kind only: reading its value would sync the device
+        parts.append(f"{name}={'<tensor>' if isinstance(value, Tensor) else repr(value)}")
+    return "|".join(parts) + head.fingerprint(loc.heads) + ("|torch.compile=True" if compiled else "")
+
+
+def local_call(loc: Local, compiled: bool) -> metadata.LocalCall:
+    """This rank's part of the metadata gather."""
+    first, options = loc.inputs[0], loc.options
+    device = first.device
+    checksums = None
+    if metadata.check_enabled():
+        normalizer = options["normalizer"]
+        checksums = metadata.checksums(
+            loc.index if loc.spec.index else options["labels"],
+            options.get("mask"),
+            normalizer if isinstance(normalizer, Tensor) else None,
+            device,
+        )
+    return metadata.LocalCall(
+        op=loc.spec.name,
+        v_local=first.shape[-1],
+        vocab_start=options["vocab_start"],
+        vocab_end=options["vocab_end"],
+        global_vocab_size=options["global_vocab_size"],
+        num_tokens=math.prod(loc.lead),
+        dtype=first.dtype,
+        device_type=device.type,
+        options_fingerprint=fingerprint(loc, compiled),
+        forced=loc.forced,
+        forced_by=loc.forced_by,
+        available=dispatch.local_availability(device.type),
+        checksums=checksums,
+    )
+
+
+def request_of(loc: Local, shards: metadata.Shards, compiled: bool) -> Request:
+    """The ``Request`` dispatch matches against capabilities."""
+    logits = loc.inputs[0]
+    teacher_grad = len(loc.inputs) == 2 and loc.needs_grad[1]
+    return Request(
+        op=loc.spec.name,
+        device_type=logits.device.type,
+        dtype=logits.dtype,
+        tp_size=shards.tp_size,
+        vocab_size=shards.vocab_size,
+        num_tokens=shards.num_tokens,
+        even_shards=shards.even_shards,
+        empty_shard=0 in shards.sizes,
+        features=features_of(loc.spec, loc.options, topk=loc.topk, teacher_grad=teacher_grad),
+        head_inputs=loc.heads is not None,
+        head_per_token=loc.heads is not None and head_reduction(loc.options) == "none",
+        compiled=compiled,
+    )
+
+
+def device_of(tensors: tuple) -> torch.device | None:
+    first = tensors[0] if tensors else None
+    if isinstance(first, Head):
+        first = first.weight
+    return first.device if isinstance(first, Tensor) else None

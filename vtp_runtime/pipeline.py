@@ -1,0 +1,127 @@
+"""The call pipeline: the one way every op call is computed.
+
+    run(op, tensors, options)
+      1. inputs.normalize   input forms (DTensor, a Head with a DTensor weight) -> local tensors
+      2. plans.plan_for     the plan of the call's signature: looked up, or made by the full
+                            path -- this rank's checks (``checks``), the metadata gather and its
+                            checks (``metadata``), dispatch (``dispatch``)
+      3. execute            the backend under one autograd node (``autograd``): logits rows,
+                            or Head inputs in token chunks (``head``)
+      4. outputs.finish     the per-token values back to the token shape, reduced
+
+With a TP group, any failure on this rank before the metadata gather -- of any type, in
+any step before it, the input forms included -- travels through the gather as a flag
+instead of being raised before it (which would leave the other ranks waiting in the gather
+forever); then every rank raises, this one its own exception. Inside a ``torch.compile``'d
+graph steps 2 and 3 run inside two custom ops (``library``), steps 1 and 4 in the graph.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import autograd, checks, dispatch, head, inputs, library, metadata, plans
+from .backend import TakesHead
+from .checks import Check
+from .comm import group_rank, group_size, is_group
+from .head import Head
+from .outputs import finish, head_reduction
+
+Tensor = torch.Tensor
+
+
+def run(
+    op: str,
+    tensors: tuple,
+    options: dict[str, Any],
+    *,
+    check: Check | None = None,
+    failure: Exception | None = None,
+) -> Any:
+    """``loss(op, *tensors, **options)``. ``check``: per-call data checks of a composite op
+    (``vtp_runtime.topk``), run before any collective, on every call; ``failure``: an error
+    the caller met on this rank before the call, raised on every rank through the gather."""
+    if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
+        return library.traced_loss(op, tensors, options, check)
+    tensors, options, wrap, normalized = inputs.normalize(op, tensors, options)
+    failure = failure or normalized
+    made = plans.plan_for(op, tensors, options, check=check, failure=failure)
+    out = execute(made, tensors, options)
+    if wrap is None:
+        return out
+    return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
+
+
+def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
+    """Run a planned call on this call's tensors; ``given``: its options as passed."""
+    spec, n = made.spec, made.num_tokens
+    n_inputs = len(spec.inputs)
+    index, mask = inputs.index_and_mask(spec, made.topk, n, tensors[n_inputs] if spec.index else None, given)
+    call = made.call(given.get("tp_group"))
+    inputs_ = tensors[:n_inputs]
+    if n == 0:  # no rank has a token: nothing to compute or communicate
+        parts = [p for x in inputs_ for p in ((x.hidden, x.weight, x.bias) if isinstance(x, Head) else (x,))]
+        values = autograd.no_tokens(call, _values_shape(made, index), tuple(parts))
+    elif made.head_rows is not None:
+        assert isinstance(made.backend, TakesHead)  # dispatch gave Head inputs to a backend taking them
+        scalar = head_reduction(given) != "none"
+        values = head.run_heads(made.backend, call, inputs_, index, mask, scalar, made.head_rows)
+    else:
+        values = autograd.run_logits(made.backend, call, inputs_, index, mask)
+    return finish(values, made.lead, made.topk, index, mask, given)
+
+
+def _values_shape(made: plans.Plan, index: Tensor | None) -> tuple[int, ...]:
+    k = index.shape[-1] if made.topk and index is not None else 1
+    if made.backend_options.get("return_entropy"):
+        return (0, k + 1)
+    return (0, k) if made.topk else (0,)
+
+
+# -- explain --------------------------------------------------------------------------------
+
+
+def explain(op: str, tensors: tuple, options: dict[str, Any], gather: bool = False) -> dispatch.Explanation:
+    """Which backend ``run(op, tensors, options)`` would use and why not the others; see
+    ``vtp.explain``."""
+    tensors, options, _, failure = inputs.normalize(op, tensors, options)
+    group = options.get("tp_group")
+    world = group_size(group) if is_group(group) else 1
+    if gather and world > 1:
+        loc, _, shards, _, _ = plans.checked(op, tensors, options, group, None, None, None, failure)
+        return dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+    if failure is not None:
+        raise failure
+    loc = checks.local(op, tensors, options)
+    n, v_local = math.prod(loc.lead), loc.inputs[0].shape[-1]
+    start, given = loc.options["vocab_start"], loc.options["global_vocab_size"]
+    if world == 1:
+        shards = metadata.single_rank_shards(v_local, start, given, n)
+        return dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+    rank = group_rank(group)
+    vocab_size = v_local * world if given is None else given
+    even = vocab_size == v_local * world and start in (None, rank * v_local)
+    first = rank * v_local if start is None else start
+    assumed = metadata.Shards(
+        rank=rank,
+        tp_size=world,
+        vocab_start=first,
+        vocab_end=first + v_local,
+        vocab_size=vocab_size,
+        sizes=(v_local,) * world,
+        num_tokens=n,
+        even_shards=even,
+        available=frozenset(),
+        available_per_rank=(),
+    )
+    ex = dispatch.explain_request(checks.request_of(loc, assumed, False), None, loc.forced, loc.forced_by)
+    ex.view = (
+        f"this rank's view: rank {rank} of {world}, other ranks assumed alike "
+        f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
+        f"checks them all"
+    )
+    return ex

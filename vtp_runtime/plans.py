@@ -1,0 +1,396 @@
+"""Plans: what a call signature needs, computed once and reused while the signature repeats.
+
+A plan is everything the pipeline decides about a call -- the validated shards from the
+metadata gather, the chosen backend, what its ``Call`` holds, how its outputs are shaped --
+for one *signature*: the op, the option values, the shapes, dtypes and devices of every
+tensor (a ``Head``'s too), which inputs require grad, grad mode, the forced backend and the
+registry version. The first call of a signature takes the full path (local checks, the
+metadata gather, dispatch); later calls with the same signature reuse its plan and skip all
+of it, so they issue no metadata collective and read nothing from the device.
+
+What a plan holds: descriptions only (shapes, dtypes, bounds, the backend, option values,
+the planned metadata as integers), never a caller's tensor and never a process group: the
+group comes with each call (``Plan.call(group)``).
+
+Where plans are kept: one ``PlanCache`` per process group, keyed by the group's identity
+and holding it weakly (``weak.IdentityMap``): a group's plans go when the group is
+collected, and a new group, even one that reuses a destroyed group's name, starts empty.
+Calls without a group (or on a single device) have a cache of their own. Each cache holds
+at most ``2 * MAX_PLANS`` plans (two generations: when the current one is full it becomes
+the previous one).
+
+The cache must be symmetric across the ranks of a group: a rank that reuses a plan goes
+straight to the backend's collectives, a rank that does not goes to the metadata gather,
+and the two would wait for each other forever. A group's cache changes only with that
+group's own calls, on a count (never time or memory), so every rank of the group holds the
+same plans and turns over at the same call, whatever a rank does with other groups or with
+none, as long as the ranks make the same calls. What this cannot see is a change on some
+ranks only after a signature was planned (see ``docs/guide.md``, "No host sync"); on a
+group with a CPU transport every call still gathers on the host (no device sync), and
+``VTP_CHECK=1`` checks every call in full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import checks, dispatch, env, head, metadata
+from .backend import Backend, Call, Request
+from .checks import Check
+from .comm import group_size, is_group
+from .head import Head
+from .ops import OPS, OpSpec, backend_options
+from .registry import REGISTRY
+from .weak import IdentityMap
+
+Tensor = torch.Tensor
+
+MAX_PLANS = 2048  # per generation, per cache; two generations are kept
+
+
+@dataclass(frozen=True)
+class Traced:
+    """What a call made from a ``torch.compile``'d graph (``vtp_runtime.library``) fixed when
+    it was traced: which inputs need gradients (inside the op nothing requires grad) and the
+    forced backend."""
+
+    needs_grad: tuple[bool, ...]
+    forced: str | None
+    forced_by: str
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """The planned metadata of a call with a TP group: this rank's row and the gathered
+    table, as integers, and whether the group gathers on the host."""
+
+    row: tuple[int, ...]
+    table: list[list[int]]
+    host: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every call with one signature shares: the backend, what its ``Call`` holds, how
+    the per-call tensors are shaped around it."""
+
+    spec: OpSpec
+    backend: Backend
+    request: Request
+    rank: int
+    vocab_start: int
+    vocab_end: int
+    backend_options: Mapping[str, Any]  # Call.options
+    needs_grad: tuple[bool, ...]
+    topk: bool  # logprobs with an [..., k] index
+    lead: tuple[int, ...]  # the logits' leading (token) dims
+    head_rows: int | None  # tokens per chunk where some input is a Head, else None
+    metadata: Metadata | None  # None: a single rank, nothing to agree on
+
+    @property
+    def num_tokens(self) -> int:
+        return self.request.num_tokens
+
+    def call(self, group: Any) -> Call:
+        """The ``Call`` the backend gets, for this call's ``group``."""
+        return Call(
+            request=self.request,
+            group=group,
+            rank=self.rank,
+            vocab_start=self.vocab_start,
+            vocab_end=self.vocab_end,
+            options=self.backend_options,
+            needs_grad=self.needs_grad,
+            topk=self.topk,
+        )
+
+
+def metadata_mode(host_transport: bool) -> str:
+    """How a call with a TP group whose signature was planned before treats the metadata:
+
+    - ``"check"`` (``VTP_CHECK=1``): the full path, every call: gather, checksums of the
+      integer inputs, every check.
+    - ``"gather"`` (the default where the group has a CPU transport: gloo,
+      ``cpu:gloo,cuda:nccl``): every call gathers the planned metadata row on the host --
+      no device sync -- and runs the plan only if the gathered table is the planned one;
+      anything else is checked in full. Every rank gathers exactly once per call.
+    - ``"once"`` (the default on a device-only group such as plain NCCL, or
+      ``VTP_CHECK=once``): no gather; the plan is reused as it is.
+
+    Every rank of a group must run in the same mode (set ``VTP_CHECK`` alike everywhere).
+    """
+    mode = env.check_mode()
+    if mode:
+        return mode
+    return "gather" if host_transport else "once"
+
+
+class PlanCache:
+    """The plans of one process group (or of calls without one), by signature."""
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple, Plan] = {}
+        self._previous: dict[tuple, Plan] = {}
+
+    def lookup(self, key: tuple) -> Plan | None:
+        plan = self._plans.get(key)
+        if plan is None and key in self._previous:
+            plan = self._previous[key]
+            self.store(key, plan)
+        return plan
+
+    def store(self, key: tuple, plan: Plan) -> None:
+        # Two generations: when the current one is full it becomes the previous one, so a
+        # signature used since the last turnover survives. The count is all that decides,
+        # so ranks whose signatures change together turn over together.
+        if len(self._plans) >= MAX_PLANS:
+            self._previous, self._plans = self._plans, {}
+        self._plans[key] = plan
+
+    def __len__(self) -> int:
+        return len(self._plans.keys() | self._previous.keys())
+
+    def clear(self) -> None:
+        self._plans, self._previous = {}, {}
+
+
+_LOCAL = PlanCache()  # calls without a process group
+_BY_GROUP: IdentityMap[PlanCache] = IdentityMap()
+
+
+def cache_for(group: Any) -> PlanCache:
+    """The plans of ``group`` (None: calls without a group)."""
+    if group is None:
+        return _LOCAL
+    return _BY_GROUP.setdefault(group, PlanCache)
+
+
+def clear() -> None:
+    """Forget every plan of every group (every rank of a group must clear together, like any
+    collective)."""
+    _LOCAL.clear()
+    for cache in _BY_GROUP.values():
+        cache.clear()
+
+
+def size(group: Any = ...) -> int:
+    """How many plans are held: for ``group`` (None: calls without a group), or in all."""
+    if group is ...:
+        return len(_LOCAL) + sum(len(c) for c in _BY_GROUP.values())
+    found = _LOCAL if group is None else _BY_GROUP.get(group)
+    return 0 if found is None else len(found)
+
+
+def groups() -> int:
+    """How many groups have a plan cache (a destroyed group's goes with the group)."""
+    return len(_BY_GROUP)
+
+
+# Option values that go into a signature as they are; anything else (a numpy scalar, a
+# 0-d tensor given as a number option, a list ...) makes the call take the full path.
+_PLAIN = (int, float, bool, str, type(None))
+_TENSORS = (Tensor, torch.nn.Parameter)
+_TENSOR_OPTIONS = ("mask", "labels", "normalizer")
+
+
+def signature(
+    spec: OpSpec,
+    tensors: tuple,
+    given: dict[str, Any],
+    forced: tuple,
+    registry_version: int,
+    needs_grad: tuple[bool, ...] | None = None,
+) -> tuple | None:
+    """The key of a call's plan, or None when the call cannot have one (then it takes the
+    full path every time). ``needs_grad``: given by a call from a compiled graph (whose
+    tensors do not require grad inside the op), read from the tensors otherwise. Built on
+    every call: keep it to attribute reads and a tuple. The process group is not part of it:
+    each group has its own cache."""
+    traced = needs_grad is not None
+    key: list[Any] = [
+        spec.name,
+        "compiled" if traced else torch.is_grad_enabled(),
+        needs_grad,
+        forced,
+        registry_version,
+    ]
+    for t in tensors:
+        if type(t) in _TENSORS:
+            key += (t.shape, t.dtype, t.device) if traced else (t.shape, t.dtype, t.device, t.requires_grad)
+        elif type(t) is Head and not traced:
+            for part in (t.hidden, t.weight, t.bias):
+                if part is None:
+                    key.append(None)
+                elif type(part) in _TENSORS:
+                    key += (part.shape, part.dtype, part.device, part.requires_grad)
+                else:
+                    return None
+            key += (t.reduce_hidden_grad, t.chunk_rows)
+        else:
+            return None
+    options = spec.options
+    for name in sorted(given):
+        value = given[name]
+        if name == "tp_group":
+            continue  # the group selects the cache
+        if name not in options:
+            return None  # an unknown option: the full path says so
+        if type(value) is Tensor:
+            # tensor options (mask, labels, normalizer): their values are data of the call,
+            # never read on the host; what they are is part of the signature
+            if name not in _TENSOR_OPTIONS:
+                return None
+            key += (name, value.shape, value.dtype, value.device)
+        elif options[name].per_call and type(value) in (int, float):
+            key += (name, float)  # a per-call number (num_items_in_batch): checked per call
+        elif type(value) in _PLAIN:
+            key += (name, type(value), value)
+        else:
+            return None
+    return tuple(key)
+
+
+# -- the plan of a call ----------------------------------------------------------------------
+
+
+def plan_for(
+    op: str,
+    tensors: tuple,
+    given: dict[str, Any],
+    traced: Traced | None = None,
+    *,
+    check: Check | None = None,
+    failure: Exception | None = None,
+) -> Plan:
+    """The plan of a call: the first call of a signature is checked and planned in full,
+    later ones reuse the plan. With a TP group, whether the metadata is gathered again
+    depends on ``metadata_mode``. ``given``: the options as passed (after
+    ``inputs.normalize``)."""
+    group = given.get("tp_group")
+    if traced is None:
+        forced = dispatch.forced_backend(op, given.get("backend"))
+    else:
+        forced = (traced.forced, traced.forced_by)
+    spec = OPS.get(op)
+    key = cache = None
+    if failure is None and spec is not None and type(forced[0]) in (str, type(None)):
+        key = signature(spec, tensors, given, forced, REGISTRY.version, None if traced is None else traced.needs_grad)
+        if key is not None and (group is None or is_group(group)):
+            cache = cache_for(group)
+    found = None if cache is None or key is None else cache.lookup(key)
+    table = None
+    if found is not None:
+        failure = checks.per_call_failure(found.spec, given, check)
+        meta = found.metadata
+        mode = "once" if meta is None else metadata_mode(meta.host)
+        if mode == "once":  # a single rank, or a group whose ranks are trusted to agree
+            if failure is not None:
+                raise failure
+            return found
+        if mode == "gather":  # on the host: every rank gathers once per call, whatever it holds
+            assert meta is not None  # mode is "once" without metadata
+            row = metadata.pack_failure(group, None) if failure else torch.tensor(meta.row, dtype=torch.int64)
+            table = metadata.gather(row, group)
+            if failure is None and table == meta.table:
+                return found
+    version = REGISTRY.version
+    made = full_path(op, tensors, given, group, table, traced, check, failure)
+    if cache is not None and key is not None:
+        if REGISTRY.version != version:  # the first call loaded the plugins
+            assert spec is not None  # a key needs a known op
+            key = signature(
+                spec, tensors, given, forced, REGISTRY.version, None if traced is None else traced.needs_grad
+            )
+        if key is not None:
+            cache.store(key, made)
+    return made
+
+
+def full_path(
+    op: str,
+    tensors: tuple,
+    given: dict[str, Any],
+    group: Any,
+    table: list[list[int]] | None,
+    traced: Traced | None,
+    check: Check | None,
+    failure: Exception | None,
+) -> Plan:
+    """Local checks, the metadata gather (``table``: this call's table, gathered already by
+    a planned call whose table was not the planned one) and its checks, dispatch."""
+    if not is_group(group) or group_size(group) == 1:  # the hot path of one device: no gather
+        if failure is not None:
+            raise failure
+        loc = checks.local(op, tensors, given, traced)
+        if check is not None:
+            check()
+        n = math.prod(loc.lead)
+        shards = metadata.single_rank_shards(
+            loc.inputs[0].shape[-1], loc.options["vocab_start"], loc.options["global_vocab_size"], n
+        )
+        return _make_plan(loc, shards, None, traced is not None)
+    loc, info, shards, table, host = checked(op, tensors, given, group, table, traced, check, failure)
+    planned = tuple(metadata.encode(dataclasses.replace(info, checksums=None)))
+    # with checksums (VTP_CHECK=1) the gathered table is not the planned one: none matches it
+    meta = Metadata(planned, table if info.checksums is None else [], host)
+    return _make_plan(loc, shards, meta, traced is not None)
+
+
+def checked(
+    op: str,
+    tensors: tuple,
+    given: dict[str, Any],
+    group: Any,
+    table: list[list[int]] | None,
+    traced: Traced | None,
+    check: Check | None,
+    failure: Exception | None,
+) -> tuple[checks.Local, metadata.LocalCall, metadata.Shards, list[list[int]], bool]:
+    """This rank's checks, then the metadata gather (unless ``table`` holds it) and its
+    checks: every rank raises if any rank failed before the gather. Also the table, and
+    whether the group gathers on the host."""
+    loc = info = None
+    try:
+        if failure is not None:
+            raise failure
+        loc = checks.local(op, tensors, given, traced)
+        if check is not None:
+            check()
+        info = checks.local_call(loc, traced is not None)
+        row = metadata.pack(info, group, loc.inputs[0].device)
+    except Exception as exc:  # whatever it is, every rank must still reach the gather
+        failure, row = exc, metadata.pack_failure(group, checks.device_of(tensors))
+    if table is None:
+        table = metadata.gather(row, group)
+    shards = metadata.validate(table, info, group, row.device, failure)
+    # validate raised on every rank if any rank failed before the gather
+    assert loc is not None and info is not None
+    return loc, info, shards, table, row.device.type == "cpu"
+
+
+def _make_plan(loc: checks.Local, shards: metadata.Shards, meta: Metadata | None, compiled: bool) -> Plan:
+    request = checks.request_of(loc, shards, compiled)
+    backend = dispatch.select(request, shards, loc.forced, loc.forced_by)
+    options = backend_options(loc.spec, loc.options)
+    if "temperature" in options:
+        options["temperature"] = float(options["temperature"])
+    return Plan(
+        spec=loc.spec,
+        backend=backend,
+        request=request,
+        rank=shards.rank,
+        vocab_start=shards.vocab_start,
+        vocab_end=shards.vocab_end,
+        backend_options=options,
+        needs_grad=loc.needs_grad,
+        topk=loc.topk,
+        lead=loc.lead,
+        head_rows=None if loc.heads is None else head.rows_per_chunk(shards.num_tokens, max(shards.sizes), loc.heads),
+        metadata=meta,
+    )

@@ -1,0 +1,111 @@
+"""Timing and table helpers shared by ``vtp-runtime bench`` and ``bench --head``: CUDA-event
+timing (per call, back to back, CUDA-graph replay), peak memory, copy bandwidth, versions and
+the text tables."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+
+
+def time_loop(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds of one ``fn()`` on the current CUDA stream, each call timed with
+    CUDA events and synchronized, after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def time_stream(fn, reps: int) -> float:
+    """Time per call of ``reps`` calls issued back to back, synchronized once at the end: what
+    a training loop sees when Python runs ahead of the GPU (max of CPU and GPU cost per call),
+    where ``time_loop``'s per-call sync adds the CPU issue time to the GPU time."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def time_graph(fn, reps: int) -> float:
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up on a side stream, as torch.cuda.graphs asks
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def peak(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def copy_bandwidth(reps: int = 20) -> float:
+    """Device-to-device copy in GB/s, counting bytes read + written (1 GiB buffers)."""
+    import torch
+
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_loop(lambda: dst.copy_(src), 3, reps)
+    return 2 * 2**30 / (ms * 1e-3) / 1e9
+
+
+def version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def fmt(x, spec):
+    return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+
+
+def print_rows(header: str, lines: Iterable[str]) -> None:
+    """A text table: the header, a rule as wide, then one line per row."""
+    print(header)
+    print("-" * len(header))
+    for line in lines:
+        print(line)
