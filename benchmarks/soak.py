@@ -36,8 +36,13 @@ calls through the current group. At the end the targets are checked and the exit
 The output is Markdown (tables, with the command and setup on top): it can be saved under
 ``benchmarks/results/`` as it is and its tables pasted into ``docs/benchmarks.md``.
 
-    python benchmarks/soak.py --device cuda --steps 10000          # on the GPU (one GPU, 2 ranks)
-    python benchmarks/soak.py --device cpu --steps 300 --rebuild-every 100 --report-every 100
+    # one GPU, two gloo ranks sharing it (TRITON_INTERPRET unset)
+    python benchmarks/soak.py --device cuda --steps 10000 | tee benchmarks/results/h200_soak.md
+    # the CPU, briefly (tests/test_long_jobs.py runs this)
+    python benchmarks/soak.py --device cpu --steps 200 --rebuild-every 100 --report-every 100 \
+        --backend eager --compile-backend eager --step-timeout 30
+
+Rank 0's stdout is the report; the ranks' errors and a hang's step go to stderr.
 """
 
 from __future__ import annotations
@@ -309,7 +314,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                     group = None
                 compiled.clear()
                 torch._dynamo.reset()
-                group = dist.new_group(list(range(world)))
+                group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=args.step_timeout))
             step(args, s, rank, model, group, compiled, device, dtype)
             if rank == 0 and s % args.local_every == 0:
                 local_call(args, s, device, dtype)
