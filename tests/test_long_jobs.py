@@ -328,6 +328,8 @@ def test_live_tensors_stay_flat_as_token_counts_change_tp1():
 
 
 def tp2_no_tensor_kept(rank, world, group):
+    """Every form at TP 2 (DTensors on a 1-D mesh too): which tensors outlive their calls;
+    live tensors before and after 12 steps of changing token counts; the worst error."""
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh("cpu", list(range(world)))
