@@ -304,9 +304,27 @@ def _arms(op, backends, peers, tp):
     return arms
 
 
+def unknown_backends(names: Iterable[str]) -> str | None:
+    """A message naming each of ``names`` that is not a registered backend, or None."""
+    from .registry import REGISTRY
+
+    registered = REGISTRY.backends()
+    unknown = [name for name in names if name not in registered]
+    if not unknown:
+        return None
+    return (
+        f"unknown backend{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in --backends; "
+        f"registered backends: {', '.join(sorted(registered)) or '(none)'}"
+    )
+
+
 def run(args) -> int:
     import torch
 
+    unknown = unknown_backends(b for b in args.backends.split(",") if b)
+    if unknown:  # before anything is timed, on every device
+        print(f"vtp-runtime bench: {unknown}", file=sys.stderr)
+        return 2
     if args.head is not None:
         from . import bench_head
 
