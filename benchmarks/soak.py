@@ -71,11 +71,26 @@ CHECK_TOL = 1e-6
 # -- runtime internals: the one place this script reads them -------------------------------
 
 
-def runtime_plans() -> tuple[int, int]:
-    """(plans this rank holds, the most the runtime may hold)."""
-    from vtp_runtime import plan
+def drop_compiled(compiled: dict) -> None:
+    """Forget the compiled functions of the last group, as a job recompiling for a new group
+    does. torch keeps each compiled function among the globals of the module that defined the
+    compiled code (``__compiled_fn_*``), and its traced graph holds the group it was called
+    with as an input's example value: those globals go too, else torch itself would keep every
+    destroyed group alive."""
+    import torch
 
-    return plan.size(), 2 * plan.MAX_PLANS
+    compiled.clear()
+    torch._dynamo.reset()
+    for name in [k for k in globals() if k.startswith("__compiled_fn")]:
+        del globals()[name]
+
+
+def runtime_plans() -> tuple[int, int]:
+    """(plans this rank holds, the most the runtime may hold: two generations per cache, one
+    cache per live group and one for calls without a group)."""
+    from vtp_runtime import plans
+
+    return plans.size(), 2 * plans.MAX_PLANS * (plans.groups() + 1)
 
 
 # -- measurements ----------------------------------------------------------------------------
@@ -312,8 +327,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                     dist.destroy_process_group(group)
                     destroyed.append(weakref.ref(group))
                     group = None
-                compiled.clear()
-                torch._dynamo.reset()
+                drop_compiled(compiled)
                 group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=args.step_timeout))
             step(args, s, rank, model, group, compiled, device, dtype)
             if rank == 0 and s % args.local_every == 0:
@@ -339,8 +353,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             dist.destroy_process_group(group)
             destroyed.append(weakref.ref(group))
             group = None
-        compiled.clear()
-        torch._dynamo.reset()
+        drop_compiled(compiled)
         after = {"step": args.steps, **snapshot(args.device, destroyed)}
         summary = {
             "rank": rank,

@@ -49,16 +49,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _plan_count() -> int:
     """How many plans this rank holds (every group's and the group-less calls' together)."""
-    from vtp_runtime import plan
+    from vtp_runtime import plans
 
-    return plan.size()
+    return plans.size()
+
+
+def _plan_caches() -> int:
+    """How many process groups this rank holds plans for."""
+    from vtp_runtime import plans
+
+    return plans.groups()
 
 
 def _clear_plans() -> None:
     """Forget this rank's plans; every rank of a group calls it at the same point."""
-    from vtp_runtime import plan
+    from vtp_runtime import plans
 
-    plan.clear()
+    plans.clear()
 
 
 # -- observations -------------------------------------------------------------------------
@@ -421,8 +428,12 @@ def test_destroyed_groups_are_freed():
 
 def compiled_group_rounds(rank, world, group, rounds):
     """``rounds`` times: a new group, a compiled call through it, ``destroy_process_group``,
-    drop it and the compiled function (``torch._dynamo.reset()``: the graphs traced for the
-    group go too). Which groups are still alive, and the largest deviation from float64."""
+    drop it and the compiled function (``torch._dynamo.reset()``). torch itself keeps each
+    traced group: dynamo stores the compiled function among the globals of the module that
+    defined the compiled code, and its traced graph holds the group as an input's example
+    value; those globals are dropped here, as a recompiling job replaces them. Which groups
+    are still alive, how many plan caches vtp_runtime holds, and the largest deviation from
+    float64."""
     refs, worst = [], 0.0
     sizes = SIZES[world]
     for r in range(rounds):
@@ -441,15 +452,19 @@ def compiled_group_rounds(rank, world, group, rounds):
         refs.append((f"group of round {r}", weakref.ref(g)))
         del g, f, z, out
         torch._dynamo.reset()
-    return _alive(refs), worst
+        for name in [k for k in globals() if k.startswith("__compiled_fn")]:
+            del globals()[name]
+    gc.collect()
+    return _alive(refs), _plan_caches(), worst
 
 
 def test_destroyed_groups_named_by_compiled_calls_are_freed():
     """Item 2 inside ``torch.compile``: a compiled call resolves its group by name at run
-    time; after ``destroy_process_group(g)``, ``del`` and ``torch._dynamo.reset()`` (a job
-    rebuilding its groups recompiles for the new ones) no such group is alive."""
-    for alive, err in _own(2, compiled_group_rounds, 3, timeout=90):
+    time; once torch lets go of its compiled function (see ``compiled_group_rounds``) no
+    destroyed group is alive, and vtp_runtime holds no plan cache for one."""
+    for alive, caches, err in _own(2, compiled_group_rounds, 3, timeout=90):
         assert not alive, f"alive after del and gc.collect(): {alive}"
+        assert caches == 0, f"plan caches of destroyed groups: {caches}"
         assert err < 1e-10
 
 

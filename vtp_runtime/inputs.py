@@ -232,8 +232,10 @@ def _normalize(
     n_logits = len(spec.inputs)
     logits = tensors[0] if tensors else None
     if _sharded_head(logits, names):
+        _see_group(logits.weight, 0, seen)
         lay, lead = _head_layout(logits, names, seen), tuple(logits.hidden.shape[:-1])
     elif isinstance(logits, DTensor):
+        _see_group(logits, logits.dim() - 1, seen)
         lay = _layout_for(logits.device_mesh, _placements(logits, names), tuple(logits.shape), names, seen)
         lead = tuple(logits.shape[:-1])
     else:
@@ -278,6 +280,16 @@ def _normalize(
             f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'"
         )
     return tuple(local), options, _wrapper(lay, lead, reduced, names)
+
+
+def _see_group(dt, vocab_dim: int, seen: dict[str, Any]) -> None:
+    """``seen["group"]``: the group of the mesh dimension that shards ``dt``'s vocabulary
+    (``vocab_dim``), found before any check of the layout, so that a check failing on this
+    rank only still reaches the other ranks through that group's metadata gather."""
+    for i, p in enumerate(dt.placements):
+        if p.is_shard() and p.dim % dt.dim() == vocab_dim and not hasattr(p, "split_factor"):
+            seen["group"] = dt.device_mesh.get_group(i)
+            return
 
 
 def _named_tensors(spec, tensors, options):

@@ -25,6 +25,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -306,7 +307,7 @@ def _arms(op, backends, peers, tp):
 
 def unknown_backends(names: Iterable[str]) -> str | None:
     """A message naming each of ``names`` that is not a registered backend, or None."""
-    from .registry import REGISTRY
+    from vtp_runtime.registry import REGISTRY
 
     registered = REGISTRY.backends()
     unknown = [name for name in names if name not in registered]
