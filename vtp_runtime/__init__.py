@@ -3,6 +3,7 @@
 import vtp_runtime as vtp
 loss = vtp.loss("jsd", student_logits, teacher_logits, beta=0.3, tp_group=group)
 loss = vtp.cross_entropy(vtp.Head(hidden, weight_shard), labels, reduction="mean", tp_group=group)
+next_ids = vtp.sample(logits, seed=step, top_p=0.9, tp_group=group)  # global ids, the same on every rank
 """
 
 from .api import cross_entropy, entropy, explain, jsd, kl, logprobs, loss
@@ -13,6 +14,7 @@ from .head import Head
 from .nn import VocabParallelHead
 from .ops import FEATURES, OPS
 from .registry import hookimpl, register
+from .sampling import argmax, sample
 from .topk import TopK
 
 __version__ = "0.1.0"
@@ -24,6 +26,8 @@ __all__ = [
     "entropy",
     "kl",
     "jsd",
+    "argmax",
+    "sample",
     "explain",
     "use_backend",
     "Head",

@@ -86,7 +86,7 @@ def _local_checks(spec: OpSpec, inputs, index, options) -> None:
                 f"student_logits ({student.device}) and teacher_logits ({teacher.device}) must be on the same device"
             )
     lead = tuple(logits.shape[:-1])
-    extra = {spec.index: index} if spec.index else {"mask": options["mask"], "labels": options["labels"]}
+    extra = {spec.index: index} if spec.index else {"mask": options.get("mask"), "labels": options.get("labels")}
     for name, t in extra.items():
         if t is None:
             if spec.index:
@@ -573,6 +573,8 @@ def loss(op: str, *tensors: Any, **options: Any) -> Any:
     DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
     ``logprobs`` with ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
     """
+    if op in OPS and OPS[op].returns_ids:
+        raise TypeError(f"{op} returns token ids, not a loss: call vtp.{op}(logits, ...)")
     if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
         from .library import traced_loss
 

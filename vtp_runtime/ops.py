@@ -32,6 +32,12 @@ jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b
   entropy, which does not depend on the index, stays finite; the row's gradient is NaN).
 - ``0 * log 0 = 0``; KL is ``+inf`` where the weighting distribution has mass the other
   lacks; an unmasked row of all ``-inf`` gives NaN in that row only.
+
+Two ops return token ids instead of a value (``OpSpec.returns_ids``; see
+``vtp_runtime/sampling.py``): ``argmax`` (the lowest global id of each row's largest logit)
+and ``sample`` (a draw from ``softmax(z / T)`` restricted by ``top_k``, then ``top_p``, then
+``min_p``). They are int64 ``[N]``, not differentiable, and take no reduction, normalizer or
+mask.
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ class OpSpec:
     index: str | None  # name of the integer index input, if any
     options: Mapping[str, Any]  # op-specific options and their defaults
     features: tuple[str, ...]  # the FEATURES that apply to this op
+    # the op returns int64 token ids (argmax, sample): no gradient, no reduction, no mask,
+    # and it runs outside the autograd Function (vtp_runtime/sampling.py)
+    returns_ids: bool = False
 
 
 _MASKING = {"mask": None, "labels": None, "ignore_index": -100}
@@ -105,8 +114,20 @@ OPS: dict[str, OpSpec] = {
             {"beta": 0.5, **_MASKING},
             ("mask", "temperature", "teacher_grad"),
         ),
+        OpSpec("argmax", ("logits",), None, {}, (), returns_ids=True),
+        # seed is required: None stands for "not given" and is refused by check_options
+        OpSpec(
+            "sample",
+            ("logits",),
+            None,
+            {"seed": None, "top_k": None, "top_p": None, "min_p": None},
+            (),
+            returns_ids=True,
+        ),
     )
 }
+# the ops whose value is a loss (everything but argmax and sample)
+LOSSES = tuple(name for name, spec in OPS.items() if not spec.returns_ids)
 # per op, the (feature, how a call uses it) pairs features_of tests: built once, it is on every call's path
 _FEATURE_TESTS = {name: tuple((f, _USES[f]) for f in spec.features) for name, spec in OPS.items()}
 
@@ -126,8 +147,10 @@ COMMON_OPTIONS: dict[str, Any] = {
 # Scalar options are given one Python type before they are checked and compared across ranks,
 # so that equal values agree: temperature=2 on one rank and 2.0, np.float32(2) or
 # torch.tensor(2.) on another.
-FLOAT_OPTIONS = frozenset({"temperature", "label_smoothing", "z_loss", "beta", "normalizer"})
+FLOAT_OPTIONS = frozenset({"temperature", "label_smoothing", "z_loss", "beta", "normalizer", "top_p", "min_p"})
 SCALAR_OPTIONS = FLOAT_OPTIONS | {
+    "seed",
+    "top_k",
     "ignore_index",
     "vocab_start",
     "vocab_end",
@@ -180,7 +203,11 @@ def get_spec(op: str) -> OpSpec:
 
 
 def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
-    """Validate option values (not tensors). Raises ValueError with what to change."""
+    """Validate option values (not tensors). Raises ValueError (TypeError for a value of the
+    wrong kind) with what to change."""
+    if spec.returns_ids:
+        _check_sampling_options(spec, options)
+        return
     t = options["temperature"]
     # comparisons rather than math.isfinite: under torch.compile(dynamic=True) numbers are symbols
     if not (isinstance(t, (int, float)) and 0 < t < math.inf):
@@ -209,6 +236,46 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
         raise ValueError(f"return_entropy must be a bool, got {options['return_entropy']!r}")
     if spec.name == "kl" and not isinstance(options["reverse"], bool):
         raise ValueError(f"reverse must be a bool, got {options['reverse']!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_sampling_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
+    """argmax and sample: what a loss takes (reduction, normalizer) does not apply."""
+    name = spec.name
+    if options["reduction"] != "none":
+        raise ValueError(f"{name} returns token ids: reduction does not apply (got reduction={options['reduction']!r})")
+    if options["normalizer"] is not None:
+        raise ValueError(f"{name} returns token ids: normalizer does not apply")
+    t = options["temperature"]
+    # temperature 0 is greedy decoding; argmax ignores the temperature (it moves no maximum)
+    if not (_is_number(t) and 0 <= t < math.inf):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {t!r}")
+    if name != "sample":
+        return
+    seed = options["seed"]
+    if seed is None:
+        raise TypeError("sample needs seed= (an int, the same on every rank; a new one per step)")
+    if not _is_int(seed):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    k = options["top_k"]
+    if k is not None:
+        if not _is_int(k):
+            raise TypeError(f"top_k must be an int or None, got {type(k).__name__} {k!r}")
+        if k < 1:
+            raise ValueError(f"top_k must be >= 1 (None: no top-k), got {k}")
+    p = options["top_p"]
+    if p is not None and not (_is_number(p) and 0 < p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (None or 1: no top-p), got {p!r}")
+    mp = options["min_p"]
+    if mp is not None and not (_is_number(mp) and 0 <= mp <= 1):
+        raise ValueError(f"min_p must be in [0, 1] (None or 0: no min-p), got {mp!r}")
 
 
 def kl_direction(op: str, options: Mapping[str, Any]) -> bool | None:

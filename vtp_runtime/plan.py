@@ -93,6 +93,11 @@ def signature(
             key += (name, value.shape, value.dtype, value.device)
         elif name == "normalizer" and type(value) in (int, float):
             key += (name, float)  # a per-call number (num_items_in_batch): checked per call
+        elif name == "seed" and type(value) is int:
+            # sample's seed changes every decoding step: per-call data, like a number
+            # normalizer. Ranks passing different seeds are caught by the op itself (the
+            # seed rides in the candidates it all-gathers; see vtp_runtime/sampling.py)
+            key += (name, int)
         elif name == "tp_group":
             key += (name, value)
         elif type(value) in _PLAIN:

@@ -22,8 +22,10 @@ import torch
 
 from vtp_runtime.backend import ALL_DTYPES, Backend, Call, OpCapability, SavedState
 from vtp_runtime.comm import all_reduce_
-from vtp_runtime.ops import OPS, kl_direction
+from vtp_runtime.ops import LOSSES, OPS, kl_direction
 from vtp_runtime.registry import hookimpl
+
+from . import sampling
 
 CHUNK_ELEMENTS = 1 << 24
 
@@ -140,13 +142,24 @@ class EagerBackend(Backend):
     # or from vtp.Head inputs (the core's token-chunk driver computes each chunk's logits), and
     # inside torch.compile
     ops = {
-        op: OpCapability(
-            device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features), head_inputs=True, compiled=True
-        )
-        for op, spec in OPS.items()
+        **{
+            op: OpCapability(
+                device_types=None,
+                dtypes=ALL_DTYPES,
+                features=frozenset(OPS[op].features),
+                head_inputs=True,
+                compiled=True,
+            )
+            for op in LOSSES
+        },
+        # argmax and sample (backends/eager/sampling.py): logits only, outside torch.compile
+        "argmax": OpCapability(device_types=None, dtypes=ALL_DTYPES),
+        "sample": OpCapability(device_types=None, dtypes=ALL_DTYPES),
     }
 
     def forward(self, call, inputs, index, mask):
+        if OPS[call.op].returns_ids:
+            return sampling.forward(call, inputs[0]), None
         return _math(call)[0](call, inputs, index, mask)
 
     def backward(self, call, state, grad):

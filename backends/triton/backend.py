@@ -34,7 +34,7 @@ import torch
 
 from vtp_runtime.backend import LOW_DTYPES, Backend, Call, OpCapability, SavedState, meets_layout
 from vtp_runtime.comm import all_gather_stack, group_size
-from vtp_runtime.ops import OPS, kl_direction
+from vtp_runtime.ops import LOSSES, OPS, kl_direction
 
 from . import layout
 from .launch import launch
@@ -140,18 +140,21 @@ def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
-    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16,
-    from logits or from ``vtp.Head`` inputs."""
-    return {
+    """Every op with every feature that applies to it, on ``device_types``, in fp32/bf16/fp16:
+    the losses from logits or from ``vtp.Head`` inputs; argmax and sample from logits."""
+    caps = {
         op: OpCapability(
             device_types=device_types,
             dtypes=LOW_DTYPES,
-            features=frozenset(spec.features),
+            features=frozenset(OPS[op].features),
             head_inputs=True,
             compiled=True,
         )
-        for op, spec in OPS.items()
+        for op in LOSSES
     }
+    for op in ("argmax", "sample"):  # sampling.py
+        caps[op] = OpCapability(device_types=device_types, dtypes=LOW_DTYPES)
+    return caps
 
 
 _KERNELS = None
@@ -277,6 +280,10 @@ class TritonBackend(Backend):
     # mask, another tensor of the call stands in, and KIND / HAS_KEEP keep the kernel from
     # reading it.
     def forward(self, call, inputs, index, mask):
+        if OPS[call.op].returns_ids:  # argmax, sample
+            from . import sampling
+
+            return sampling.forward(self, call, inputs[0]), None
         if call.op in _ONE_INPUT_KIND:
             return self._forward1(call, inputs[0], index, mask)
         reverse = kl_direction(call.op, call.options)
