@@ -91,7 +91,7 @@ CASES = [
 def test_draws_follow_the_restricted_distribution(backend, options):
     """Many draws in one call (the same logits in every row: each row's noise is its own)
     against the float64 distribution, by chi-square at p = 1e-4."""
-    n = 3000 if backend == "eager" else 1500
+    n = 3000 if backend == "eager" else 500  # Triton runs in its (slow) interpreter here
     row = _logits(1, V, seed=5)[0]
     ids = vtp.sample(row.expand(n, V), seed=11, backend=backend, **options)
     assert ids.shape == (n,) and ids.dtype == torch.int64
@@ -131,7 +131,7 @@ def test_temperature_zero_is_argmax_and_seeds_differ(backend):
 def test_eager_and_triton_give_the_same_tokens():
     """Same noise function, same keys up to the last bits of a logarithm: on these draws the
     two backends agree token for token (a near-tie could differ; none is here)."""
-    x = _logits(200, V, seed=3)
+    x = _logits(80, V, seed=3)
     for options in CASES:
         a = vtp.sample(x, seed=21, backend="eager", **options)
         b = vtp.sample(x, seed=21, backend="triton", **options)
