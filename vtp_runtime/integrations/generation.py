@@ -83,7 +83,7 @@ def _head_layout(model) -> tuple[Any, int | None, int | None, int | None]:
 
     group, start, end = lm_head_layout(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
+    weight: Any = getattr(head, "weight", None)
     size = int(weight.shape[0]) if is_dtensor(weight) else None  # a DTensor's shape is the global one
     return group, start, end, size
 
@@ -140,7 +140,7 @@ def warn_on_sharded_generation(model):
     return model
 
 
-def _get_logits_processor(self, generation_config=None, *args, **kwargs):
+def _get_logits_processor(self, generation_config=None, *args: Any, **kwargs: Any) -> Any:
     hook: _Hook = self.__dict__[_STATE]
     if generation_config is None:
         generation_config = args[0]
@@ -190,7 +190,7 @@ def _base_seed(hook: _Hook, device) -> int:
     if hook.seed is not None:
         return hook.seed
     base = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    group = hook.layout.get("tp_group")
+    group: Any = hook.layout.get("tp_group")
     if _sharded(group):  # every rank takes the first rank's draw
         where = torch.device(device) if device is not None else torch.device("cpu")
         agreed = base.to(where)
