@@ -260,6 +260,8 @@ def best(key: Tensor, ids: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
     top = key.amax(0)
     hit = key == top
     pick = torch.where(hit, ids, NONE_ID).amin(0)
+    if not extra:
+        return top, pick
     first = (hit & (ids == pick)).to(torch.int8).argmax(0, keepdim=True)
     return (top, pick, *(e.gather(0, first).squeeze(0) for e in extra))
 
