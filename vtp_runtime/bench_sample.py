@@ -48,8 +48,10 @@ class SampleRow:
     error: str = ""
 
 
-def _options(op: str) -> dict:
-    return {"sample_top_k": {"top_k": TOP_K}, "sample_top_p": {"top_p": TOP_P}}.get(op, {})
+def _options(op: str) -> dict[str, float]:
+    if op == "sample_top_k":
+        return {"top_k": TOP_K}
+    return {"top_p": TOP_P} if op == "sample_top_p" else {}
 
 
 def vtp_arm(backend: str, op: str, z):
