@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from .bench import SAMPLE_OPS
 
@@ -48,7 +49,7 @@ class SampleRow:
     error: str = ""
 
 
-def _options(op: str) -> dict[str, float]:
+def _options(op: str) -> dict[str, Any]:
     if op == "sample_top_k":
         return {"top_k": TOP_K}
     return {"top_p": TOP_P} if op == "sample_top_p" else {}
