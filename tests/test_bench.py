@@ -130,3 +130,36 @@ def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
     # random labels over V=512 at this init: a loss near log(512) = 6.2, not a degenerate 0 or NaN
     assert 4.0 < rows["torch_fp32"]["loss"] < 9.0
     assert abs(rows["vtp_head"]["loss"] - rows["torch_fp32"]["loss"]) < 1e-2 * rows["torch_fp32"]["loss"]
+
+
+def test_sampling_ops_run_on_cpu_at_tiny_sizes(tmp_path):
+    """`bench --ops sample,...` end to end on the CPU: every op, vtp and the gather-then-sample peer."""
+    out = tmp_path / "sample.json"
+    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--ops", "sample,sample_top_k,sample_top_p,argmax",
+                          "--device", "cpu", "--vocab", "101", "--tokens", "1,8", "--tp", "1,2", "--backends", "eager",
+                          "--warmup", "1", "--reps", "2", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    data = json.loads(out.read_text())
+    assert data["mode"] == "sample" and len(data["rows"]) == 4 * 2 * 2 * 2  # ops x N x TP x arms
+    for r in data["rows"]:
+        assert not r["error"] and r["ms"] > 0 and r["v_local"] == 101 // r["tp"]
+    assert {r["arm"] for r in data["rows"]} == {"eager", "torch"}
+    assert "sample_top_p" in run.stdout and "x peer" in run.stdout
+
+
+def test_sampling_peers_draw_from_the_restricted_distributions():
+    """The peer arms are what they stand for: transformers' top-k and top-p warpers' support."""
+    import torch
+
+    from vtp_runtime.tools import bench_sample
+    from vtp_runtime.testing import reference
+
+    torch.manual_seed(0)
+    x = torch.randn(4000, 60) * 2
+    x[:] = x[0]
+    for op, options in (("sample_top_k", {"top_k": bench_sample.TOP_K}), ("sample_top_p", {"top_p": bench_sample.TOP_P})):
+        ids = bench_sample.peer_arm(op, list(x.split(30, dim=-1)))()
+        support = reference.sampling_distribution(x[:1], **options)[0] > 0
+        assert support[ids].all() and torch.unique(ids).numel() > 1
+    assert torch.equal(bench_sample.peer_arm("argmax", [x])(), x.argmax(-1))

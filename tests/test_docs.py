@@ -148,7 +148,7 @@ def test_documented_op_options_exist():
     text = _doc_text()
     bad, seen = [], 0
     for snippet in _code_snippets(text):
-        for m in re.finditer(r"(?<![\w.])(?:vtp\.)?(cross_entropy|logprobs|entropy|kl|jsd|loss)\(([^()]*)\)", snippet):
+        for m in re.finditer(r"(?<![\w.])(?:vtp\.)?(cross_entropy|logprobs|entropy|kl|jsd|loss|argmax|sample)\(([^()]*)\)", snippet):
             op, args = m.group(1), m.group(2)
             if op == "loss":
                 named = re.match(r'\s*"(\w+)"', args)

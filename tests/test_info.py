@@ -50,9 +50,10 @@ def test_plain_text(capsys, picky):
         assert section in out
     assert "torch" in out and torch.__version__.split("+")[0] in out and "liger-kernel" in out
     assert "intel-extension-for-pytorch" in out
-    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.startswith("  ") and len(ln.split()) == 7}
-    assert rows["eager"] == ["0", "yes", "yes", "yes", "yes", "yes"]
-    assert rows["info_picky"] == ["-40", "-", "-", "yes", "-", "-"]
+    width = 2 + len(OPS)  # name, priority, one column per op (the losses, argmax, sample)
+    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.startswith("  ") and len(ln.split()) == width}
+    assert rows["eager"] == ["0"] + ["yes"] * len(OPS)
+    assert rows["info_picky"] == ["-40", "-", "-", "yes", "-", "-", "-", "-"]
     assert any(ln.split()[:2] == ["loaded", "picky-plugin"] for ln in out.splitlines())
     assert "\x1b[" not in out  # not a terminal: no rich markup
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime.ops import FEATURES, OPS
+from vtp_runtime.ops import FEATURES, LOSSES, OPS
 
 V = 8
 
@@ -15,7 +15,7 @@ def _tensors(op, teacher_grad=False, topk=False):
         return (logits, torch.randint(0, V, (3,)))
     if op == "logprobs":
         return (logits, torch.randint(0, V, (3, 2) if topk else (3,)))
-    if op == "entropy":
+    if op in ("entropy", "argmax", "sample"):
         return (logits,)
     return (logits, torch.randn(3, V, requires_grad=teacher_grad))
 
@@ -38,7 +38,7 @@ def test_every_feature_has_a_way_to_turn_it_on():
     assert all(set(spec.features) <= set(FEATURES) for spec in OPS.values())
 
 
-@pytest.mark.parametrize("op", list(OPS))
+@pytest.mark.parametrize("op", list(LOSSES))
 def test_a_call_uses_exactly_the_features_it_turns_on(op):
     assert vtp.explain(op, *_tensors(op)).request.features == frozenset()
     for feature in OPS[op].features:
@@ -53,5 +53,14 @@ def test_a_call_uses_exactly_the_features_it_turns_on(op):
 def test_defaults_turn_nothing_on():
     """Options at their default values use no feature, even when passed explicitly."""
     for op, spec in OPS.items():
-        defaults = {o.name: o.default for o in spec.own if o.default is not None}
+        defaults = {o.name: o.default for o in spec.own if o.default is not None and o.name not in ("reduction", "temperature")}
+        if op == "sample":
+            defaults["seed"] = 0
         assert vtp.explain(op, *_tensors(op), temperature=1.0, **defaults).request.features == frozenset()
+
+
+def test_sampling_ops_take_no_features():
+    """argmax and sample: every backend that runs them runs every option they have."""
+    assert OPS["argmax"].features == OPS["sample"].features == ()
+    request = vtp.explain("sample", *_tensors("sample"), seed=1, top_k=3, top_p=0.5, min_p=0.1, temperature=2.0).request
+    assert request.features == frozenset()

@@ -107,3 +107,17 @@ def test_hooks_and_other_objects_take_the_jit(kernel):
     launch_mod.launch(Double(), (3,), True, **args)
     launch_mod.launch(Double(), (3,), True, **args)
     assert seen == [(3,), (3,)]
+
+
+def test_unspecialized_ints_are_keyed_by_range_only():
+    """A per-call seed (``do_not_specialize``) must not make every launch a miss of the kept kernels."""
+    from vtp_runtime.backends.triton import launch as L
+
+    keys = [L._key("dev", {"x": 3, "seed": s}, frozenset({"seed"})) for s in (1, 2, -5, 2**31 - 1)]
+    assert len(set(keys)) == 1
+    assert L._key("dev", {"x": 3, "seed": 2**31}, frozenset({"seed"})) != keys[0]  # an int64 now
+    assert L._key("dev", {"x": 3, "seed": 1}) != L._key("dev", {"x": 3, "seed": 2})  # specialized ints: exactly
+    from vtp_runtime.backends.triton import sampling_kernels
+
+    assert L._unspecialized(sampling_kernels.scan_kernel) >= {"seed_key", "seed_lo", "seed_hi"} or \
+        not hasattr(sampling_kernels.scan_kernel, "params")  # the interpreter's function has no params

@@ -3,9 +3,10 @@
 import vtp_runtime as vtp
 loss = vtp.loss("jsd", student_logits, teacher_logits, beta=0.3, tp_group=group)
 loss = vtp.cross_entropy(vtp.Head(hidden, weight_shard), labels, reduction="mean", tp_group=group)
+next_ids = vtp.sample(logits, seed=step, top_p=0.9, tp_group=group)  # global ids, the same on every rank
 """
 
-from .api import cross_entropy, entropy, explain, jsd, kl, logprobs, loss
+from .api import argmax, cross_entropy, entropy, explain, jsd, kl, logprobs, loss, sample
 from .backend import Backend, Call, Compiles, HeadSupport, OpCapability, Request, SavedState, TakesHead
 from .dispatch import Explanation, use_backend
 from .errors import BackendUnavailable, PluginError, ShardError, UnknownBackend, VtpError
@@ -24,6 +25,8 @@ __all__ = [
     "entropy",
     "kl",
     "jsd",
+    "argmax",
+    "sample",
     "explain",
     "use_backend",
     "Head",

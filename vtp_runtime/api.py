@@ -1,4 +1,4 @@
-"""The public API: ``loss`` and the typed helpers, ``explain``.
+"""The public API: ``loss`` and the typed helpers, ``argmax`` and ``sample``, ``explain``.
 
 Each function states its shapes, dtypes and what is replicated across ranks, and hands the
 call to the pipeline (``vtp_runtime.pipeline``), which checks it, plans it (gathering the
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from . import dispatch, head, pipeline, topk
+from .ops import OPS
 
 Tensor = torch.Tensor
 Logits = Tensor | head.Head  # logits [..., V_local], or a lazy hidden @ weight.T shard
@@ -32,6 +33,8 @@ def loss(op: str, *tensors: Any, **options: Any) -> Any:
     DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
     ``logprobs`` with ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
     """
+    if op in OPS and OPS[op].returns_ids:
+        raise TypeError(f"{op} returns token ids, not a loss: call vtp.{op}(logits, ...)")
     if op == "kl" and len(tensors) == 2 and isinstance(tensors[1], topk.TopK):
         return topk.kl(*tensors, **options)
     return pipeline.run(op, tensors, options)
@@ -129,3 +132,65 @@ def jsd(student_logits: Logits, teacher_logits: Logits, *, beta: float = 0.5, **
     """Generalized JSD ``b KL(p_t||M) + (1-b) KL(p_s||M)``, ``M = b p_t + (1-b) p_s``;
     ``beta=0`` is forward KL(teacher||student), ``beta=1`` reverse KL(student||teacher)."""
     return loss("jsd", student_logits, teacher_logits, beta=beta, **options)
+
+
+@torch.compiler.disable  # inside a compiled function: a graph break, the call runs eagerly
+def argmax(logits: Tensor, **options: Any) -> Tensor:
+    """The global id of each row's largest logit, ties to the lowest id, as
+    ``torch.argmax(full_logits, -1)`` gives it: int64 ``logits.shape[:-1]``, identical on
+    every rank of ``tp_group``.
+
+    ``logits``: this rank's ``[..., V_local]`` shard (fp32/bf16/fp16; fp64 on the eager
+    backend), or a DTensor sharded over its last dimension (the result is then a DTensor
+    on its mesh, ``Replicate()`` on the vocabulary's mesh dimension). Options: ``tp_group``,
+    ``vocab_start``/``vocab_end``, ``global_vocab_size``, ``backend`` (as for the losses);
+    ``temperature`` is accepted and changes nothing. One all-gather of ``[N, 6]`` numbers
+    per call. NaN counts as ``+inf``; a row of all ``-inf`` gives 0.
+    """
+    return pipeline.run("argmax", (logits,), options)
+
+
+@torch.compiler.disable  # inside a compiled function: a graph break, the call runs eagerly
+def sample(
+    logits: Tensor,
+    *,
+    seed: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    **options: Any,
+) -> Tensor:
+    """One token per row drawn from ``softmax(logits / temperature)`` over the global
+    vocabulary, restricted by ``top_k``, then ``top_p``, then ``min_p`` (transformers' order):
+    int64 global ids shaped ``logits.shape[:-1]``, identical on every rank of ``tp_group``.
+
+    ``seed``: an int (taken modulo 2**64), the same on every rank; pass a new one for every
+    step (e.g. ``base * 2**32 + step``). A draw depends on the global logits, the seed and the
+    row (the flattened token index) only: the same seed gives the same tokens at any TP size
+    and shard layout on one backend. ``temperature=0`` is ``argmax``. ``top_k``: keep the
+    logits ``>=`` the k-th largest (None: all). ``top_p`` in (0, 1]: keep the smallest
+    prefix, by probability, whose mass reaches ``top_p`` (1: all). ``min_p`` in [0, 1]: keep
+    tokens with ``p >= min_p * p_max`` (0: all). The most likely token is always kept.
+
+    ``logits`` and the other options as for ``argmax``. Collectives and host reads per call:
+    see ``vtp_runtime.sampling``. Ranks passing different seeds raise the same ShardError
+    where the metadata is checked per call (gloo, ``VTP_CHECK=1``) and get -1 in every row
+    otherwise (NCCL, ``VTP_CHECK=once``).
+    """
+    given = {"seed": _python_int(seed), "temperature": temperature, **options}
+    for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        if value is not None:
+            given[name] = value
+    return pipeline.run("sample", (logits,), given)
+
+
+def _python_int(seed: Any) -> Any:
+    """A numpy integer or a 0-d integer CPU tensor as a Python int (so that the call has a
+    plan); anything else as given, for the checks to judge."""
+    if type(seed).__module__ == "numpy" and hasattr(seed, "dtype") and seed.dtype.kind in "iu":
+        return int(seed)
+    if isinstance(seed, Tensor) and seed.dim() == 0 and seed.device.type == "cpu" and seed.dtype.is_signed is not None:
+        if not (seed.is_floating_point() or seed.is_complex() or seed.dtype == torch.bool):
+            return int(seed)
+    return seed

@@ -116,7 +116,7 @@ def check_tensors(spec: OpSpec, logits: tuple, index: Tensor | None, options: Ma
                 f"student_logits ({student.device}) and teacher_logits ({teacher.device}) must be on the same device"
             )
     lead = tuple(first.shape[:-1])
-    extra = {spec.index: index} if spec.index else {"mask": options["mask"], "labels": options["labels"]}
+    extra = {spec.index: index} if spec.index else {"mask": options.get("mask"), "labels": options.get("labels")}
     for name, t in extra.items():
         if t is None:
             if spec.index:

@@ -33,6 +33,12 @@ jsd                 b KL(p_t || M) + (1-b) KL(p_s || M),             dz_s = (1-b
 - ``0 * log 0 = 0``; KL is ``+inf`` where the weighting distribution has mass the other
   lacks; an unmasked row of all ``-inf`` gives NaN in that row only.
 
+Two ops return token ids instead of a value (``OpSpec.returns_ids``; the shared math is in
+``vtp_runtime/sampling.py``): ``argmax`` (the lowest global id of each row's largest logit)
+and ``sample`` (a draw from ``softmax(z / T)`` restricted by ``top_k``, then ``top_p``, then
+``min_p``). They are int64 ``[N]``, not differentiable, and take no reduction, normalizer or
+mask.
+
 Every option of every op is declared once, as an ``Option`` of its ``OpSpec``: its default,
 its type, the rule its value must meet, whether backends receive it, and the feature it
 turns on. Defaults, the checks, the cross-rank fingerprint, the plan signature, the custom
@@ -111,6 +117,7 @@ class Option:
     feature: str | None = None
     error: type[Exception] = ValueError  # raised when the value breaks the rule
     compared: bool = True
+    type_error: bool = False  # a value not of ``kind`` (None aside) raises TypeError instead
 
 
 # Options every op takes; the core handles them, backends see the layout they lead to.
@@ -164,15 +171,19 @@ class OpSpec:
     name: str
     inputs: tuple[str, ...]  # floating-point logits inputs, in call order
     index: str | None  # name of the integer index input, if any
-    own: tuple[Option, ...]  # the options of this op beyond the common ones
+    own: tuple[Option, ...]  # the options of this op beyond (or in place of) the common ones
     features: tuple[str, ...]  # the FEATURES that apply to this op
+    # the op returns int64 token ids (argmax, sample): no gradient, no reduction, no mask
+    returns_ids: bool = False
     options: Mapping[str, Option] = field(init=False)  # every option, common ones first, by name
     defaults: Mapping[str, Any] = field(init=False)  # every option's default, by name
+    per_call_backend: tuple[str, ...] = field(init=False)  # per-call options backends get
 
     def __post_init__(self) -> None:
         options = {o.name: o for o in (*COMMON, *self.own)}
         object.__setattr__(self, "options", options)
         object.__setattr__(self, "defaults", {name: o.default for name, o in options.items()})
+        object.__setattr__(self, "per_call_backend", tuple(n for n, o in options.items() if o.per_call and o.backend))
         unknown = set(self.features) - set(FEATURES)
         assert not unknown, f"{self.name}: unknown features {unknown}"
 
@@ -181,6 +192,26 @@ class OpSpec:
         """How many tensor arguments the op takes: its logits inputs and its index."""
         return len(self.inputs) + (1 if self.index else 0)
 
+
+# argmax and sample return token ids: what only a loss takes is refused, and temperature 0 is
+# greedy decoding (argmax ignores the temperature: it moves no maximum)
+_IDS = (
+    Option("temperature", 1.0, float, "a finite number >= 0 (0: greedy)", _finite_non_negative, backend=True),
+    Option(
+        "reduction",
+        "none",
+        str,
+        "'none' (argmax and sample return token ids: reduction does not apply)",
+        lambda v: v == "none",
+    ),
+    Option(
+        "normalizer",
+        None,
+        None,
+        "None (argmax and sample return token ids: normalizer does not apply)",
+        lambda v: v is None,
+    ),
+)
 
 OPS: dict[str, OpSpec] = {
     spec.name: spec
@@ -233,8 +264,59 @@ OPS: dict[str, OpSpec] = {
             ),
             ("mask", "temperature", "teacher_grad"),
         ),
+        OpSpec("argmax", ("logits",), None, _IDS, (), returns_ids=True),
+        OpSpec(
+            "sample",
+            ("logits",),
+            None,
+            (
+                *_IDS,
+                # per-call data: a generation loop passes a new seed every step; the ranks'
+                # seeds are compared by the op itself (they ride in its all-gather)
+                Option(
+                    "seed",
+                    None,
+                    int,
+                    "an int, the same on every rank (a new one per step)",
+                    _is_int,
+                    backend=True,
+                    per_call=True,
+                    error=TypeError,
+                    compared=False,
+                ),
+                Option(
+                    "top_k",
+                    None,
+                    int,
+                    "an int >= 1 (None: no top-k)",
+                    lambda v: v is None or (_is_int(v) and v >= 1),
+                    backend=True,
+                    type_error=True,
+                ),
+                Option(
+                    "top_p",
+                    None,
+                    float,
+                    "in (0, 1] (None or 1: no top-p)",
+                    lambda v: v is None or (_unit(v) and v > 0),
+                    backend=True,
+                ),
+                Option(
+                    "min_p",
+                    None,
+                    float,
+                    "in [0, 1] (None or 0: no min-p)",
+                    lambda v: v is None or _unit(v),
+                    backend=True,
+                ),
+            ),
+            (),
+            returns_ids=True,
+        ),
     )
 }
+# the ops whose value is a loss (everything but argmax and sample)
+LOSSES = tuple(name for name, spec in OPS.items() if not spec.returns_ids)
 
 
 def get_spec(op: str) -> OpSpec:
@@ -286,13 +368,24 @@ def check_options(spec: OpSpec, options: Mapping[str, Any]) -> None:
     for name, option in spec.options.items():
         if option.valid is not None and not option.valid(options[name]):
             value = options[name]
+            error = option.error
+            if (
+                option.type_error
+                and value is not None
+                and not (option.kind is not None and _is_kind(value, option.kind))
+            ):
+                error = TypeError
             if isinstance(value, torch.Tensor):
                 got = f"a tensor of shape {tuple(value.shape)}"
-            elif option.error is TypeError:
-                got = type(value).__name__
+            elif error is TypeError:
+                got = f"{type(value).__name__} {value!r}"
             else:
                 got = repr(value)
-            raise option.error(f"{name} must be {option.rule}, got {got}")
+            raise error(f"{name} must be {option.rule}, got {got}")
+
+
+def _is_kind(value: Any, kind: type) -> bool:
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
 
 
 def backend_options(spec: OpSpec, options: Mapping[str, Any]) -> dict[str, Any]:

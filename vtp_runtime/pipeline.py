@@ -61,8 +61,14 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
     spec, n = made.spec, made.num_tokens
     n_inputs = len(spec.inputs)
     index, mask = inputs.index_and_mask(spec, made.topk, n, tensors[n_inputs] if spec.index else None, given)
-    call = made.call(given.get("tp_group"))
+    call = made.call(given.get("tp_group"), given)
     inputs_ = tensors[:n_inputs]
+    if spec.returns_ids:  # argmax, sample: token ids, no gradient
+        if n == 0:
+            return torch.zeros(made.lead, dtype=torch.int64, device=inputs_[0].device)
+        with torch.no_grad():
+            ids, _ = made.backend.forward(call, (autograd.rows(inputs_[0], n, made.backend.input_layout),), None, None)
+        return ids.view(made.lead)
     if n == 0:  # no rank has a token: nothing to compute or communicate
         parts = [p for x in inputs_ for p in ((x.hidden, x.weight, x.bias) if isinstance(x, Head) else (x,))]
         values = autograd.no_tokens(call, _values_shape(made, index), tuple(parts))

@@ -97,15 +97,19 @@ class Plan:
     def num_tokens(self) -> int:
         return self.request.num_tokens
 
-    def call(self, group: Any) -> Call:
-        """The ``Call`` the backend gets, for this call's ``group``."""
+    def call(self, group: Any, given: Mapping[str, Any] | None = None) -> Call:
+        """The ``Call`` the backend gets, for this call's ``group``; ``given``: this call's
+        options, whose per-call values (``sample``'s seed) the backend gets too."""
+        options = self.backend_options
+        if given is not None and self.spec.per_call_backend:
+            options = {**options, **{name: given[name] for name in self.spec.per_call_backend if name in given}}
         return Call(
             request=self.request,
             group=group,
             rank=self.rank,
             vocab_start=self.vocab_start,
             vocab_end=self.vocab_end,
-            options=self.backend_options,
+            options=options,
             needs_grad=self.needs_grad,
             topk=self.topk,
         )

@@ -22,8 +22,10 @@ import torch
 
 from vtp_runtime.backend import ALL_DTYPES, Call, Compiles, HeadSupport, OpCapability, SavedState, TakesHead
 from vtp_runtime.comm import all_reduce
-from vtp_runtime.ops import OPS, kl_direction
+from vtp_runtime.ops import LOSSES, OPS, kl_direction
 from vtp_runtime.registry import hookimpl
+
+from . import sampling
 
 CHUNK_ELEMENTS = 1 << 24
 
@@ -136,17 +138,19 @@ class EagerBackend(TakesHead, Compiles):
     name = "eager"
     priority = 0
     input_layout = "any"  # torch ops take any strides: never a copy of a viewable input
-    # every op with every feature that applies to it, on any device, in every dtype, from logits
-    # or from vtp.Head inputs (the core's token-chunk driver computes each chunk's logits), and
-    # inside torch.compile
+    # every op with every feature that applies to it, on any device, in every dtype; the losses
+    # also from vtp.Head inputs (the core's token-chunk driver computes each chunk's logits) and
+    # inside torch.compile; argmax and sample (sampling.py) from logits
     ops = {
         op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
         for op, spec in OPS.items()
     }
-    head_ops = {op: HeadSupport() for op in OPS}
-    compiled_ops = frozenset(OPS)
+    head_ops = {op: HeadSupport() for op in LOSSES}
+    compiled_ops = frozenset(LOSSES)
 
     def forward(self, call, inputs, index, mask):
+        if OPS[call.op].returns_ids:
+            return sampling.forward(call, inputs[0]), None
         return _math(call)[0](call, inputs, index, mask)
 
     def backward(self, call, state, grad):

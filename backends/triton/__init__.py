@@ -7,7 +7,8 @@ triton as a reason instead.
 
 from vtp_runtime.registry import hookimpl
 
-from .backend import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig, TritonBackend, capabilities
+from .backend import TritonBackend, capabilities
+from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig
 
 __all__ = ["TritonBackend", "LaunchConfig", "CUDA_CONFIG", "INTERPRETER_CONFIG", "capabilities"]
 

@@ -43,61 +43,14 @@ from vtp_runtime.backend import (
     meets_layout,
 )
 from vtp_runtime.comm import all_gather_stack, group_size
-from vtp_runtime.ops import OPS, kl_direction
+from vtp_runtime.ops import LOSSES, OPS, kl_direction
 
 from . import fields
+from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig
 from .launch import launch
 
 LOG2E = 1.4426950408889634
 _ONE_INPUT_KIND = {"cross_entropy": fields.CE, "logprobs": fields.LOGPROBS, "entropy": fields.ENTROPY}
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """How the kernels are launched. Tile sizes are powers of two.
-
-    ``target_programs`` sets the vocabulary splits of the forward passes: each row's local
-    vocabulary is cut into ``ceil(target_programs / N)`` chunks (at most ``max_splits``, at
-    most one per tile), so few tokens on a small shard still fill the device. It must be the
-    same on every rank (the partials of all ranks are gathered into one tensor), which is why
-    it is a fixed number and not derived from the local device.
-    """
-
-    block_stats: int = 4096  # statistics pass tile (columns)
-    warps_stats: int = 8
-    block_div: int = 2048  # JSD divergence pass tile
-    warps_div: int = 8
-    block_bwd: int = 2048  # backward tile
-    warps_bwd: int = 8
-    target_programs: int = 1024  # forward passes: aim for about this many (row, split) programs
-    max_splits: int = 64
-    bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
-    block_rows: int = 128  # finishing kernels: rows per program
-    warps_finish: int = 4
-    # JSD: the hardware lg2.approx through inline PTX. NVIDIA only, so off unless a config
-    # asks for it (CUDA_CONFIG does); other targets get Triton's portable tl.log2.
-    fast_log2: bool = False
-    # launch a kernel already compiled for these arguments through its launcher, without
-    # Triton's per-launch JIT dispatch (launch.py); checked on CUDA with triton 3.6 and 3.9
-    fast_launch: bool = False
-
-
-CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
-# Triton's interpreter runs programs one by one in numpy: small tiles keep the tests fast
-# and make the small test shapes cover several tiles and several splits per row.
-INTERPRETER_CONFIG = LaunchConfig(
-    block_stats=16,
-    warps_stats=1,
-    block_div=16,
-    warps_div=1,
-    block_bwd=32,
-    warps_bwd=1,
-    target_programs=16,
-    max_splits=4,
-    bwd_target_programs=16,
-    block_rows=16,
-    warps_finish=1,
-)
 
 
 @dataclass
@@ -245,8 +198,8 @@ class TritonBackend(TakesHead, Compiles):
     # other than 1 is copied by the core (strided column loads would not coalesce anyway)
     input_layout = "unit_vocab_stride_3d"
     ops = capabilities(frozenset({"cuda", "cpu"}))
-    head_ops = {op: HeadSupport() for op in OPS}
-    compiled_ops = frozenset(OPS)
+    head_ops = {op: HeadSupport() for op in LOSSES}  # argmax and sample (sampling.py): from logits
+    compiled_ops = frozenset(LOSSES)
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
         self._config = config
@@ -302,6 +255,10 @@ class TritonBackend(TakesHead, Compiles):
     # mask, another tensor of the call stands in, and KIND / HAS_KEEP keep the kernel from
     # reading it.
     def forward(self, call, inputs, index, mask):
+        if OPS[call.op].returns_ids:  # argmax, sample
+            from . import sampling
+
+            return sampling.forward(self.config_for(inputs[0].device), call, inputs[0]), None
         if call.op in _ONE_INPUT_KIND:
             return self._forward1(call, inputs[0], index, mask)
         reverse = kl_direction(call.op, call.options)

@@ -11,7 +11,9 @@ and 3.9 do.
 
 The key of a kept kernel holds everything the JIT specializes on, conservatively: the
 current device, the argument names in call order, each tensor's dtype and whether its
-address is a multiple of 16, each int and constexpr exactly, each float as a float. Launch hooks (a profiler's) or
+address is a multiple of 16, each int and constexpr exactly (an int the kernel declares
+``do_not_specialize``, such as a per-call seed, only by whether it fits int32), each float
+as a float. Launch hooks (a profiler's) or
 pre-run hooks send every launch through the JIT, as do objects that are not plain JIT
 functions (Triton's interpreter, test doubles).
 """
@@ -60,7 +62,7 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
         kernel[grid](**args)
         return
     device = driver.active.get_current_device()  # the JIT keeps compiled kernels per device too
-    key = _key(device, args)
+    key = _key(device, args, _unspecialized(kernel))
     kept = _kept.setdefault(kernel, {})
     compiled = kept.get(key) if key is not None else None
     if compiled is None:
@@ -86,12 +88,26 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
     )
 
 
-def _key(device: Any, args: dict[str, Any]) -> tuple | None:
+_UNSPECIALIZED: dict[Any, frozenset[str]] = {}
+
+
+def _unspecialized(kernel: Any) -> frozenset[str]:
+    """The names of the kernel's ``do_not_specialize`` parameters."""
+    names = _UNSPECIALIZED.get(kernel)
+    if names is None:
+        params = getattr(kernel, "params", ())
+        names = _UNSPECIALIZED[kernel] = frozenset(p.name for p in params if getattr(p, "do_not_specialize", False))
+    return names
+
+
+def _key(device: Any, args: dict[str, Any], unspecialized: frozenset[str] = frozenset()) -> tuple | None:
     key: list[Any] = [device, tuple(args)]
-    for value in args.values():
+    for name, value in args.items():
         kind = type(value)
         if kind is torch.Tensor:
             key.append((value.dtype, value.data_ptr() % 16 == 0))
+        elif kind is int and name in unspecialized:  # its type follows its range, nothing else
+            key.append((int, -(2**31) <= value < 2**31))
         elif kind is int or kind is bool:
             key.append(value)
         elif kind is float:

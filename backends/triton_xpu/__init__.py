@@ -33,7 +33,8 @@ import torch
 
 from vtp_runtime.registry import hookimpl
 
-from ..triton.backend import LaunchConfig, TritonBackend, capabilities
+from ..triton.backend import TritonBackend, capabilities
+from ..triton.config import LaunchConfig
 
 XPU_CONFIG = LaunchConfig(
     block_stats=1024,

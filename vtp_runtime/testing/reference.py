@@ -164,3 +164,50 @@ def topk_kl(
         log_rb = torch.where(r_b > 0, log_rb, torch.full_like(log_rb, -math.inf))
         out = out + _safe_mul(r_a, log_ra - log_rb)
     return torch.where(keep, out, torch.zeros_like(out))
+
+
+# -- sampling -----------------------------------------------------------------------------------
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """The lowest id of each row's largest logit, NaN counted as ``+inf`` (int64 ``[N]``;
+    ``torch.argmax`` of the full logits outside NaN)."""
+    x = torch.nan_to_num(logits.double(), nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    ids = torch.arange(x.shape[-1], device=x.device).expand_as(x)
+    return torch.where(x == x.amax(-1, keepdim=True), ids, x.shape[-1]).amin(-1) % max(x.shape[-1], 1)
+
+
+def sampling_distribution(
+    logits: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> Tensor:
+    """The float64 distribution ``sample`` draws from, ``[N, V]`` on full logits ``[N, V]``:
+    ``softmax(x / T)`` restricted in transformers' order -- top-k keeps the logits ``>=`` the
+    k-th largest (ties kept), top-p keeps the tokens whose mass before them, in the order
+    (logit desc, id asc) of the top-k-renormalized distribution, is below ``top_p``, min-p keeps
+    ``p >= min_p * p_max`` -- then renormalized. ``temperature=0`` is a point mass at the argmax."""
+    n, v = logits.shape
+    x = logits.double()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(argmax(x), v).double()
+    x = x / temperature
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if top_k is not None and top_k < v:
+        kth = torch.sort(x, dim=-1, descending=True).values[:, top_k - 1 : top_k]
+        keep &= x >= kth
+    if top_p is not None and top_p < 1:
+        p = torch.softmax(torch.where(keep, x, -math.inf), -1)
+        # (logit desc, id asc): a stable sort of the ids by decreasing logit
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+        p_sorted = p.gather(-1, order)
+        before = torch.cumsum(p_sorted, -1) - p_sorted
+        keep_sorted = before < top_p
+        keep &= torch.zeros_like(keep).scatter(-1, order, keep_sorted)
+    if min_p is not None and min_p > 0:
+        p = torch.softmax(torch.where(keep, x, -math.inf), -1)
+        keep &= p >= min_p * p.amax(-1, keepdim=True)
+    return torch.softmax(torch.where(keep, x, -math.inf), -1)

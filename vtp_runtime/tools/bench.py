@@ -29,15 +29,20 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .bench_sample import SAMPLE_OPS
 from .timing import copy_bandwidth, fmt, peak, print_rows, time_graph, time_loop, time_stream, version
 
 # logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
 OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
+# forward only, timed by bench_sample.py against gathering the logits and sampling them whole
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--ops", default=None, help="comma-separated ops (default: all; with --head: cross_entropy,jsd)"
+        "--ops",
+        default=None,
+        help="comma-separated ops (default: all losses; with --head: cross_entropy,jsd); the sampling ops "
+        "sample,sample_top_k,sample_top_p,argmax run on their own (vtp_runtime/tools/bench_sample.py)",
     )
     parser.add_argument(
         "--backends",
@@ -51,8 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(cut-cross-entropy); '' for none (default: all of them that are installed)",
     )
     parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size V")
-    parser.add_argument("--tp", default="1,2,4,8", help="TP sizes: per-rank shard V/TP on one GPU")
-    parser.add_argument("--tokens", default="1024,8192", help="token counts N")
+    parser.add_argument(
+        "--tp", default=None, help="TP sizes: per-rank shard V/TP on one GPU (default 1,2,4,8; sampling ops 1,2,4)"
+    )
+    parser.add_argument(
+        "--tokens", default=None, help="token counts N (default 1024,8192; sampling ops 1,8,64,256,8192)"
+    )
     parser.add_argument(
         "--dtype",
         default="bfloat16",
@@ -78,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--device",
         default="cuda",
         choices=("cuda", "cpu"),
-        help="with --head: cpu tries it at tiny sizes (no memory figures); default cuda",
+        help="with --head or the sampling ops: cpu tries them at tiny sizes (no memory figures); default cuda",
     )
 
 
@@ -326,6 +335,11 @@ def run(args) -> int:
     if unknown:  # before anything is timed, on every device
         print(f"vtp-runtime bench: {unknown}", file=sys.stderr)
         return 2
+    if args.ops and any(op in SAMPLE_OPS for op in args.ops.split(",")):
+        from . import bench_sample
+
+        return bench_sample.run(args)
+    args.tokens, args.tp = args.tokens or "1024,8192", args.tp or "1,2,4,8"
     if args.head is not None:
         from . import bench_head
 

@@ -1,0 +1,54 @@
+"""How the Triton kernels are launched: tile sizes, warps, programs per pass. The CUDA and
+interpreter configurations; the XPU backend has its own (``backends/triton_xpu``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the kernels are launched. Tile sizes are powers of two.
+
+    ``target_programs`` sets the vocabulary splits of the forward passes: each row's local
+    vocabulary is cut into ``ceil(target_programs / N)`` chunks (at most ``max_splits``, at
+    most one per tile), so few tokens on a small shard still fill the device. It must be the
+    same on every rank (the partials of all ranks are gathered into one tensor), which is why
+    it is a fixed number and not derived from the local device.
+    """
+
+    block_stats: int = 4096  # statistics pass tile (columns)
+    warps_stats: int = 8
+    block_div: int = 2048  # JSD divergence pass tile
+    warps_div: int = 8
+    block_bwd: int = 2048  # backward tile
+    warps_bwd: int = 8
+    target_programs: int = 1024  # forward passes: aim for about this many (row, split) programs
+    max_splits: int = 64
+    bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
+    block_rows: int = 128  # finishing kernels: rows per program
+    warps_finish: int = 4
+    # JSD: the hardware lg2.approx through inline PTX. NVIDIA only, so off unless a config
+    # asks for it (CUDA_CONFIG does); other targets get Triton's portable tl.log2.
+    fast_log2: bool = False
+    # launch a kernel already compiled for these arguments through its launcher, without
+    # Triton's per-launch JIT dispatch (launch.py); checked on CUDA with triton 3.6 and 3.9
+    fast_launch: bool = False
+
+
+CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
+# Triton's interpreter runs programs one by one in numpy: small tiles keep the tests fast
+# and make the small test shapes cover several tiles and several splits per row.
+INTERPRETER_CONFIG = LaunchConfig(
+    block_stats=16,
+    warps_stats=1,
+    block_div=16,
+    warps_div=1,
+    block_bwd=32,
+    warps_bwd=1,
+    target_programs=16,
+    max_splits=4,
+    bwd_target_programs=16,
+    block_rows=16,
+    warps_finish=1,
+)

@@ -1,0 +1,204 @@
+"""Triton kernels of ``argmax`` and ``sample`` (``sampling.py`` launches them; the XPU
+backend launches the same ones).
+
+Noise. The counter-based generator of ``vtp_runtime.sampling`` in uint32 arithmetic, bit for
+bit: lowbias32 over the seed's key (mixed once per call on the host), the row (once per
+program) and the global id (per element). From its bits, ``w`` in (0, 1) through the
+mantissa of a float in [1, 2) (no int-to-float conversion), then Gumbel noise in bits,
+``-log2(-ln(1 - w))``, with the series of ``-ln(1 - w)`` where ``w`` is small (the
+logarithm near 1 is inexact, more so the hardware one). Two logarithms per element.
+
+Scan. One program per (row, vocabulary split), as in ``kernels.py``; each lane keeps the best
+(key, id, logit) of the columns it saw (a strict ``>``, so the earliest column wins a tie
+within a lane) and the lanes are reduced once at the end: the lowest id among the lanes
+holding the largest key. A row of partials is ``[key, id, x, max, max id, sum]`` fp32, ids
+as int32 bits (``vtp_runtime.sampling.FIELDS``).
+"""
+
+import triton
+import triton.language as tl
+
+NONE_ID = tl.constexpr(2**31 - 1)
+MIX_A = tl.constexpr(0x7FEB352D)
+MIX_B = tl.constexpr(0x846CA68B)
+ROW_SALT = tl.constexpr(0x68E31DA4)
+ID_MUL = tl.constexpr(0x9E3779B1)
+MANTISSA_ONE = tl.constexpr(0x3F800000)  # the bits of 1.0f
+HALF_LO = tl.constexpr(0.5 * 2**-24)
+HALF_HI = tl.constexpr(1.5 * 2**-24)
+W_MAX = tl.constexpr(1.0 - 2**-24)
+SERIES_BELOW = tl.constexpr(1.0 / 16)
+THIRD = tl.constexpr(1.0 / 3)
+SIXTH = tl.constexpr(1.0 / 6)
+LN2 = tl.constexpr(0.6931471805599453)
+
+# fields of a row of partials (vtp_runtime.sampling: KEY, ID, X, MAX, MAX_ID, SUM)
+F_KEY = tl.constexpr(0)
+F_ID = tl.constexpr(1)
+F_X = tl.constexpr(2)
+F_MAX = tl.constexpr(3)
+F_MAX_ID = tl.constexpr(4)
+F_SUM = tl.constexpr(5)
+FIELDS = tl.constexpr(6)
+
+
+@triton.jit
+def _mix32(h):
+    # lowbias32 on uint32
+    h = h ^ (h >> 16)
+    h = h * MIX_A
+    h = h ^ (h >> 15)
+    h = h * MIX_B
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _log2(x, FAST: tl.constexpr):
+    if FAST:  # NVIDIA's lg2.approx: one MUFU op; arguments here are never denormal
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def _row_key(seed_key, row):
+    r = row.to(tl.uint32)
+    return _mix32(seed_key.to(tl.uint32, bitcast=True) ^ _mix32(r ^ ROW_SALT))
+
+
+@triton.jit
+def _gumbel(row_key, ids, FAST: tl.constexpr):
+    """Gumbel noise in bits for global ``ids`` (int32) of the row whose key is ``row_key``."""
+    h = _mix32(row_key ^ (ids.to(tl.uint32) * ID_MUL))
+    f = ((h >> 9) | MANTISSA_ONE).to(tl.float32, bitcast=True)
+    w = tl.minimum((f - 1.0) + tl.where((h & 0x100) != 0, HALF_HI, HALF_LO), W_MAX)
+    series = w * (1.0 + w * (0.5 + w * (THIRD + w * (0.25 + w * (0.2 + w * SIXTH)))))
+    e = tl.where(w < SERIES_BELOW, series, -_log2(1.0 - w, FAST) * LN2)
+    return -_log2(e, FAST)
+
+
+@triton.jit(do_not_specialize=["seed_key", "seed_lo", "seed_hi"])
+def scan_kernel(
+    z_ptr,
+    rows_b,
+    stride_a,
+    stride_b,
+    out_ptr,
+    tail_ptr,
+    bx_ptr,
+    bid_ptr,
+    anchor_ptr,
+    active_ptr,
+    n_rows,
+    v_local,
+    vocab_start,
+    splits,
+    chunk,
+    k2,
+    log2_min_p,
+    seed_key,
+    seed_lo,
+    seed_hi,
+    GUMBEL: tl.constexpr,
+    STATS: tl.constexpr,
+    BOUND: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
+    WRITE_SEED: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row's partials over one vocabulary chunk, one read of the logits.
+
+    The eligible columns are all of the chunk, or with BOUND those strictly before the
+    row's bound ``(bx, bid)`` in the order (logit desc, id asc) and kept by min-p
+    (``(x - anchor) k2 >= log2_min_p``). Keys are ``x k2 + noise`` (GUMBEL) or ``x``. STATS
+    adds the chunk's max logit, its lowest id and ``sum 2**((x - a) k2)`` with ``a`` that
+    max; BOUND puts the eligible ``sum 2**((x - anchor) k2)`` in the sum. Inactive rows
+    (HAS_ACTIVE) read nothing. NaN reads as ``+inf``. WRITE_SEED: program 0 writes the
+    seed's words into the payload's tail (the cross-rank check)."""
+    pid = tl.program_id(0)
+    row = pid // splits
+    lo = (pid % splits) * chunk
+    hi = tl.minimum(lo + chunk, v_local)
+    if HAS_ACTIVE:
+        hi = tl.where(tl.load(active_ptr + row) != 0, hi, lo)
+    r64 = row.to(tl.int64)
+    src = z_ptr + (r64 // rows_b) * stride_a + (r64 % rows_b) * stride_b
+    if GUMBEL:
+        rk = _row_key(seed_key, row)
+    if BOUND:
+        bx = tl.load(bx_ptr + row)
+        bid = tl.load(bid_ptr + row)
+        anchor = tl.load(anchor_ptr + row)
+    best_k = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], NONE_ID, tl.int32)
+    best_x = tl.full([BLOCK], float("-inf"), tl.float32)
+    max_x = tl.full([BLOCK], float("-inf"), tl.float32)
+    max_i = tl.full([BLOCK], NONE_ID, tl.int32)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inb = cols < hi
+        x = tl.load(src + cols, mask=inb, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)
+        ids = vocab_start + cols
+        ok = inb
+        if BOUND:
+            ok = ok & ((x > bx) | ((x == bx) & (ids < bid))) & ((x - anchor) * k2 >= log2_min_p)
+        if GUMBEL:
+            key = x * k2 + _gumbel(rk, ids, FAST_LOG2)
+        else:
+            key = x
+        key = tl.where(ok, key, float("-inf"))
+        better = key > best_k
+        best_k = tl.where(better, key, best_k)
+        best_i = tl.where(better, ids, best_i)
+        best_x = tl.where(better, x, best_x)
+        if STATS:
+            up = x > max_x
+            max_x = tl.where(up, x, max_x)
+            max_i = tl.where(up, ids, max_i)
+            m_new = tl.maximum(m, tl.max(x, 0))
+            a_new = tl.where(m_new > float("-inf"), m_new, 0.0)
+            s = s * tl.exp2((m - a_new) * k2) + tl.sum(tl.exp2((x - a_new) * k2), 0)
+            m = m_new
+        if BOUND:
+            s += tl.sum(tl.where(ok, tl.exp2((x - anchor) * k2), 0.0), 0)
+    top = tl.max(best_k, 0)
+    top_i = tl.min(tl.where(best_k == top, best_i, NONE_ID), 0)
+    top_x = tl.max(tl.where(best_i == top_i, best_x, float("-inf")), 0)
+    out = out_ptr + ((pid % splits) * n_rows + row) * FIELDS
+    tl.store(out + F_KEY, top)
+    tl.store(out + F_ID, top_i.to(tl.float32, bitcast=True))
+    tl.store(out + F_X, top_x)
+    if STATS:
+        mx = tl.max(max_x, 0)
+        mx_i = tl.min(tl.where(max_x == mx, max_i, NONE_ID), 0)
+    else:
+        mx = tl.full([], float("-inf"), tl.float32)
+        mx_i = tl.full([], NONE_ID, tl.int32)
+    tl.store(out + F_MAX, mx)
+    tl.store(out + F_MAX_ID, mx_i.to(tl.float32, bitcast=True))
+    tl.store(out + F_SUM, s)
+    if WRITE_SEED:
+        if pid == 0:
+            tl.store(tail_ptr, seed_lo)
+            tl.store(tail_ptr + 1, seed_hi)
+
+
+@triton.jit(do_not_specialize=["seed_key"])
+def candidate_keys_kernel(x_ptr, id_ptr, key_ptr, n_cols, k2, seed_key, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys ``x k2 + noise`` of a row of candidates ``[N, L]`` (fp32 logits, int64 global
+    ids): the numbers ``scan_kernel`` gives those tokens, through the same helpers."""
+    row = tl.program_id(0)
+    rk = _row_key(seed_key, row)
+    base = row.to(tl.int64) * n_cols
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inb = cols < n_cols
+        x = tl.load(x_ptr + base + cols, mask=inb, other=float("-inf"))
+        ids = tl.load(id_ptr + base + cols, mask=inb, other=0).to(tl.int32)
+        tl.store(key_ptr + base + cols, x * k2 + _gumbel(rk, ids, FAST_LOG2), mask=inb)

@@ -1,0 +1,389 @@
+"""vtp.argmax and vtp.sample against the float64 dense reference on the full logits
+(``vtp_runtime.testing.reference``), on one process and on gloo ranks with even, uneven,
+empty and out-of-order shards, eager and triton (Triton's interpreter on CPU)."""
+
+import math
+
+import pytest
+import torch
+
+import vtp_runtime as vtp
+from vtp_runtime import plans as plan
+from vtp_runtime import sampling
+from vtp_runtime.testing import reference
+
+BACKENDS = ["eager", "triton"]
+
+V = 23
+# where each rank's shard starts and ends, as fractions of V
+LAYOUTS = {
+    "tp2_uneven": [(0, 0.4), (0.4, 1)],
+    "tp3_reversed": [(0.65, 1), (0.17, 0.65), (0, 0.17)],  # explicit bounds, not in rank order
+    "tp4_empty": [(0, 0.26), (0.26, 0.26), (0.26, 0.74), (0.74, 1)],
+}
+
+
+def _bounds(layout: str, rank: int, v: int) -> tuple[int, int]:
+    a, b = LAYOUTS[layout][rank]
+    return int(a * v), int(b * v)
+
+
+def _shard(full: torch.Tensor, bounds) -> torch.Tensor:
+    start, end = bounds
+    return full[..., start:end]
+
+
+def _chi_square_limit(df: int, z: float = 3.72) -> float:
+    """The chi-square quantile at p = 1e-4 (z = 3.72), by Wilson and Hilferty's approximation."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _check_draws(ids: torch.Tensor, probs: torch.Tensor) -> None:
+    """``ids`` [n] drawn independently from ``probs`` [V]: never outside the support, and a
+    chi-square statistic (bins with expected counts below 5 merged) under the 1e-4 quantile."""
+    n = ids.numel()
+    counts = torch.bincount(ids, minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "a token outside the restricted support was drawn"
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum().item()
+    df = max(obs.numel() - 1, 1)
+    assert stat < _chi_square_limit(df), f"chi-square {stat:.1f} over {df} degrees of freedom"
+
+
+def _logits(n: int = 6, v: int = V, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * scale
+
+
+# -- one process -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_argmax_is_torch_argmax_with_ties_to_the_lowest_id(backend):
+    x = torch.randint(0, 4, (40, V)).float()  # many ties at the max
+    x[0] = 3.0  # every entry ties: id 0
+    x[1, 5] = math.nan  # NaN counts as +inf
+    x[2] = -math.inf  # a row of all -inf: id 0
+    x[3, 7] = math.inf
+    x[3, 9] = math.nan
+    got = vtp.argmax(x, backend=backend)
+    assert torch.equal(got, reference.argmax(x))
+    assert torch.equal(got[4:], x[4:].argmax(-1))
+    assert got[1] == 5 and got[2] == 0 and got[3] == 7
+
+
+CASES = [
+    {},
+    {"top_k": 4},
+    {"top_p": 0.6},
+    {"min_p": 0.15},
+    {"temperature": 0.7, "top_k": 6, "top_p": 0.8},
+    {"temperature": 1.5, "top_p": 0.9, "min_p": 0.05},
+    {"top_k": 8, "top_p": 0.7, "min_p": 0.1},
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_draws_follow_the_restricted_distribution(backend, options):
+    """Many draws in one call (the same logits in every row: each row's noise is its own)
+    against the float64 distribution, by chi-square at p = 1e-4."""
+    n = 3000 if backend == "eager" else 500  # Triton runs in its (slow) interpreter here
+    row = _logits(1, V, seed=5)[0]
+    ids = vtp.sample(row.expand(n, V), seed=11, backend=backend, **options)
+    assert ids.shape == (n,) and ids.dtype == torch.int64
+    _check_draws(ids, reference.sampling_distribution(row[None], **options)[0])
+
+
+def test_the_chi_square_check_can_fail():
+    """The check above rejects draws from a distribution that forgot its restriction."""
+    row = _logits(1, V, seed=5)[0]
+    ids = vtp.sample(row.expand(3000, V), seed=11, backend="eager")  # no top-k
+    with pytest.raises(AssertionError, match="outside the restricted support"):
+        _check_draws(ids, reference.sampling_distribution(row[None], top_k=4)[0])
+    with pytest.raises(AssertionError, match="chi-square"):
+        _check_draws(ids, reference.sampling_distribution(row[None], temperature=0.7)[0])
+
+
+def test_a_tie_at_the_kth_value_keeps_the_whole_tie():
+    """top_k keeps every logit equal to the k-th largest (transformers' rule), also when the
+    tie runs past the candidates of the first round."""
+    row = torch.zeros(60)
+    row[:3] = 5.0  # three clear winners, then a 57-way tie at the 4th value
+    ids = vtp.sample(row.expand(4000, 60), seed=2, top_k=4, backend="eager")
+    _check_draws(ids, reference.sampling_distribution(row[None], top_k=4)[0])
+    assert (ids >= 3).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_temperature_zero_is_argmax_and_seeds_differ(backend):
+    x = _logits(32, V, seed=1)
+    assert torch.equal(vtp.sample(x, seed=4, temperature=0.0, top_p=0.5, backend=backend), x.argmax(-1))
+    a, b = (vtp.sample(x, seed=s, backend=backend) for s in (4, 5))
+    assert not torch.equal(a, b)
+    assert torch.equal(a, vtp.sample(x, seed=4, backend=backend))  # a function of the seed
+    assert torch.equal(a, vtp.sample(x, seed=4 + 2**64, backend=backend))  # taken modulo 2**64
+
+
+def test_eager_and_triton_give_the_same_tokens():
+    """Same noise function, same keys up to the last bits of a logarithm: on these draws the
+    two backends agree token for token (a near-tie could differ; none is here)."""
+    x = _logits(80, V, seed=3)
+    for options in CASES:
+        a = vtp.sample(x, seed=21, backend="eager", **options)
+        b = vtp.sample(x, seed=21, backend="triton", **options)
+        assert torch.equal(a, b), options
+
+
+def test_triton_noise_is_the_reference_noise():
+    """The Triton generator's bits: its keys at x = 0 are the torch function's Gumbel noise."""
+    from vtp_runtime.backends.triton import TritonBackend
+    from vtp_runtime.backends.triton.sampling import TritonKernels
+
+    backend = TritonBackend()
+    ids = torch.tensor([[0, 1, 2, 151935, 2**31 - 2], [7, 8, 9, 10, 11]])
+    x = torch.zeros(ids.shape)
+    fake = _FakeCall(temperature=1.0)
+    got = TritonKernels(backend.config_for(x.device)).candidate_keys(fake, x, ids, seed=12345)
+    rows = torch.arange(2)[:, None]
+    want = sampling.gumbel_bits(sampling.uniform(sampling.noise_bits(12345, rows, ids)))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+class _FakeCall:
+    def __init__(self, temperature):
+        self.options = {"temperature": temperature}
+
+
+def test_noise_is_uniform_and_independent_across_rows_and_ids():
+    bits = sampling.noise_bits(7, torch.arange(64)[:, None], torch.arange(4096))
+    w = sampling.uniform(bits)
+    assert 0 < w.min() and w.max() < 1
+    assert abs(w.mean().item() - 0.5) < 2e-3 and abs(w.var().item() - 1 / 12) < 1e-3
+    corr = torch.corrcoef(torch.stack([w[:, :-1].reshape(-1), w[:, 1:].reshape(-1)]))[0, 1]
+    assert abs(corr) < 0.01  # neighbouring ids
+    corr = torch.corrcoef(torch.stack([w[:-1].reshape(-1), w[1:].reshape(-1)]))[0, 1]
+    assert abs(corr) < 0.01  # neighbouring rows
+    g = sampling.gumbel_bits(w) * sampling.LN2  # nats: Gumbel mean is Euler's gamma
+    assert abs(g.mean().item() - 0.5772) < 0.01 and abs(g.var().item() - math.pi**2 / 6) < 0.03
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_and_three_dimensional_logits(backend):
+    x = _logits(6, V, seed=8).view(2, 3, V)
+    ids = vtp.sample(x, seed=3, top_k=5, backend=backend)
+    assert ids.shape == (2, 3) and torch.equal(ids.view(-1), vtp.sample(x.view(6, V), seed=3, top_k=5, backend=backend))
+    one = vtp.sample(x[0, 0], seed=3, backend=backend)
+    assert one.shape == () and one == vtp.sample(x[0, :1], seed=3, backend=backend)[0]
+    assert vtp.argmax(x[1, 2], backend=backend) == x[1, 2].argmax()
+    view = x[:, :2]  # rows with no single stride
+    assert torch.equal(vtp.sample(view, seed=9, backend=backend), vtp.sample(view.contiguous(), seed=9, backend=backend))
+
+
+def test_dtypes():
+    x = _logits(40, V, seed=4)
+    want = vtp.sample(x, seed=1, backend="eager")
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        got = vtp.sample(x.to(dtype), seed=1, backend="eager")
+        assert (got == want).float().mean() > 0.9  # rounding the logits moves a few draws
+        assert torch.equal(vtp.argmax(x.to(dtype), backend="eager"), reference.argmax(x.to(dtype)))
+    with pytest.raises(vtp.BackendUnavailable, match="dtype float64 not supported"):
+        vtp.sample(x.double(), seed=1, backend="triton")
+
+
+def test_new_seeds_do_not_add_plans():
+    x = _logits(4, V, seed=2)
+    vtp.sample(x, seed=0, top_p=0.9, backend="eager")
+    vtp.argmax(x, backend="eager")
+    size = plan.size()
+    for step in range(50):
+        vtp.sample(x, seed=step, top_p=0.9, backend="eager")
+        vtp.argmax(x, backend="eager")
+    assert plan.size() == size
+
+
+@pytest.mark.parametrize(
+    "options,error,text",
+    [
+        ({"top_k": 0}, ValueError, "top_k must be an int >= 1"),
+        ({"top_k": 2.0}, TypeError, "top_k must be an int >= 1"),
+        ({"top_p": 0.0}, ValueError, "top_p must be in (0, 1]"),
+        ({"top_p": 1.5}, ValueError, "top_p must be in (0, 1]"),
+        ({"min_p": -0.1}, ValueError, "min_p must be in [0, 1]"),
+        ({"temperature": -1.0}, ValueError, "temperature must be a finite number >= 0"),
+        ({"seed": 1.5}, TypeError, "seed must be an int"),
+        ({"seed": True}, TypeError, "seed must be an int"),
+        ({"reduction": "sum"}, ValueError, "reduction does not apply"),
+        ({"normalizer": 2.0}, ValueError, "normalizer does not apply"),
+        ({"mask": torch.ones(3, dtype=torch.bool)}, TypeError, "unknown option(s) mask"),
+    ],
+)
+def test_bad_options_raise_clearly(options, error, text):
+    given = {"seed": 1, **options}
+    with pytest.raises(error, match=text.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        vtp.sample(torch.zeros(3, 5), **given)
+
+
+def test_sampling_ops_are_not_losses_and_take_no_head():
+    with pytest.raises(TypeError, match="returns token ids, not a loss"):
+        vtp.loss("sample", torch.zeros(2, 5), seed=1)
+    with pytest.raises(vtp.BackendUnavailable, match="head inputs not supported"):
+        vtp.argmax(vtp.Head(torch.zeros(2, 4), torch.zeros(5, 4)))
+    ex = vtp.explain("sample", torch.zeros(2, 5), seed=1, top_p=0.9)
+    assert ex.backend == "triton" and ex.request.op == "sample"
+    assert "`liger`" in str(ex) and "does not implement op 'sample'" in str(ex)
+
+
+# -- gloo ranks --------------------------------------------------------------------------------
+
+
+def _call(rank, group, x, layout, fn):
+    bounds = _bounds(layout, rank, x.shape[-1])
+    kw = {"vocab_start": bounds[0], "vocab_end": bounds[1]} if layout == "tp3_reversed" else {}
+    return fn(_shard(x, bounds), tp_group=group, **kw)
+
+
+RANK_CASES = [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1}, {"top_k": 7, "top_p": 0.8, "min_p": 0.05}]
+
+
+def _layout_logits(n: int, v: int, device: str) -> torch.Tensor:
+    x = _logits(n, v, seed=13)
+    x[:4] = torch.randint(0, 3, (4, v), generator=torch.Generator().manual_seed(1)).float()  # ties across shards
+    return x.to(device)
+
+
+def layout_job(rank, world, group, layout, backend, n=40, v=V, device="cpu", dtype=torch.float32):
+    """Every case on this layout: the ids of every rank, to compare with one process."""
+    x = _layout_logits(n, v, device).to(dtype)
+    out = {"argmax": _call(rank, group, x, layout, lambda z, **kw: vtp.argmax(z, backend=backend, **kw))}
+    for i, options in enumerate(RANK_CASES):
+        out[i] = _call(rank, group, x, layout, lambda z, **kw: vtp.sample(z, seed=77, backend=backend, **options, **kw))
+    return {k: t.cpu() for k, t in out.items()}
+
+
+def _check_layout(results, backend, n=40, v=V, device="cpu", dtype=torch.float32):
+    x = _layout_logits(n, v, device).to(dtype)
+    assert all(torch.equal(r[key], results[0][key]) for r in results for key in results[0])
+    assert torch.equal(results[0]["argmax"], reference.argmax(x).cpu())
+    for i, options in enumerate(RANK_CASES):
+        assert torch.equal(results[0][i], vtp.sample(x, seed=77, backend=backend, **options).cpu()), options
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_same_tokens_on_every_rank_and_every_layout(ranks, layout, backend):
+    """TP 2, 3 and 4 (uneven, out of rank order, an empty shard) give the tokens of one process."""
+    results = ranks(len(LAYOUTS[layout]), layout_job, layout, backend, timeout=300)
+    _check_layout(results, backend)
+
+
+def misuse_job(rank, world, group):
+    """Bad calls on one rank or all, each followed by nothing stuck: then a normal call."""
+    x = _logits(8, V, seed=6)
+    z = _shard(x, _bounds("tp2_uneven", rank, V))
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = ("no error", "")
+        except Exception as exc:
+            out[name] = (type(exc).__name__, str(exc))
+
+    bad = rank == 1
+    attempt("top_k", lambda: vtp.sample(z, seed=1, top_k=0 if bad else 3, tp_group=group, backend="eager"))
+    attempt("top_p", lambda: vtp.sample(z, seed=1, top_p=1.5, tp_group=group, backend="eager"))
+    attempt("temperature", lambda: vtp.sample(z, seed=1, temperature=-1.0 if bad else 1.0, tp_group=group))
+    attempt("seed_type", lambda: vtp.sample(z, seed=1.0 if bad else 1, tp_group=group, backend="eager"))
+    attempt("options", lambda: vtp.sample(z, seed=1, top_p=0.5 if bad else 0.6, tp_group=group, backend="eager"))
+    for backend in BACKENDS:
+        vtp.sample(z, seed=1, tp_group=group, backend=backend)  # planned: later seeds are per-call data
+        attempt(f"seed_{backend}", lambda b=backend: vtp.sample(z, seed=2 + rank, tp_group=group, backend=b))
+        vtp.sample(z, seed=1, top_k=3, tp_group=group, backend=backend)
+        attempt(f"seed_topk_{backend}", lambda b=backend: vtp.sample(z, seed=rank, top_k=3, tp_group=group, backend=b))
+    healthy = vtp.sample(z, seed=5, top_p=0.9, tp_group=group, backend="eager")
+    return out, healthy, torch.equal(vtp.argmax(z, tp_group=group), x.argmax(-1))
+
+
+def test_bad_input_raises_on_every_rank_and_nothing_hangs(ranks):
+    results = ranks(2, misuse_job, timeout=300)
+    (out0, healthy0, ok0), (out1, healthy1, ok1) = results
+    assert ok0 and ok1 and torch.equal(healthy0, healthy1)
+    x = _logits(8, V, seed=6)
+    assert torch.equal(healthy0, vtp.sample(x, seed=5, top_p=0.9, backend="eager"))
+    assert out1["top_k"][0] == "ValueError" and out0["top_k"][0] == "ShardError" and "rank 1" in out0["top_k"][1]
+    assert out0["top_p"] == out1["top_p"] and out0["top_p"][0] == "ValueError"
+    assert out1["temperature"][0] == "ValueError" and out0["temperature"][0] == "ShardError"
+    assert out1["seed_type"][0] == "TypeError" and out0["seed_type"][0] == "ShardError"
+    for out in (out0, out1):
+        assert out["options"][0] == "ShardError" and "top_p: rank 0 = 0.6, rank 1 = 0.5" in out["options"][1]
+        for key in ("seed_eager", "seed_triton", "seed_topk_eager", "seed_topk_triton"):
+            kind, msg = out[key]
+            assert kind == "ShardError" and "disagree on sample's seed" in msg, (key, kind, msg)
+    assert "rank 0 = 2, rank 1 = 3" in out0["seed_eager"][1]
+
+
+def dtensor_job(rank, world, group):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    x = _logits(2 * 5, 9, seed=9).view(2, 5, 9)  # V=9 on 2 ranks: torch's chunks 5 + 4
+    dt = DTensor.from_local(x[..., rank * 5 : (rank + 1) * 5], mesh, [Shard(2)], run_check=False, shape=x.shape,
+                            stride=x.stride())
+    ids = vtp.sample(dt, seed=3, top_k=4, backend="eager")
+    top = vtp.argmax(dt)
+    assert isinstance(ids, DTensor) and ids.placements == (Replicate(),) and ids.shape == (2, 5)
+    return ids.to_local(), top.to_local()
+
+
+def test_dtensor_logits(ranks):
+    results = ranks(2, dtensor_job, timeout=120)
+    x = _logits(2 * 5, 9, seed=9).view(2, 5, 9)
+    for ids, top in results:
+        assert torch.equal(ids, vtp.sample(x, seed=3, top_k=4, backend="eager"))
+        assert torch.equal(top, x.argmax(-1))
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+def _check_draws_top(ids: torch.Tensor, probs: torch.Tensor, keep: int = 100) -> None:
+    """``_check_draws`` with every token outside the ``keep`` most likely in one bin."""
+    top = probs.topk(min(keep, probs.numel())).indices
+    slot = torch.full((probs.numel(),), top.numel(), dtype=torch.int64)
+    slot[top] = torch.arange(top.numel())
+    _check_draws(slot[ids], torch.cat([probs[top], (1 - probs[top].sum()).clamp_min(0)[None]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_gpu_draws_follow_the_restricted_distribution(options):
+    """The compiled kernels (fast logarithms) on CUDA, bf16 logits over a real vocabulary."""
+    v = 151936
+    row = (_logits(1, v, seed=5)[0] * 2.5).bfloat16().cuda()
+    ids = vtp.sample(row.expand(20000, v), seed=11, backend="triton", **options)
+    probs = reference.sampling_distribution(row.float()[None], **options)[0]
+    _check_draws_top(ids.cpu(), probs.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gpu_same_tokens_at_every_layout(ranks, layout):
+    """TP 2, 3, 4 as processes sharing cuda:0 over gloo, V = 151936, bf16: the tokens of one process."""
+    kw = {"n": 64, "v": 151936, "device": "cuda", "dtype": torch.bfloat16}
+    results = ranks(len(LAYOUTS[layout]), layout_job, layout, "triton", timeout=600, **kw)
+    _check_layout(results, "triton", **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_argmax_and_temperature_zero():
+    x = (torch.randn(300, 151936, device="cuda") * 3).bfloat16()
+    x[:3] = torch.randint(0, 4, (3, 151936), device="cuda").bfloat16()  # ties
+    assert torch.equal(vtp.argmax(x, backend="triton"), x.argmax(-1))
+    assert torch.equal(vtp.sample(x, seed=1, temperature=0.0, backend="triton"), x.argmax(-1))
+    assert torch.equal(vtp.sample(x, seed=1, backend="triton"), vtp.sample(x, seed=1, backend="triton"))

@@ -1,0 +1,233 @@
+"""transformers' ``model.generate()`` on a model whose ``lm_head`` is sharded over the vocabulary.
+
+With the head split over the vocabulary and its output not gathered (transformers'
+``tp_plan={"lm_head": "colwise"}``, DeepSpeed AutoTP's vocabulary-parallel head, a head split
+by hand), each rank's logits are its own shard: ``generate()``'s softmax and
+``torch.multinomial`` (or ``argmax``) then pick a *local* id on every rank, and the ranks
+drift apart. One line makes it pick with ``vtp.sample`` / ``vtp.argmax`` instead -- global ids,
+the same on every rank, the logits never gathered; greedy decoding gives the ids of the
+unsharded model::
+
+    model = AutoModelForCausalLM.from_pretrained(
+        name, distributed_config=DistributedConfig(tp_plan={"lm_head": "colwise"}))
+    use_vocab_parallel_sampling(model)      # or: with vocab_parallel_sampling(model): ...
+    out = model.generate(ids, do_sample=True, top_p=0.9, max_new_tokens=64)
+
+How. ``generate()`` builds its logits processors once per call (``_get_logits_processor``);
+on this model that method is wrapped so that the list holds, instead of the sampling
+warpers (temperature, top-k, top-p, min-p), one processor that draws the token itself and
+returns scores that are 0 at the drawn global id and ``-inf`` elsewhere, ``[batch, V]``:
+transformers' own ``argmax``/``multinomial`` then take exactly that id. Everything else of
+the decoding loop (stopping, padding, caches, streamers) is transformers' own.
+
+Seeds. Step ``t`` of a call (the sequence length so far) draws with seed
+``base * 2**32 + t``; ``base`` is ``seed=`` if given, else drawn once per ``generate()`` from
+torch's default generator on the first rank of the TP group and broadcast (so
+``torch.manual_seed`` before ``generate()`` makes a run repeatable).
+
+Refused, with a ValueError saying why: beam search (``num_beams > 1``), and any other
+logits processor (repetition penalty, bad words, min length, ...): they index the full
+vocabulary, which a rank does not hold. ``output_scores`` holds the one-hot scores.
+
+Without it, a generation on a vocabulary-sharded head is wrong silently; ``warn_on_sharded_generation(model)``
+makes ``generate()`` say so once (``use_vocab_parallel_loss`` users should call it).
+This module does not import transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import types
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import vtp_runtime as vtp
+
+from .tensor_parallel import is_dtensor
+
+_STATE = "_vtp_generation"
+
+
+class _Hook:
+    """What a model's wrapped ``_get_logits_processor`` knows: whether vocabulary-parallel
+    sampling is on, the head's layout, the seed, and whether it has warned."""
+
+    def __init__(self, original) -> None:
+        self.original = original
+        self.enabled = False
+        self.layout: dict[str, Any] = {}
+        self.vocab_size: int | None = None
+        self.seed: int | None = None
+        self.warned = False
+
+
+def _hook(model) -> _Hook:
+    hook = model.__dict__.get(_STATE)
+    if hook is None:
+        hook = _Hook(model._get_logits_processor)
+        model.__dict__[_STATE] = hook
+        model._get_logits_processor = types.MethodType(_get_logits_processor, model)
+    return hook
+
+
+def _head_layout(model) -> tuple[Any, int | None, int | None, int | None]:
+    """``(tp_group, vocab_start, vocab_end, V)`` of the model's output head (None, ... when it
+    is not split over the vocabulary)."""
+    from .transformers import lm_head_layout
+
+    group, start, end = lm_head_layout(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight: Any = getattr(head, "weight", None)
+    size = int(weight.shape[0]) if is_dtensor(weight) else None  # a DTensor's shape is the global one
+    return group, start, end, size
+
+
+def _sharded(group) -> bool:
+    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def use_vocab_parallel_sampling(
+    model,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_end: int | None = None,
+    vocab_size: int | None = None,
+    seed: int | None = None,
+):
+    """Make ``model.generate()`` pick each token with ``vtp.sample`` (``do_sample=True``) or
+    ``vtp.argmax`` (greedy) on the head's vocabulary shards. Returns ``model``.
+
+    Without layout arguments it comes from the model's head (as for
+    ``use_vocab_parallel_loss``: a DTensor weight, DeepSpeed AutoTP's head). For a head split
+    by hand pass ``tp_group`` (and ``vocab_start``/``vocab_end`` unless the shards are in
+    rank order) and ``vocab_size`` (the global V; default ``model.config.vocab_size``).
+    ``seed``: the base of every step's seed, the same on every rank (default: a new one per
+    ``generate()`` call from torch's generator, agreed across the ranks).
+    """
+    hook = _hook(model)
+    if tp_group is None and vocab_start is None and vocab_end is None:
+        tp_group, vocab_start, vocab_end, found = _head_layout(model)
+        vocab_size = vocab_size if vocab_size is not None else found
+    hook.layout = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_end": vocab_end}
+    hook.vocab_size = vocab_size
+    hook.seed = seed
+    hook.enabled = True
+    return model
+
+
+@contextlib.contextmanager
+def vocab_parallel_sampling(model, **kwargs: Any) -> Iterator[Any]:
+    """``use_vocab_parallel_sampling(model, **kwargs)`` inside the block only."""
+    hook = _hook(model)
+    saved = (hook.enabled, hook.layout, hook.vocab_size, hook.seed)
+    use_vocab_parallel_sampling(model, **kwargs)
+    try:
+        yield model
+    finally:
+        hook.enabled, hook.layout, hook.vocab_size, hook.seed = saved
+
+
+def warn_on_sharded_generation(model):
+    """Make ``model.generate()`` warn (once per model) when the head is split over the
+    vocabulary and vocabulary-parallel sampling is off. Returns ``model``."""
+    _hook(model)
+    return model
+
+
+def _get_logits_processor(self, generation_config=None, *args: Any, **kwargs: Any) -> Any:
+    hook: _Hook = self.__dict__[_STATE]
+    if generation_config is None:
+        generation_config = args[0]
+        args = args[1:]
+    if not hook.enabled:
+        if not hook.warned and _sharded(_head_layout(self)[0]):
+            hook.warned = True
+            warnings.warn(
+                "generate() on a model whose lm_head is split over the vocabulary: every rank picks a token "
+                "from its own shard of the logits (a local id, different on every rank). Call "
+                "vtp_runtime.integrations.generation.use_vocab_parallel_sampling(model) first",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return hook.original(generation_config, *args, **kwargs)
+    _check_supported(generation_config)
+    plain = copy.copy(generation_config)
+    plain.do_sample = False  # no sampling warpers: the selector below does their work
+    processors = hook.original(plain, *args, **kwargs)
+    if len(processors):
+        names = ", ".join(type(p).__name__ for p in processors)
+        raise ValueError(
+            f"vocabulary-parallel generation takes no other logits processors ({names}): they index the full "
+            f"vocabulary, which each rank holds only a shard of. Remove them from the call and generation_config"
+        )
+    processors.append(_selector(self, hook, generation_config, kwargs.get("device")))
+    return processors
+
+
+def _check_supported(cfg) -> None:
+    if (getattr(cfg, "num_beams", 1) or 1) > 1:
+        raise ValueError("vocabulary-parallel generation does not do beam search (num_beams > 1)")
+    if not cfg.do_sample:
+        return
+    unsupported = [
+        f"{name}={getattr(cfg, name)}"
+        for name, off in (("typical_p", 1.0), ("epsilon_cutoff", 0.0), ("eta_cutoff", 0.0), ("top_h", None))
+        if getattr(cfg, name, off) not in (off, None)
+    ]
+    if unsupported:
+        raise ValueError(
+            f"vocabulary-parallel sampling takes temperature, top_k, top_p and min_p; not {', '.join(unsupported)}"
+        )
+
+
+def _base_seed(hook: _Hook, device) -> int:
+    if hook.seed is not None:
+        return hook.seed
+    base = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    group: Any = hook.layout.get("tp_group")
+    if _sharded(group):  # every rank takes the first rank's draw
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        agreed = base.to(where)
+        dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group)
+        base = agreed.cpu()
+    return int(base.item())
+
+
+def _selector(model, hook: _Hook, cfg, device):
+    from transformers import LogitsProcessor
+
+    sample = bool(cfg.do_sample)
+    options: dict[str, Any] = {}
+    if sample:
+        t = cfg.temperature if cfg.temperature is not None else 1.0
+        options = {
+            "temperature": float(t),
+            "top_k": cfg.top_k if cfg.top_k else None,
+            "top_p": cfg.top_p if cfg.top_p is not None and cfg.top_p < 1.0 else None,
+            "min_p": cfg.min_p if cfg.min_p else None,
+        }
+    layout = dict(hook.layout)
+    vocab = hook.vocab_size or int(model.config.get_text_config().vocab_size)
+    base = _base_seed(hook, device) if sample else 0
+
+    class VocabParallelTokenSelector(LogitsProcessor):
+        """Draws the next token of every row on the vocabulary shards; scores 0 there, -inf elsewhere."""
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            kw = {} if is_dtensor(scores) else {**layout, "global_vocab_size": vocab}
+            if sample:
+                ids = vtp.sample(scores, seed=base * 2**32 + input_ids.shape[-1], **options, **kw)
+            else:
+                ids = vtp.argmax(scores, **kw)
+            if is_dtensor(ids):
+                ids = ids.to_local()  # type: ignore[attr-defined]  # replicated over the vocabulary
+            out = torch.full((ids.shape[0], vocab), -math.inf, dtype=torch.float32, device=ids.device)
+            return out.scatter_(1, ids[:, None], 0.0)
+
+    return VocabParallelTokenSelector()

@@ -1,0 +1,439 @@
+"""Vocabulary-parallel sampling: ``argmax`` and ``sample`` on logits sharded over the vocabulary.
+
+Both return int64 **global** token ids shaped ``logits.shape[:-1]``, identical on every rank
+of ``tp_group``, without gathering the logits. The public functions are in
+``vtp_runtime/api.py``; this module holds everything about the algorithm that does not
+depend on a backend: a backend supplies three local primitives (``Kernels``) and calls
+``run``.
+
+The draw. Token ``j`` of row ``r`` (the flattened token index) gets Gumbel noise from a
+counter-based generator keyed by ``(seed, r, j)``; the token drawn is the one with the
+largest key ``x_j * log2(e) / T + g_j`` (Gumbel-max, in bits), ties to the lowest id. Every
+element's key depends on its own logit, the seed, the row and its global id only, so the
+same seed gives the same tokens at any TP size and shard layout (even, uneven, empty
+shards) on a given backend and device type. Backends compute the logarithms of the noise
+with their device's functions: across backends or device types the keys can differ in
+the last bits, so a near-tie can break differently there.
+
+Restrictions (applied in transformers' order: temperature, top_k, top_p, min_p), each
+exact, the kept set always a prefix of the tokens ordered by (logit desc, id asc):
+
+- ``top_k``: keep ``x >= v_k``, the k-th largest logit (ties at ``v_k`` are all kept, as
+  transformers' ``TopKLogitsWarper`` keeps them). Each rank sends its top ``k + 16``
+  (value, id) candidates; the merged list is exact above the largest of the ranks' last
+  values, and the kept set lies inside it unless a tie at ``v_k`` runs past the list
+  (then every rank asks for twice as many). The draw is a Gumbel-max over the kept
+  candidates, with the noise a full pass would give them. ``top_p``/``min_p`` after
+  ``top_k`` are cut on the same candidates. One all-gather per round, one round unless a
+  tie runs past the list.
+- ``top_p`` (without top_k): keep the tokens whose mass before them (in that order) is
+  below ``top_p``. Drawn by rejection with the same noise: the unrestricted winner ``j`` is
+  the answer if it is in the nucleus; otherwise the answer lies strictly before ``j``, and
+  the next round takes the winner there. A round is one read of the rows still open and
+  one all-gather: the first gives each row's winner, max and normalizer, each later one the
+  mass before the candidate (its test) and the next candidate. A row is settled in the
+  first round when its winner is the most likely token; usually within two otherwise.
+- ``min_p`` (without top_k): keep ``x / T >= max / T + log(min_p)``. The first round's winner
+  is kept or not; a second round (rows that failed only) draws among the kept tokens.
+
+Collectives: one all-gather per round of O(tokens x candidates) numbers; argmax and the plain
+sample take one round. Rounds after the first are decided on the host from the gathered data
+(the same on every rank): top-k and top-p read one flag per round (on a GPU that waits
+for the device); argmax, the plain sample and min-p read nothing (with the seed check
+below as the exception).
+
+The seed is per-call data: it is not part of the plan (a generation loop passes a new one
+every step). It rides in the first all-gather, so every rank sees every rank's seed: where
+the metadata is checked per call (a group with a CPU transport such as gloo, or
+``VTP_CHECK=1``), ranks passing different seeds all raise the same ``ShardError``; where it
+is not (a device-only group such as NCCL, or ``VTP_CHECK=once``), reading it would wait for
+the device, and instead every rank returns -1 in every row.
+
+Edge rows: NaN counts as ``+inf`` (the lowest id holding NaN or ``+inf`` is the argmax, as
+``torch.argmax`` takes the first NaN); a row of all ``-inf`` gives id 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from . import plans
+from .backend import Call
+from .comm import all_gather_stack, group_size
+from .errors import ShardError
+
+Tensor = torch.Tensor
+
+# -- the counter-based noise ---------------------------------------------------------------
+# lowbias32 (a 32-bit integer finalizer) chained over the seed's two words, the row and the
+# global id; the seed's part is mixed once per call on the host, the row's once per row.
+# Backends compute the same 32 bits exactly (the Triton kernels with uint32 arithmetic).
+
+M32 = 0xFFFFFFFF
+MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B
+SEED_SALT, ROW_SALT, ID_MUL = 0x85EBCA6B, 0x68E31DA4, 0x9E3779B1
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+SERIES_BELOW = 1.0 / 16  # below it -ln(1 - w) is its series (the logarithm near 1 is inexact)
+NONE_ID = 2**31 - 1  # "no token": a partial that saw nothing it could pick
+
+
+def _mul32(h: Any, c: int) -> Any:
+    # (h * c) mod 2**32 in two halves, so that int64 never overflows
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def mix32(h: Any) -> Any:
+    """lowbias32 of ``h``: a Python int or an int64 tensor of values in ``[0, 2**32)``."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, MIX_A)
+    h = h ^ (h >> 15)
+    h = _mul32(h, MIX_B)
+    return h ^ (h >> 16)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """The seed modulo 2**64 as (low, high) 32-bit words."""
+    seed %= 2**64
+    return seed & M32, seed >> 32
+
+
+def seed_key(seed: int) -> int:
+    """The 32-bit key of a seed, mixed once per call."""
+    lo, hi = seed_words(seed)
+    return mix32(mix32(lo) ^ hi ^ SEED_SALT)
+
+
+def as_int32(value: int) -> int:
+    """A 32-bit word as the signed int32 with the same bits (how kernels take it)."""
+    return value - 2**32 if value >= 2**31 else value
+
+
+def noise_bits(seed: int, rows: Tensor, ids: Tensor) -> Tensor:
+    """The generator's 32 bits for each (row, global id) pair, broadcast: int64 tensors in, int64 out."""
+    row_key = mix32(seed_key(seed) ^ mix32(rows ^ ROW_SALT))
+    return mix32(row_key ^ ((ids * ID_MUL) & M32))
+
+
+def uniform(bits: Tensor) -> Tensor:
+    """``w`` in (0, 1) from 24 of the bits, fp32: 23 through the mantissa of a float in [1, 2),
+    one as a half-step offset; exact below 1/2, never 0 or 1."""
+    f = ((bits >> 9) | 0x3F800000).to(torch.int32).view(torch.float32)
+    half = torch.where((bits & 0x100) != 0, 1.5 * 2.0**-24, 0.5 * 2.0**-24).to(torch.float32)
+    return ((f - 1.0) + half).clamp_max(1.0 - 2.0**-24)
+
+
+def gumbel_bits(w: Tensor) -> Tensor:
+    """Gumbel noise in bits, ``-log2(E)`` with ``E = -ln(1 - w)`` an Exp(1) variate, fp32. Small
+    ``E`` (the large noise that lets an unlikely token win) comes from the series of
+    ``-ln(1 - w)``, exact where the logarithm of ``1 - w`` is not."""
+    series = w * (1.0 + w * (1.0 / 2 + w * (1.0 / 3 + w * (1.0 / 4 + w * (1.0 / 5 + w * (1.0 / 6))))))
+    e = torch.where(w < SERIES_BELOW, series, -torch.log2(1.0 - w) * LN2)
+    return -torch.log2(e)
+
+
+def keys(x: Tensor, k2: float, seed: int, rows: Tensor, ids: Tensor) -> Tensor:
+    """Gumbel-max keys ``x * k2 + g`` of logits ``x`` (in the accumulation dtype) at global
+    ``ids`` of ``rows`` (int64, broadcast against ``x``); ``k2 = log2(e) / T``."""
+    g = gumbel_bits(uniform(noise_bits(seed, rows, ids)))
+    return x * k2 + g.to(x.dtype)
+
+
+# -- what a backend supplies ---------------------------------------------------------------
+
+# Fields of a row of partials, ``[S, N, FIELDS]`` in the payload dtype (fp32, or fp64 for
+# fp64 eager inputs); ids are stored as the bits of the int of the same width.
+KEY, ID, X, MAX, MAX_ID, SUM = range(6)
+FIELDS = 6
+SEED_WORDS = 2  # a scan's payload ends with the seed's two words (as int bits)
+
+
+@dataclass
+class Scan:
+    """One read of the shard: per row (and vocabulary split), over the eligible tokens, the
+    largest key and its lowest global id (``NONE_ID`` and ``-inf`` where none has a key
+    above ``-inf``) and that token's logit; with ``stats``, the largest logit, its lowest
+    id and ``sum 2**((x - a) k2)`` with ``a`` that max (0 when it is ``-inf``); with
+    ``bound``, the eligible tokens are those strictly before ``bound`` in the order
+    (logit desc, id asc) and kept by min-p (``(x - anchor) k2 >= log2_min_p``), and SUM is
+    their ``sum 2**((x - anchor) k2)``. Logits are read as fp32 (fp64 for fp64 eager
+    inputs), NaN as ``+inf``."""
+
+    gumbel: bool  # keys x * k2 + noise (sample), or x (argmax)
+    seed: int = 0
+    stats: bool = False
+    bound: tuple[Tensor, Tensor] | None = None  # (logit [N], global id [N] int64) of the bound
+    anchor: Tensor | None = None  # [N] the rows' global max logit, with bound
+    log2_min_p: float = -math.inf
+    active: Tensor | None = None  # bool [N]: rows to read; the others give empty partials
+    write_seed: bool = False  # fill the payload's tail with the seed's words
+
+
+class Kernels(Protocol):
+    """The local primitives a backend implements for ``run``; no collectives."""
+
+    def scan(self, call: Call, z: Tensor, scan: Scan) -> Tensor:
+        """The flat payload: ``[S, N, FIELDS]`` partials (see ``Scan``), then ``SEED_WORDS``
+        elements holding the seed's words (``seed_words``) where ``scan.write_seed``. ``S``
+        (vocabulary splits) must be the same on every rank."""
+        ...
+
+    def top(self, call: Call, z: Tensor, c: int) -> tuple[Tensor, Tensor]:
+        """This shard's ``c`` largest logits per row (``c <= V_local``), in the payload dtype
+        with NaN as ``+inf``, and their global ids (int64); in any order among ties."""
+        ...
+
+    def candidate_keys(self, call: Call, x: Tensor, ids: Tensor, seed: int) -> Tensor:
+        """Gumbel-max keys of candidates: logits ``x`` ``[N, L]`` (payload dtype), global ids
+        ``[N, L]`` (int64; ``NONE_ID`` on padding); the numbers ``scan`` gives those tokens."""
+        ...
+
+
+# -- collectives and merging ---------------------------------------------------------------
+
+
+def _int_view(dtype: torch.dtype) -> torch.dtype:
+    return torch.int64 if dtype == torch.float64 else torch.int32
+
+
+def ids_of(field: Tensor) -> Tensor:
+    """Global ids stored as int bits in a float field, as int64."""
+    return field.view(_int_view(field.dtype)).long()
+
+
+def id_bits(ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """int64 ids as the bits of a float tensor of ``dtype`` (what ``ids_of`` reads)."""
+    return ids.to(_int_view(dtype)).view(dtype)
+
+
+def fill_seed(payload: Tensor, seed: int) -> None:
+    """Write the seed's words into the payload's last ``SEED_WORDS`` elements."""
+    tail = payload[-SEED_WORDS:].view(_int_view(payload.dtype))
+    lo, hi = seed_words(seed)
+    narrow = tail.dtype == torch.int32
+    tail[0].fill_(as_int32(lo) if narrow else lo)
+    tail[1].fill_(as_int32(hi) if narrow else hi)
+
+
+def _host_transport(group) -> bool:
+    # where the runtime gathers its metadata on the host (see shards): gloo, cpu:gloo,cuda:nccl
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def gather(call: Call, payload: Tensor, seed: int | None) -> tuple[Tensor, Tensor | None]:
+    """Every rank's flat payload ``[W, L]`` (one all-gather), and with ``seed`` the seed check:
+    raises the same ShardError on every rank when ranks disagree and the metadata is
+    checked per call, else returns a device bool that is False when they disagree."""
+    if group_size(call.group) == 1:
+        return payload[None], None
+    stacked = all_gather_stack(payload, call.group)
+    if seed is None:
+        return stacked, None
+    words = stacked[:, -SEED_WORDS:].view(_int_view(stacked.dtype))
+    if plans.metadata_mode(_host_transport(call.group)) == "once":
+        return stacked, (words == words[:1]).all()
+    seeds = [(lo % 2**32) | ((hi % 2**32) << 32) for lo, hi in words.tolist()]
+    if len(set(seeds)) > 1:
+        listed = ", ".join(f"rank {r} = {s}" for r, s in enumerate(seeds))
+        raise ShardError(
+            f"the ranks of the TP group disagree on sample's seed ({listed}, modulo 2**64); every rank "
+            f"of tp_group must pass the same seed (e.g. one derived from the step)"
+        )
+    return stacked, None
+
+
+def partials(stacked: Tensor, n: int) -> Tensor:
+    """``[W * S, N, FIELDS]`` from the gathered flat payloads of ``scan``."""
+    body = stacked[:, :-SEED_WORDS]
+    return body.reshape(-1, n, FIELDS)
+
+
+def best(key: Tensor, ids: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
+    """Over dim 0 (``[P, N]`` each): the largest key, the lowest id among the partials that
+    hold it, and the ``extra`` fields of that partial. NaN keys are never given."""
+    top = key.amax(0)
+    hit = key == top
+    pick = torch.where(hit, ids, NONE_ID).amin(0)
+    if not extra:
+        return top, pick
+    first = (hit & (ids == pick)).to(torch.int8).argmax(0, keepdim=True)
+    return (top, pick, *(e.gather(0, first).squeeze(0) for e in extra))
+
+
+def _anchor(m: Tensor) -> Tensor:
+    return torch.where(m > -math.inf, m, torch.zeros_like(m))
+
+
+def _exclusive_cumsum(w: Tensor) -> Tensor:
+    out = torch.zeros_like(w)
+    out[:, 1:] = torch.cumsum(w[:, :-1], 1)
+    return out
+
+
+# -- the driver ----------------------------------------------------------------------------
+
+EXTRA_CANDIDATES = 16  # top-k candidates beyond k, so that a tie at v_k rarely needs a second round
+MAX_ROUNDS = 64  # top-p rounds; each strictly shrinks every open row's candidates
+
+
+@dataclass(frozen=True)
+class _Limits:
+    k: int | None
+    p: float | None
+    min_p: float | None
+
+
+def run(call: Call, z: Tensor, kernels: Kernels) -> Tensor:
+    """``argmax`` or ``sample`` of ``call`` on this rank's rows ``z`` (``[N, V_local]`` or the
+    ``[A, B, V_local]`` view a backend takes): int64 global ids ``[N]``, identical on every rank."""
+    n = z.shape[0] * z.shape[1] if z.dim() == 3 else z.shape[0]
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=z.device)
+    if call.vocab_size >= NONE_ID:
+        raise ValueError(f"sampling takes vocabularies below {NONE_ID} ids, got V={call.vocab_size}")
+    options = call.options
+    if call.op == "argmax" or options["temperature"] == 0:
+        return _argmax(call, z, kernels, n)
+    v = call.vocab_size
+    k, p, mp = options["top_k"], options["top_p"], options["min_p"]
+    limits = _Limits(k if k is not None and k < v else None, p if p is not None and p < 1 else None, mp if mp else None)
+    seed = options["seed"]
+    if limits.k is not None:
+        ids, agree = _candidates(call, z, kernels, n, seed, limits)
+    elif limits.p is None and limits.min_p is None:
+        ids, agree = _plain(call, z, kernels, n, seed)
+    else:
+        ids, agree = _rejection(call, z, kernels, n, seed, limits)
+    return ids if agree is None else torch.where(agree, ids, -1)
+
+
+def _final(ids: Tensor) -> Tensor:
+    return torch.where(ids == NONE_ID, 0, ids)
+
+
+def _scan(call: Call, z: Tensor, kernels: Kernels, n: int, scan: Scan, seed: int | None) -> tuple[Tensor, Any]:
+    payload = kernels.scan(call, z, dataclasses.replace(scan, write_seed=seed is not None))
+    stacked, agree = gather(call, payload, seed)
+    return partials(stacked, n), agree
+
+
+def _argmax(call: Call, z: Tensor, kernels: Kernels, n: int) -> Tensor:
+    part, _ = _scan(call, z, kernels, n, Scan(gumbel=False), None)
+    return _final(best(part[..., KEY], ids_of(part[..., ID]))[1])
+
+
+def _plain(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int) -> tuple[Tensor, Any]:
+    part, agree = _scan(call, z, kernels, n, Scan(gumbel=True, seed=seed), seed)
+    return _final(best(part[..., KEY], ids_of(part[..., ID]))[1]), agree
+
+
+def _rejection(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limits: _Limits) -> tuple[Tensor, Any]:
+    """top-p and/or min-p without top-k (see the module docstring)."""
+    k2 = LOG2E / call.options["temperature"]
+    part, agree = _scan(call, z, kernels, n, Scan(gumbel=True, seed=seed, stats=True), seed)
+    _, cand, cand_x = best(part[..., KEY], ids_of(part[..., ID]), part[..., X])
+    top_x, top_id = best(part[..., MAX], ids_of(part[..., MAX_ID]))
+    anchors = _anchor(part[..., MAX])
+    total = (part[..., SUM] * torch.exp2((anchors - _anchor(top_x)) * k2)).sum(0)  # relative to the max
+    log2_min_p = math.log2(limits.min_p) if limits.min_p else -math.inf
+    # settled: the most likely token (always kept), or rows with nothing to restrict
+    done = (cand == top_id) | (cand == NONE_ID) | ~torch.isfinite(top_x)
+    kept_by_min_p = (cand_x - top_x) * k2 >= log2_min_p
+    if limits.p is None:
+        done |= kept_by_min_p
+    pending = ~done & kept_by_min_p  # candidates whose mass test is still to come (top-p)
+    for _ in range(MAX_ROUNDS):
+        if limits.p is not None and not bool((~done).any()):  # the one host read per round
+            break
+        bound = Scan(
+            gumbel=True,
+            seed=seed,
+            bound=(cand_x, cand),
+            anchor=top_x,
+            log2_min_p=log2_min_p,
+            active=~done,
+        )
+        part, _ = _scan(call, z, kernels, n, bound, None)
+        _, nxt, nxt_x = best(part[..., KEY], ids_of(part[..., ID]), part[..., X])
+        open_ = ~done
+        if limits.p is not None:
+            mass_before = part[..., SUM].sum(0)
+            accept = pending & (mass_before < limits.p * total)
+            move = open_ & ~accept & (nxt != NONE_ID)
+            cand = torch.where(move, nxt, cand)
+            cand_x = torch.where(move, nxt_x, cand_x)
+            settled_now = accept | (move & (nxt == top_id)) | (open_ & (nxt == NONE_ID))
+            done = done | settled_now
+            pending = open_ & move & ~settled_now
+        else:  # min-p alone: the winner among the kept tokens is the answer
+            cand = torch.where(open_ & (nxt != NONE_ID), nxt, cand)
+            done = torch.ones_like(done)
+            break
+    else:
+        raise RuntimeError(f"top-p sampling did not settle within {MAX_ROUNDS} rounds")
+    return _final(cand), agree
+
+
+def _candidates(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limits: _Limits) -> tuple[Tensor, Any]:
+    """top-k, then top-p and min-p on the top-k candidates (see the module docstring)."""
+    assert limits.k is not None
+    k, v, v_local = limits.k, call.vocab_size, z.shape[-1]
+    k2 = LOG2E / call.options["temperature"]
+    c = min(k + EXTRA_CANDIDATES, v)
+    agree = None
+    first = True
+    while True:
+        vals, ids = kernels.top(call, z, min(c, v_local)) if v_local else _empty_top(z, n)
+        dtype = vals.dtype
+        if vals.shape[1] < c:  # a shard smaller than the list: padding that sorts last
+            pad = c - vals.shape[1]
+            vals = torch.cat([vals, vals.new_full((n, pad), -math.inf)], 1)
+            ids = torch.cat([ids, ids.new_full((n, pad), NONE_ID)], 1)
+        # everything above the last value is listed; values equal to it may not all be
+        floor = vals[:, c - 1] if v_local > c else vals.new_full((n,), -math.inf)
+        payload = torch.empty(n * (2 * c + 1) + SEED_WORDS, dtype=dtype, device=z.device)
+        body = payload[:-SEED_WORDS].view(n, 2 * c + 1)
+        body[:, :c], body[:, c : 2 * c], body[:, 2 * c] = vals, id_bits(ids, dtype), floor
+        if first:
+            fill_seed(payload, seed)
+        stacked, checked = gather(call, payload, seed if first else None)
+        agree = checked if first else agree
+        first = False
+        got = stacked[:, :-SEED_WORDS].reshape(-1, n, 2 * c + 1)
+        all_vals = got[..., :c].permute(1, 0, 2).reshape(n, -1)
+        all_ids = ids_of(got[..., c : 2 * c]).permute(1, 0, 2).reshape(n, -1)
+        exact_above = got[..., 2 * c].amax(0)
+        by_id = torch.argsort(all_ids, dim=1)
+        all_vals, all_ids = all_vals.gather(1, by_id), all_ids.gather(1, by_id)
+        order = torch.sort(all_vals, dim=1, descending=True, stable=True).indices
+        all_vals, all_ids = all_vals.gather(1, order), all_ids.gather(1, order)
+        v_k = all_vals[:, k - 1]
+        exact = (v_k > exact_above) | (v_k == -math.inf)
+        if c >= v or bool(exact.all()):  # a host read (see the module docstring)
+            break
+        c = min(2 * c, v)
+    kept = all_vals >= v_k[:, None]
+    top_x = all_vals[:, 0]
+    finite = torch.isfinite(top_x)[:, None]
+    if limits.p is not None:
+        w = torch.where(kept, torch.exp2((all_vals - _anchor(top_x)[:, None]) * k2), 0.0)
+        before = _exclusive_cumsum(w)
+        kept &= (before < limits.p * w.sum(1, keepdim=True)) | ~finite
+    if limits.min_p is not None:
+        kept &= ((all_vals - top_x[:, None]) * k2 >= math.log2(limits.min_p)) | ~finite
+    kept[:, 0] = True  # the most likely token is always kept
+    kept &= (all_vals == top_x[:, None]) | finite  # a row holding +inf (or NaN): only those
+    cand_keys = torch.where(kept, kernels.candidate_keys(call, all_vals, all_ids, seed), -math.inf)
+    _, pick = best(cand_keys.t(), all_ids.t())
+    return torch.where(top_x == -math.inf, 0, _final(pick)), agree  # a row of all -inf: 0
+
+
+def _empty_top(z: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    return torch.empty(n, 0, dtype=dtype, device=z.device), torch.empty(n, 0, dtype=torch.int64, device=z.device)

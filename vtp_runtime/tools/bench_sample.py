@@ -1,0 +1,209 @@
+"""``vtp-runtime bench --ops sample,sample_top_k,sample_top_p,argmax``: vocabulary-parallel
+sampling against gathering the logits and sampling them whole.
+
+Ops: ``sample`` (plain), ``sample_top_k`` (top_k=50), ``sample_top_p`` (top_p=0.9) and
+``argmax``, at decode sizes (N = 1, 8, 64, 256) and prefill (N = 8192), V = 151936.
+"TP = t" is the per-rank work of a TP group of size t on one GPU: vtp arms run on local
+logits ``[N, V / t]`` (their all-gather of O(N) candidates is not timed: no group); the
+peer (``torch``) gathers the t shards into ``[N, V]`` (a ``torch.cat``, standing for the
+all-gather's copy) and then draws as transformers does: softmax + ``torch.multinomial``;
+for top-k ``topk`` + mask first; for top-p the sort + softmax + cumsum + scatter of
+``TopPLogitsWarper``; ``torch.argmax`` for argmax. Every vtp call gets a new seed.
+
+Logits are ``randn * 4`` in the chosen dtype: peaked enough that top-p keeps tens to
+hundreds of tokens, as language models' distributions do (a flatter distribution makes
+vtp's top-p take more rounds: see ``vtp_runtime.sampling``). Bandwidth counts one read of
+the local logits; times are CUDA events (median), and the CUDA-graph replay where the arm
+can be captured. ``--device cpu`` runs the same arms at tiny sizes (perf_counter timing).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .timing import copy_bandwidth, time_graph, time_loop, version
+
+SAMPLE_OPS = ("sample", "sample_top_k", "sample_top_p", "argmax")
+
+TOKENS = "1,8,64,256,8192"
+TPS = "1,2,4"
+TOP_K, TOP_P = 50, 0.9
+
+
+@dataclass
+class SampleRow:
+    op: str
+    arm: str
+    tp: int
+    tokens: int
+    v_local: int
+    dtype: str
+    ms: float | None = None
+    graph_ms: float | None = None
+    gbps: float | None = None
+    pct_copy: float | None = None
+    vs_peer: float | None = None  # peer time / this arm's time (> 1: faster than the peer)
+    error: str = ""
+
+
+def _options(op: str) -> dict[str, Any]:
+    if op == "sample_top_k":
+        return {"top_k": TOP_K}
+    return {"top_p": TOP_P} if op == "sample_top_p" else {}
+
+
+def vtp_arm(backend: str, op: str, z):
+    """A closure drawing once from ``z`` ``[N, V_local]`` with ``backend``, a new seed per call."""
+    import itertools
+
+    import vtp_runtime as vtp
+
+    seeds = itertools.count()
+    if op == "argmax":
+        return lambda: vtp.argmax(z, backend=backend)
+    options = _options(op)
+    return lambda: vtp.sample(z, seed=next(seeds), backend=backend, **options)
+
+
+def peer_arm(op: str, shards: list):
+    """Gather the shards, then draw from the full logits as transformers' decoding loop does."""
+    import torch
+
+    def gathered():
+        return shards[0] if len(shards) == 1 else torch.cat(shards, dim=-1)
+
+    if op == "argmax":
+        return lambda: gathered().argmax(-1)
+
+    def run():
+        x = gathered().float()
+        if op == "sample_top_k":  # TopKLogitsWarper
+            kth = torch.topk(x, TOP_K, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, -float("inf"))
+        elif op == "sample_top_p":  # TopPLogitsWarper
+            sorted_x, order = torch.sort(x, descending=False)
+            cum = sorted_x.softmax(-1).cumsum(-1)
+            drop = cum <= 1 - TOP_P
+            drop[..., -1:] = False
+            x = x.masked_fill(drop.scatter(1, order, drop), -float("inf"))
+        return torch.multinomial(x.softmax(-1), num_samples=1).squeeze(1)
+
+    return run
+
+
+def _time_cpu(fn, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run(args) -> int:
+    import torch
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print(
+            "vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "pass --device cpu to try the sampling ops at tiny sizes on the CPU",
+            file=sys.stderr,
+        )
+        return 2
+    ops = [o for o in args.ops.split(",") if o]
+    unknown = [o for o in ops if o not in SAMPLE_OPS]
+    if unknown:
+        print(f"the sampling bench times {', '.join(SAMPLE_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    backends = [b for b in args.backends.split(",") if b]
+    peers = {p for p in ("torch" if args.peers is None else args.peers).split(",") if p}
+    dtype = getattr(torch, args.dtype)
+    itemsize = torch.finfo(dtype).bits // 8
+    copy_gbps = copy_bandwidth() if device == "cuda" else None
+    rows: list[SampleRow] = []
+    for op in ops:
+        for n in (int(x) for x in (args.tokens or TOKENS).split(",")):
+            for tp in (int(t) for t in (args.tp or TPS).split(",")):
+                v_local = args.vocab // tp
+                g = torch.Generator(device=device).manual_seed(n + tp)
+                full = (torch.randn(n, v_local * tp, generator=g, device=device) * 4).to(dtype)
+                shards = list(full.split(v_local, dim=-1))
+                arms = [(b, vtp_arm(b, op, shards[0])) for b in backends]
+                if "torch" in peers:
+                    arms.append(("torch", peer_arm(op, shards)))
+                got: list[SampleRow] = []
+                for name, fn in arms:
+                    row = SampleRow(op, name, tp, n, v_local, args.dtype)
+                    try:
+                        if device == "cuda":
+                            row.ms = time_loop(fn, args.warmup, args.reps)
+                            if not args.no_graph:
+                                try:
+                                    row.graph_ms = time_graph(fn, args.reps)
+                                except Exception as exc:  # host reads (top-k, top-p rounds): not capturable
+                                    row.error = f"graph: {type(exc).__name__}"
+                                    torch.cuda.synchronize()
+                        else:
+                            row.ms = _time_cpu(fn, args.warmup, args.reps)
+                        best = min(t for t in (row.ms, row.graph_ms) if t is not None)
+                        row.gbps = n * v_local * itemsize / (best * 1e-3) / 1e9
+                        row.pct_copy = None if copy_gbps is None else 100 * row.gbps / copy_gbps
+                    except Exception as exc:
+                        row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+                    got.append(row)
+                peer = next((r for r in got if r.arm == "torch" and r.ms is not None), None)
+                for r in got:
+                    if peer is not None and r.ms is not None and r is not peer:
+                        r.vs_peer = min(t for t in (peer.ms, peer.graph_ms) if t) / min(
+                            t for t in (r.ms, r.graph_ms) if t
+                        )
+                rows.extend(got)
+                print(f"{op} TP{tp} N={n}", file=sys.stderr, flush=True)
+    print_table(rows, copy_gbps)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "mode": "sample",
+                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    "torch": torch.__version__,
+                    "triton": version("triton"),
+                    "copy_gbps": copy_gbps,
+                    "vocab": args.vocab,
+                    "dtype": args.dtype,
+                    "argv": sys.argv,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+def print_table(rows: list[SampleRow], copy_gbps: float | None) -> None:
+    if copy_gbps is not None:
+        print(f"device-to-device copy: {copy_gbps:.0f} GB/s (read + write)")
+
+    def fmt(x, spec):
+        return "-".rjust(int(spec.split(".")[0])) if x is None else format(x, spec)
+
+    header = (
+        f"{'op':13s} {'arm':7s} {'TP':>2s} {'N':>5s} {'V_local':>7s} {'ms':>8s} {'graph ms':>8s} "
+        f"{'GB/s':>6s} {'%copy':>5s} {'x peer':>6s}  note"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.op:13s} {r.arm:7s} {r.tp:2d} {r.tokens:5d} {r.v_local:7d} {fmt(r.ms, '8.3f')} "
+            f"{fmt(r.graph_ms, '8.3f')} {fmt(r.gbps, '6.0f')} {fmt(r.pct_copy, '5.0f')} {fmt(r.vs_peer, '6.2f')}  "
+            f"{r.error}"
+        )
