@@ -86,13 +86,14 @@ def test_dtensor_logits_causal_lm_loss(ranks, world, v, num_items):
 
 
 def _dtensor_errors_job(rank, world, group):
+    """The DTensor path is the ops' own: a DTensor carries its bounds, and pending sums are refused."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     mesh = DeviceMesh.from_group(group, "cpu")
     local, labels = torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.long)
     errors = []
-    for placement, kw in ((Shard(2), {"tp_group": group}), (Partial(), {})):
+    for placement, kw in ((Shard(2), {"vocab_start": 0, "vocab_end": 2}), (Partial(), {})):
         full = DTensor.from_local(local, mesh, [placement], run_check=False)
         try:
             causal_lm_loss(full, labels, **kw)
@@ -105,8 +106,8 @@ def _dtensor_errors_job(rank, world, group):
 def test_dtensor_errors(ranks):
     for errors in ranks(2, _dtensor_errors_job, timeout=60):
         assert len(errors) == 2
-        assert "leave out tp_group" in errors[0]
-        assert "partial" in errors[1]
+        assert "vocab_start/vocab_end come from the logits DTensor" in errors[0]
+        assert "pending reduction (Partial)" in errors[1]
 
 
 @pytest.mark.parametrize("num_items", [None, 7, torch.tensor(7)])

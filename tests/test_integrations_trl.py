@@ -199,7 +199,7 @@ def _trainer_losses(trainer_class, tmp_path):
 
     args = GKDConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, logging_steps=1,
                      lmbda=0.0, seq_kd=False, beta=0.5, learning_rate=1e-2, seed=0, report_to=[], use_cpu=True,
-                     save_strategy="no", disable_tqdm=True)
+                     save_strategy="no", disable_tqdm=True, bf16=False)
     trainer = trainer_class(model=model(0), teacher_model=model(1), args=args, train_dataset=Dataset.from_list(rows),
                             processing_class=tokenizer, data_collator=collate)
     trainer.train()
