@@ -27,14 +27,14 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]  # V = 64: 32 ids per TP rank
 KINDS = ("SFT", "DPO", "KTO", "GRPO", "RLOO", "GKD")
 # what each trainer is run with: DPO with WPO's weights (log Σp²), GRPO/RLOO with a reference
-# model (beta > 0) and a sampling temperature, GKD both off- and on-policy
+# model (beta > 0) and a sampling temperature, GKD on-policy (the student samples each batch)
 EXTRA = {
     "SFT": {},
     "DPO": {"use_weighting": True},
     "KTO": {},
     "GRPO": {"num_generations": 2, "max_completion_length": 4, "beta": 0.1, "temperature": 0.8},
     "RLOO": {"num_generations": 2, "max_completion_length": 4, "beta": 0.1, "temperature": 0.8},
-    "GKD": {"lmbda": 0.5, "beta": 0.5, "max_new_tokens": 3, "temperature": 0.9},
+    "GKD": {"lmbda": 1.0, "beta": 0.5, "max_new_tokens": 3, "temperature": 0.9},  # on-policy: every step samples
 }
 SKIP = ("runtime", "per_second", "step_time")  # wall-clock entries of the logs
 

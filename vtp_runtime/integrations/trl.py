@@ -298,20 +298,21 @@ class VocabParallelTrainerMixin:
                 )
             super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         model = _unwrapped(self.model)  # type: ignore[attr-defined]
-        if not getattr(model.forward, "_vtp_fused", False):
-            raise RuntimeError(
-                f"{type(self).__name__}: TRL did not install its fused LM head on the model, so vtp_runtime "
-                f"would not be used (this trl version may work differently from 1.16)"
-            )
+        reference = getattr(self, "ref_model", None)
+        for name, m in (("model", model), ("reference model", reference)):
+            if m is not None and not getattr(m.forward, "_vtp_fused", False):
+                raise RuntimeError(
+                    f"{type(self).__name__}: TRL did not install its fused LM head on the {name}, so vtp_runtime "
+                    f"would not be used (this trl version may work differently from 1.16)"
+                )
         if self._vtp_generates():
             _connect_sampling(self, [model])
 
     def _vtp_generates(self) -> bool:
         """Whether the trainer samples completions with ``model.generate`` (not vLLM)."""
-        args = getattr(self, "args", None)
-        return type(self).__name__.startswith(("VocabParallelGRPO", "VocabParallelRLOO")) and not getattr(
-            args, "use_vllm", False
-        )
+        samplers = ("GRPOTrainer", "RLOOTrainer")
+        trl_sampler = any(c.__name__ in samplers and c.__module__.startswith("trl.") for c in type(self).__mro__)
+        return trl_sampler and not getattr(getattr(self, "args", None), "use_vllm", False)
 
 
 def _connect_sampling(trainer, models) -> None:
