@@ -23,6 +23,8 @@ the same seed per arm), the way users train:
   SwiGLU and fused linear cross entropy; CUDA, if installed)
 - ``hf_vtp_loss``: after ``use_vocab_parallel_loss(model)`` (vtp's loss on the bf16 logits)
 - ``hf_vtp_fused``: after ``fuse_lm_head(model)`` (the head fused into vtp's loss: no logits)
+- ``hf_liger_lce``: Liger's patch with its fused linear cross entropy only (the head alone)
+- ``hf_liger_vtp``: Liger's RoPE, RMSNorm and SwiGLU kernels, then ``fuse_lm_head(model)``
 
 Per arm and token count N (``N / seq`` sequences of ``seq`` tokens): the median step time
 over ``--reps`` steps after ``--warmup`` (CUDA events; wall clock on CPU), the peak memory
@@ -30,8 +32,8 @@ allocated during one step above what was held before it (weights and inputs; CUD
 and the loss of the first step. On the GPU:
 
     python benchmarks/step.py --tokens 8192,32768 --reps 10 --json step.json
-    python benchmarks/step.py --tokens 8192 --seq 2048 --arms hf_torch,hf_vtp_loss,hf_vtp_fused,hf_liger \
-        --reps 10 --json step_hf.json
+    python benchmarks/step.py --tokens 8192 --seq 2048 --reps 10 --json step_hf.json \
+        --arms hf_torch,hf_vtp_loss,hf_vtp_fused,hf_liger,hf_liger_lce,hf_liger_vtp
 """
 
 from __future__ import annotations
@@ -49,12 +51,25 @@ from torch import nn
 
 import vtp_runtime as vtp
 
-ARMS = ("torch_fp32", "vtp_triton", "vtp_head", "cce", "liger", "hf_torch", "hf_vtp_loss", "hf_vtp_fused", "hf_liger")
+ARMS = (
+    "torch_fp32",
+    "vtp_triton",
+    "vtp_head",
+    "cce",
+    "liger",
+    "hf_torch",
+    "hf_vtp_loss",
+    "hf_vtp_fused",
+    "hf_liger",
+    "hf_liger_lce",
+    "hf_liger_vtp",
+)
+LIGER_HF = ("hf_liger", "hf_liger_lce", "hf_liger_vtp")
 HF_ARMS = tuple(a for a in ARMS if a.startswith("hf_"))
 # arms that need a third-party package, and those that run on CUDA only
-PACKAGES = {"cce": "cut_cross_entropy", "liger": "liger_kernel", "hf_liger": "liger_kernel"}
+PACKAGES = {"cce": "cut_cross_entropy", "liger": "liger_kernel", **dict.fromkeys(LIGER_HF, "liger_kernel")}
 PACKAGES.update(dict.fromkeys(("hf_torch", "hf_vtp_loss", "hf_vtp_fused"), "transformers"))
-CUDA_ONLY = ("cce", "liger", "hf_liger")
+CUDA_ONLY = ("cce", "liger", *LIGER_HF)
 
 
 class Block(nn.Module):
@@ -158,10 +173,18 @@ def hf_model(arm: str, args, ffn: int):
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype)).train()
-    if arm == "hf_liger":
+    if arm in LIGER_HF:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 
-        apply_liger_kernel_to_llama(model=model)
+        if arm == "hf_liger":
+            apply_liger_kernel_to_llama(model=model)
+        elif arm == "hf_liger_lce":
+            apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, model=model)
+        else:
+            apply_liger_kernel_to_llama(fused_linear_cross_entropy=False, model=model)
+            from vtp_runtime.integrations.transformers import fuse_lm_head
+
+            fuse_lm_head(model)
     elif arm == "hf_vtp_loss":
         from vtp_runtime.integrations.transformers import use_vocab_parallel_loss
 
@@ -269,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = Decoder(args.vocab, args.dim, args.layers, args.heads, ffn).to(args.device, getattr(torch, args.dtype))
     params = sum(p.numel() for p in model.parameters())
-    # the Liger arm rebinds names in transformers' Llama module: run it after the other arms
-    arms = sorted(arms, key=lambda a: a == "hf_liger")
+    # the Liger arms rebind names in transformers' Llama module (undone after each): run them last
+    arms = sorted(arms, key=lambda a: a in LIGER_HF)
     print(
         f"decoder: {params / 1e6:.1f}M parameters (d={args.dim}, {args.layers} layers, {args.heads} heads, "
         f"ffn {ffn}, V={args.vocab}, {args.dtype}, {args.device})",
@@ -295,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 "note": skip_reason(arm, args.device),
             }
             if not row["note"]:
-                saved = llama_names() if arm == "hf_liger" else None
+                saved = llama_names() if arm in LIGER_HF else None
                 subject = None
                 try:
                     subject = hf_model(arm, args, ffn) if arm in HF_ARMS else model
