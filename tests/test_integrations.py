@@ -136,3 +136,19 @@ def test_gathered_logits_are_refused():
     logits, labels = _inputs(10)
     with pytest.raises(ValueError, match="colwise"):
         causal_lm_loss(logits, labels, vocab_start=0, vocab_end=5)
+
+
+def test_deprecated_names_still_work():
+    """``VocabParallelCausalLMLoss`` (DeepSpeed's loss has that name) and ``vocab_shard`` (the
+    ops take DTensors directly) keep working, with a DeprecationWarning."""
+    from vtp_runtime.integrations import vocab_shard
+    from vtp_runtime.integrations.transformers import VocabParallelCausalLMLoss, VtpCausalLMLoss
+
+    logits, labels = _inputs(13, torch.float64)
+    with pytest.warns(DeprecationWarning, match="VtpCausalLMLoss"):
+        loss_fn = VocabParallelCausalLMLoss()
+    assert isinstance(loss_fn, VtpCausalLMLoss)
+    torch.testing.assert_close(loss_fn(logits, labels), causal_lm_loss(logits, labels))
+    with pytest.warns(DeprecationWarning, match="directly"):
+        shard = vocab_shard(logits)
+    assert shard.logits is logits and shard.options()["tp_group"] is None
