@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import weakref
 from typing import Any
 
 import torch
@@ -254,12 +255,27 @@ class _Stand(nn.Module):
         return HeadLogits(hidden, self.__dict__["head"], self.layout, chunk_rows=self.rows)
 
 
+# model -> [(weak parent, name)] where its head is held; weak, since the model itself is one parent
+_HOLDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _holders(model: nn.Module, head: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where modules of ``model`` hold ``head``: found once, found again when a wrapper
+    (FSDP, PEFT) has moved it."""
+    cached = [(ref(), name) for ref, name in _HOLDERS.get(model, ())]
+    if cached and all(parent is not None and parent._modules.get(name) is head for parent, name in cached):
+        return cached  # type: ignore[return-value]  # every parent checked not None
+    found = [(parent, name) for parent in model.modules() for name, child in parent._modules.items() if child is head]
+    _HOLDERS[model] = [(weakref.ref(parent), name) for parent, name in found]
+    return found
+
+
 @contextlib.contextmanager
 def intercepted(model: nn.Module, layout: dict | None = None, chunk_rows: int | None = None):
     """For the block, ``model``'s head (wherever a module holds it) is a stand-in that
     returns ``HeadLogits``. Not thread-safe: one forward of a model at a time."""
     head = output_head(model)
-    holders = [(parent, name) for parent in model.modules() for name, child in parent._modules.items() if child is head]
+    holders = _holders(model, head)
     stand = _Stand(head, layout, chunk_rows)
     for parent, name in holders:
         parent._modules[name] = stand
