@@ -122,6 +122,17 @@ def test_fused_head_gives_the_models_own_loss_and_gradients(family):
         torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
 
 
+def test_generate_is_unchanged():
+    """Generation runs the model's own forward (no labels), in training mode too, and
+    ``generate`` reads the model's own signature through the patch."""
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    model = _family("Llama", pad_token_id=0, eos_token_id=1)
+    ids = torch.randint(2, 101, (2, 5), generator=torch.Generator().manual_seed(4))
+    want = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(fuse_lm_head(model).train().generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
 def test_fuse_is_idempotent_and_reversible():
     from vtp_runtime.integrations.transformers import VtpCausalLMLoss, fuse_lm_head, is_fused, unfuse_lm_head
 
