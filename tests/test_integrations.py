@@ -152,3 +152,27 @@ def test_deprecated_names_still_work():
     with pytest.warns(DeprecationWarning, match="directly"):
         shard = vocab_shard(logits)
     assert shard.logits is logits and shard.options()["tp_group"] is None
+
+
+def test_head_logits_slice_tokens_fold_scalars_and_refuse_the_rest():
+    """The stand-in for a fused head's logits: token slices and positive scalar factors are
+    exact (the factor becomes a temperature), anything else raises UnfusableLogits."""
+    import vtp_runtime as vtp
+    from vtp_runtime.integrations.lm_head import HeadLogits, UnfusableLogits
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 7, dtype=torch.float64)
+    hidden = torch.randn(2, 5, 4, dtype=torch.float64)
+    labels = torch.randint(0, 7, (2, 4))
+    fused = (HeadLogits(hidden, head, None) * 3.0 / 2)[:, :-1]  # Cohere / Granite style, then a causal shift
+    assert fused.shape == (2, 4, 7) and fused.scale == 1.5
+    op_head, options = fused.vtp_inputs(temperature=0.5)
+    with vtp.use_backend("eager"):
+        got = vtp.logprobs(op_head, labels, **options)
+    want = torch.log_softmax(head(hidden)[:, :-1] * 1.5 / 0.5, -1).gather(-1, labels[..., None])[..., 0]
+    torch.testing.assert_close(got, want)
+    for bad in (lambda x: x + 1, lambda x: -x, lambda x: x * -2.0, lambda x: torch.tanh(x), lambda x: x[..., :3],
+                lambda x: x.float()):
+        with pytest.raises(UnfusableLogits):
+            bad(fused)
+    assert not hasattr(fused, "float")  # probes answer False rather than raising

@@ -139,12 +139,15 @@ class HeadLogits:
     def __getitem__(self, key: Any) -> HeadLogits:
         """Slices over the leading (token) dimensions; the vocabulary is kept whole."""
         key = key if isinstance(key, tuple) else (key,)
-        if Ellipsis in key or len(key) > self.hidden.dim() - 1 and key[self.hidden.dim() - 1 :] != (slice(None),):
+        lead = self.hidden.dim() - 1
+        rest = key[lead:]
+        whole = not rest or (len(rest) == 1 and isinstance(rest[0], slice) and rest[0] == slice(None))
+        if not whole or any(k is Ellipsis or k is None for k in key):
             raise UnfusableLogits(
                 f"the forward indexes the logits with {key!r}, which touches the vocabulary dimension; "
                 f"vtp_runtime can only slice the token dimensions of fused logits"
             )
-        return self._with(hidden=self.hidden[key[: self.hidden.dim() - 1]])
+        return self._with(hidden=self.hidden[key[:lead]])
 
     def __getattr__(self, name: str) -> Any:
         raise UnfusableLogits(
