@@ -469,3 +469,24 @@ def test_hand_split_head(pool):
     for wrong, n_backbone in pool.run(_hand_split_job, path, timeout=240):
         # without the copy every backbone gradient is a partial sum: wrong, and nothing says so
         assert wrong == [n_backbone, n_backbone], (wrong, n_backbone)
+
+
+def test_a_forward_that_bypasses_its_head_module_is_refused():
+    """A model projecting with ``self.lm_head.weight`` itself would form the logits anyway:
+    the fused forward raises instead of silently materializing them."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    model = _family("Llama")
+
+    def bypassing(self, input_ids=None, labels=None, **kw):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        logits = F.linear(hidden, self.get_output_embeddings().weight)
+        return CausalLMOutputWithPast(logits=logits, loss=logits.mean())
+
+    model.forward = bypassing.__get__(model)
+    fuse_lm_head(model)
+    ids, labels = _small_batch()
+    with pytest.raises(RuntimeError, match="did not call its output head"):
+        model(input_ids=ids, labels=labels)

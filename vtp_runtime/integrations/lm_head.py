@@ -252,9 +252,16 @@ class _Stand(nn.Module):
     def __init__(self, head: Any, layout: dict | None, chunk_rows: int | None) -> None:
         super().__init__()
         self.__dict__["head"] = head  # not a submodule: its parameters stay where they are
-        self.layout, self.rows = layout, chunk_rows
+        self.layout, self.rows, self.calls = layout, chunk_rows, 0
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the head's own (weight, out_features, ...): a forward may read them
+            return getattr(self.__dict__["head"], name)
 
     def forward(self, hidden: torch.Tensor) -> HeadLogits:  # type: ignore[override]
+        self.calls += 1
         return HeadLogits(hidden, self.__dict__["head"], self.layout, chunk_rows=self.rows)
 
 
@@ -287,6 +294,11 @@ def intercepted(model: nn.Module, layout: dict | None = None, chunk_rows: int | 
     finally:
         for parent, name in holders:
             parent._modules[name] = head
+    if not stand.calls:  # the forward projected without calling the module: it formed the logits itself
+        raise RuntimeError(
+            f"{type(model).__name__}'s forward did not call its output head module ({type(head).__name__}); "
+            f"vtp_runtime cannot fuse the head of this model (use use_vocab_parallel_loss on its logits)"
+        )
 
 
 def logits_of(out: Any) -> HeadLogits:
