@@ -14,12 +14,26 @@ gradients are set to None between steps). Arms:
 - ``cce``: cut-cross-entropy's ``linear_cross_entropy(h, W, y)`` (CUDA, if installed)
 - ``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss`` (CUDA, if installed)
 
+and, on a transformers ``LlamaForCausalLM`` built from a config of the same sizes (untied head,
+SDPA attention, ``model(input_ids=tokens, labels=tokens).loss.backward()``; a fresh model of
+the same seed per arm), the way users train:
+
+- ``hf_torch``: the unpatched model (transformers' own loss, on fp32 logits)
+- ``hf_liger``: after Liger's ``apply_liger_kernel_to_llama(model=model)`` (its RoPE, RMSNorm,
+  SwiGLU and fused linear cross entropy; CUDA, if installed)
+- ``hf_vtp_loss``: after ``use_vocab_parallel_loss(model)`` (vtp's loss on the bf16 logits)
+- ``hf_vtp_fused``: after ``fuse_lm_head(model)`` (the head fused into vtp's loss: no logits)
+- ``hf_liger_lce``: Liger's patch with its fused linear cross entropy only (the head alone)
+- ``hf_liger_vtp``: Liger's RoPE, RMSNorm and SwiGLU kernels, then ``fuse_lm_head(model)``
+
 Per arm and token count N (``N / seq`` sequences of ``seq`` tokens): the median step time
 over ``--reps`` steps after ``--warmup`` (CUDA events; wall clock on CPU), the peak memory
 allocated during one step above what was held before it (weights and inputs; CUDA only),
 and the loss of the first step. On the GPU:
 
     python benchmarks/step.py --tokens 8192,32768 --reps 10 --json step.json
+    python benchmarks/step.py --tokens 8192 --seq 2048 --reps 10 --json step_hf.json \
+        --arms hf_torch,hf_vtp_loss,hf_vtp_fused,hf_liger,hf_liger_lce,hf_liger_vtp
 """
 
 from __future__ import annotations
@@ -37,8 +51,25 @@ from torch import nn
 
 import vtp_runtime as vtp
 
-ARMS = ("torch_fp32", "vtp_triton", "vtp_head", "cce", "liger")
-PACKAGES = {"cce": "cut_cross_entropy", "liger": "liger_kernel"}  # arms that need a third-party package
+ARMS = (
+    "torch_fp32",
+    "vtp_triton",
+    "vtp_head",
+    "cce",
+    "liger",
+    "hf_torch",
+    "hf_vtp_loss",
+    "hf_vtp_fused",
+    "hf_liger",
+    "hf_liger_lce",
+    "hf_liger_vtp",
+)
+LIGER_HF = ("hf_liger", "hf_liger_lce", "hf_liger_vtp")
+HF_ARMS = tuple(a for a in ARMS if a.startswith("hf_"))
+# arms that need a third-party package, and those that run on CUDA only
+PACKAGES = {"cce": "cut_cross_entropy", "liger": "liger_kernel", **dict.fromkeys(LIGER_HF, "liger_kernel")}
+PACKAGES.update(dict.fromkeys(("hf_torch", "hf_vtp_loss", "hf_vtp_fused"), "transformers"))
+CUDA_ONLY = ("cce", "liger", *LIGER_HF)
 
 
 class Block(nn.Module):
@@ -118,22 +149,85 @@ def loss_fn(arm: str):
 def skip_reason(arm: str, device: str) -> str:
     if arm in PACKAGES and importlib.util.find_spec(PACKAGES[arm]) is None:
         return f"skipped: {PACKAGES[arm]} is not installed"
-    if arm in PACKAGES and device != "cuda":
+    if arm in CUDA_ONLY and device != "cuda":
         return f"skipped: {arm} runs on CUDA only"
     return ""
 
 
-def measure(model: Decoder, arm: str, tokens, labels, warmup: int, reps: int) -> dict:
+def hf_model(arm: str, args, ffn: int):
+    """A fresh ``LlamaForCausalLM`` of the decoder's sizes (seed 0), patched as ``arm`` says.
+    Liger's patch also rebinds names in transformers' Llama module: they are restored by
+    ``restore_llama``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.dim,
+        intermediate_size=ffn,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=max(args.seq, 2048),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype)).train()
+    if arm in LIGER_HF:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        if arm == "hf_liger":
+            apply_liger_kernel_to_llama(model=model)
+        elif arm == "hf_liger_lce":
+            apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, model=model)
+        else:
+            apply_liger_kernel_to_llama(fused_linear_cross_entropy=False, model=model)
+            from vtp_runtime.integrations.transformers import fuse_lm_head
+
+            fuse_lm_head(model)
+    elif arm == "hf_vtp_loss":
+        from vtp_runtime.integrations.transformers import use_vocab_parallel_loss
+
+        use_vocab_parallel_loss(model)
+    elif arm == "hf_vtp_fused":
+        from vtp_runtime.integrations.transformers import fuse_lm_head
+
+        fuse_lm_head(model)
+    return model
+
+
+def llama_names():
+    """What Liger's patch rebinds in transformers' Llama module, to restore after its arm."""
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama, dict(vars(modeling_llama)), modeling_llama.LlamaForCausalLM.forward
+
+
+def restore_llama(saved) -> None:
+    module, names, forward = saved
+    vars(module).update(names)
+    module.LlamaForCausalLM.forward = forward
+
+
+def measure(model, arm: str, tokens, labels, warmup: int, reps: int) -> dict:
     """Median step ms, peak GiB above what was held before the step, and the first loss."""
     cuda = tokens.device.type == "cuda"
-    loss = loss_fn(arm)
-    d = model.lm_head.shape[1]
+    if arm in HF_ARMS:
 
-    def step():
-        h = model.hidden(tokens).reshape(-1, d)
-        value = loss(h, model.lm_head, labels.reshape(-1))
-        value.backward()
-        return value.detach()
+        def step():
+            value = model(input_ids=tokens, labels=labels).loss
+            value.backward()
+            return value.detach()
+
+    else:
+        loss = loss_fn(arm)
+        d = model.lm_head.shape[1]
+
+        def step():
+            h = model.hidden(tokens).reshape(-1, d)
+            value = loss(h, model.lm_head, labels.reshape(-1))
+            value.backward()
+            return value.detach()
 
     first = float(step())  # compiles what the arm compiles, outside the timed steps
     for _ in range(warmup - 1):
@@ -192,8 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ffn = args.ffn or 64 * round(2752 * args.dim / 1024 / 64)
     torch.manual_seed(0)
-    model = Decoder(args.vocab, args.dim, args.layers, args.heads, ffn).to(args.device, getattr(torch, args.dtype))
+    if all(a in HF_ARMS for a in arms):  # only counted: each transformers arm builds its own model
+        with torch.device("meta"):
+            model = Decoder(args.vocab, args.dim, args.layers, args.heads, ffn)
+    else:
+        model = Decoder(args.vocab, args.dim, args.layers, args.heads, ffn).to(args.device, getattr(torch, args.dtype))
     params = sum(p.numel() for p in model.parameters())
+    # the Liger arms rebind names in transformers' Llama module (undone after each): run them last
+    arms = sorted(arms, key=lambda a: a in LIGER_HF)
     print(
         f"decoder: {params / 1e6:.1f}M parameters (d={args.dim}, {args.layers} layers, {args.heads} heads, "
         f"ffn {ffn}, V={args.vocab}, {args.dtype}, {args.device})",
@@ -218,12 +318,19 @@ def main(argv: list[str] | None = None) -> int:
                 "note": skip_reason(arm, args.device),
             }
             if not row["note"]:
+                saved = llama_names() if arm in LIGER_HF else None
+                subject = None
                 try:
-                    row.update(measure(model, arm, tokens, labels, max(args.warmup, 1), args.reps))
+                    subject = hf_model(arm, args, ffn) if arm in HF_ARMS else model
+                    row.update(measure(subject, arm, tokens, labels, max(args.warmup, 1), args.reps))
                 except Exception as exc:  # an OOM (or a failing arm) is a result; the next arm runs
                     row["note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
                 finally:
-                    model.zero_grad(set_to_none=True)
+                    if subject is not None:
+                        subject.zero_grad(set_to_none=True)
+                    del subject
+                    if saved is not None:
+                        restore_llama(saved)
                     if args.device == "cuda":
                         torch.cuda.empty_cache()
             rows.append(row)

@@ -1,6 +1,7 @@
 """`vtp-runtime bench` and `benchmarks/step.py` where no GPU is: a clear refusal, the plot redrawn from the
 committed H200 results (the timing itself runs on the GPU machine, never in CI)."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -112,24 +113,61 @@ def test_head_per_token_arm_gives_the_gradients_of_its_weighted_loss():
 
 def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
     """`benchmarks/step.py` at tiny sizes on the CPU: a row per arm, a skipped arm says why,
-    and the fused head's loss of the same model and tokens is the fp32 cross entropy's."""
+    and the fused head's loss of the same model and tokens is the fp32 cross entropy's; on
+    the transformers model, the fused head's (`fuse_lm_head`) and vtp's loss on the logits
+    are transformers' own."""
     out = tmp_path / "step.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the head on the eager backend
+    arms = ["torch_fp32", "vtp_head", "liger"]
+    if importlib.util.find_spec("transformers") is not None:
+        arms += ["hf_torch", "hf_vtp_loss", "hf_vtp_fused", "hf_liger", "hf_liger_lce", "hf_liger_vtp"]
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step.py"), "--device", "cpu", "--dim", "64",
                           "--layers", "1", "--heads", "4", "--vocab", "512", "--tokens", "256", "--seq", "128",
-                          "--reps", "1", "--warmup", "1", "--arms", "torch_fp32,vtp_head,liger", "--json", str(out)],
-                         capture_output=True, text=True, timeout=120, env=env)
+                          "--reps", "1", "--warmup", "1", "--arms", ",".join(arms), "--json", str(out)],
+                         capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"torch_fp32", "vtp_head", "liger"}
-    assert rows["liger"]["note"].startswith("skipped:") and rows["liger"]["ms"] is None
-    for arm in ("torch_fp32", "vtp_head"):
+    assert set(rows) == set(arms)
+    for arm in [a for a in ("liger", "hf_liger", "hf_liger_lce", "hf_liger_vtp") if a in arms]:
+        assert rows[arm]["note"].startswith("skipped:") and rows[arm]["ms"] is None
+    for arm in [a for a in ("torch_fp32", "vtp_head", "hf_torch", "hf_vtp_loss", "hf_vtp_fused") if a in arms]:
         r = rows[arm]
         assert not r["note"] and r["ms"] > 0 and r["peak_gib"] is None and r["batch"] == 2 and r["seq"] == 128
         assert arm in run.stdout
     # random labels over V=512 at this init: a loss near log(512) = 6.2, not a degenerate 0 or NaN
     assert 4.0 < rows["torch_fp32"]["loss"] < 9.0
     assert abs(rows["vtp_head"]["loss"] - rows["torch_fp32"]["loss"]) < 1e-2 * rows["torch_fp32"]["loss"]
+    if "hf_torch" in rows:
+        assert 4.0 < rows["hf_torch"]["loss"] < 9.0
+        for arm in ("hf_vtp_loss", "hf_vtp_fused"):  # one model and batch: the same bf16 loss
+            assert abs(rows[arm]["loss"] - rows["hf_torch"]["loss"]) < 1e-2 * rows["hf_torch"]["loss"], arm
+
+
+def test_step_benchmark_undoes_ligers_rebinding():
+    """Liger's patch rebinds names in transformers' Llama module (RMSNorm, MLP, RoPE, the
+    forward): after its arms, benchmarks/step.py restores them, so the next arm runs stock
+    transformers. (The Liger arms themselves run on CUDA only.)"""
+    import argparse
+
+    if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("transformers") is None:
+        import pytest
+
+        pytest.skip("liger-kernel and transformers are needed")
+    spec = importlib.util.spec_from_file_location("step_benchmark", ROOT / "benchmarks" / "step.py")
+    step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step)
+    from transformers.models.llama import modeling_llama
+
+    before = dict(vars(modeling_llama)), modeling_llama.LlamaForCausalLM.forward
+    args = argparse.Namespace(vocab=64, dim=32, layers=1, heads=4, seq=16, device="cpu", dtype="float32")
+    for arm in step.LIGER_HF:
+        saved = step.llama_names()
+        model = step.hf_model(arm, args, 64)
+        assert "forward" in model.__dict__, arm  # Liger's fused forward, or fuse_lm_head's
+        if arm != "hf_liger_lce":  # its RoPE, RMSNorm and SwiGLU rebind the module's names
+            assert dict(vars(modeling_llama)) != before[0], arm
+        step.restore_llama(saved)
+        assert dict(vars(modeling_llama)) == before[0] and modeling_llama.LlamaForCausalLM.forward is before[1], arm
 
 
 def test_sampling_ops_run_on_cpu_at_tiny_sizes(tmp_path):

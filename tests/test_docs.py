@@ -13,7 +13,7 @@ import vtp_runtime as vtp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "docs/guide.md", "docs/integrations.md"]
-NEEDS = {"docs/integrations.md": ("transformers", "trl")}
+NEEDS = {"docs/integrations.md": ("transformers", "trl", "torchtitan", "megatron.core")}
 
 
 @pytest.mark.parametrize("doc", DOCS)

@@ -86,13 +86,14 @@ def test_dtensor_logits_causal_lm_loss(ranks, world, v, num_items):
 
 
 def _dtensor_errors_job(rank, world, group):
+    """The DTensor path is the ops' own: a DTensor carries its bounds, and pending sums are refused."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Partial, Shard
 
     mesh = DeviceMesh.from_group(group, "cpu")
     local, labels = torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.long)
     errors = []
-    for placement, kw in ((Shard(2), {"tp_group": group}), (Partial(), {})):
+    for placement, kw in ((Shard(2), {"vocab_start": 0, "vocab_end": 2}), (Partial(), {})):
         full = DTensor.from_local(local, mesh, [placement], run_check=False)
         try:
             causal_lm_loss(full, labels, **kw)
@@ -105,8 +106,8 @@ def _dtensor_errors_job(rank, world, group):
 def test_dtensor_errors(ranks):
     for errors in ranks(2, _dtensor_errors_job, timeout=60):
         assert len(errors) == 2
-        assert "leave out tp_group" in errors[0]
-        assert "partial" in errors[1]
+        assert "vocab_start/vocab_end come from the logits DTensor" in errors[0]
+        assert "pending reduction (Partial)" in errors[1]
 
 
 @pytest.mark.parametrize("num_items", [None, 7, torch.tensor(7)])
@@ -135,3 +136,43 @@ def test_gathered_logits_are_refused():
     logits, labels = _inputs(10)
     with pytest.raises(ValueError, match="colwise"):
         causal_lm_loss(logits, labels, vocab_start=0, vocab_end=5)
+
+
+def test_deprecated_names_still_work():
+    """``VocabParallelCausalLMLoss`` (DeepSpeed's loss has that name) and ``vocab_shard`` (the
+    ops take DTensors directly) keep working, with a DeprecationWarning."""
+    from vtp_runtime.integrations import vocab_shard
+    from vtp_runtime.integrations.transformers import VocabParallelCausalLMLoss, VtpCausalLMLoss
+
+    logits, labels = _inputs(13, torch.float64)
+    with pytest.warns(DeprecationWarning, match="VtpCausalLMLoss"):
+        loss_fn = VocabParallelCausalLMLoss()
+    assert isinstance(loss_fn, VtpCausalLMLoss)
+    torch.testing.assert_close(loss_fn(logits, labels), causal_lm_loss(logits, labels))
+    with pytest.warns(DeprecationWarning, match="directly"):
+        shard = vocab_shard(logits)
+    assert shard.logits is logits and shard.options()["tp_group"] is None
+
+
+def test_head_logits_slice_tokens_fold_scalars_and_refuse_the_rest():
+    """The stand-in for a fused head's logits: token slices and positive scalar factors are
+    exact (the factor becomes a temperature), anything else raises UnfusableLogits."""
+    import vtp_runtime as vtp
+    from vtp_runtime.integrations.lm_head import HeadLogits, UnfusableLogits
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, 7, dtype=torch.float64)
+    hidden = torch.randn(2, 5, 4, dtype=torch.float64)
+    labels = torch.randint(0, 7, (2, 4))
+    fused = (HeadLogits(hidden, head, None) * 3.0 / 2)[:, :-1]  # Cohere / Granite style, then a causal shift
+    assert fused.shape == (2, 4, 7) and fused.scale == 1.5
+    op_head, options = fused.vtp_inputs(temperature=0.5)
+    with vtp.use_backend("eager"):
+        got = vtp.logprobs(op_head, labels, **options)
+    want = torch.log_softmax(head(hidden)[:, :-1] * 1.5 / 0.5, -1).gather(-1, labels[..., None])[..., 0]
+    torch.testing.assert_close(got, want)
+    for bad in (lambda x: x + 1, lambda x: -x, lambda x: x * -2.0, lambda x: torch.tanh(x), lambda x: x[..., :3],
+                lambda x: x.float()):
+        with pytest.raises(UnfusableLogits):
+            bad(fused)
+    assert not hasattr(fused, "float")  # probes answer False rather than raising

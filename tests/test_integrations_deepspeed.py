@@ -1,8 +1,9 @@
 """DeepSpeed AutoTP on 2 gloo ranks: a tiny random Llama trained with
 ``tensor_parallel.vocab_parallel_lm_head`` (an uneven 501/500 split of 1001 ids), its loss
-swapped for ``vtp_runtime``'s with ``use_vocab_parallel_loss(engine.module)``: loss and every
-parameter gradient equal the single-process ``model(labels=...)``'s, and vtp ops take the
-TP group from ``deepspeed.utils.groups``.
+swapped for ``vtp_runtime``'s with ``use_vocab_parallel_loss(engine.module)``, then the head
+fused with ``fuse_lm_head(engine.module)`` (no logits): loss and every parameter gradient
+equal the single-process ``model(labels=...)``'s, and vtp ops take the TP group from
+``deepspeed.utils.groups``.
 """
 
 import importlib.util
@@ -62,7 +63,7 @@ def _deepspeed_job(rank, world, group):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import vtp_runtime as vtp
-    from vtp_runtime.integrations.transformers import VocabParallelCausalLMLoss, use_vocab_parallel_loss
+    from vtp_runtime.integrations.transformers import VtpCausalLMLoss, fuse_lm_head, use_vocab_parallel_loss
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -73,18 +74,23 @@ def _deepspeed_job(rank, world, group):
     assert type(head).__name__ == "VocabParallelLinear"
     ds_loss = engine.module.loss_function  # DeepSpeed's own, replaced by the next line
     use_vocab_parallel_loss(engine.module)
-    assert isinstance(engine.module.loss_function, VocabParallelCausalLMLoss)
+    assert isinstance(engine.module.loss_function, VtpCausalLMLoss)
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (2, 7), generator=g)
     labels = ids.clone()
     labels[0, :3] = -100
     results = {}
-    for num_items in (None, torch.tensor(9)):
-        want, want_grads = _loss_and_grads(reference, ids, labels, num_items)
-        got, got_grads = _loss_and_grads(engine.module, ids, labels, num_items)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-        results[num_items is None] = ({n: g.clone() for n, g in got_grads.items()}, want_grads if rank == 0 else None)
+    for fused in (False, True):
+        if fused:
+            fuse_lm_head(engine.module)  # the head's own forward (and its copy into the TP region) is bypassed
+        for num_items in (None, torch.tensor(9)):
+            want, want_grads = _loss_and_grads(reference, ids, labels, num_items)
+            got, got_grads = _loss_and_grads(engine.module, ids, labels, num_items)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            results[fused, num_items is None] = ({n: g.clone() for n, g in got_grads.items()},
+                                                 want_grads if rank == 0 else None)
+    assert engine.module(input_ids=ids, labels=labels).logits is None
 
     # the loss DeepSpeed installed gives the same value (it is what the line above replaces)
     with torch.no_grad():
@@ -103,7 +109,7 @@ def _deepspeed_job(rank, world, group):
 def test_autotp_vocab_parallel_head(pool):
     per_rank = pool.run(_deepspeed_job, timeout=240)
     assert [bounds for _, bounds in per_rank] == [(0, 501), (501, 1001)]
-    for key in (True, False):  # without and with num_items_in_batch
+    for key in ((f, n) for f in (False, True) for n in (True, False)):  # fused or not; num_items_in_batch or not
         want = per_rank[0][0][key][1]
         for name, full in want.items():
             local = [rank_results[0][key][0][name] for rank_results in per_rank]

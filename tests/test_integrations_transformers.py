@@ -1,28 +1,271 @@
-"""transformers: a tiny random Llama whose lm_head is vocabulary-sharded on 2 gloo ranks
-gives the loss and every parameter gradient of the single-process ``model(labels=...)``.
+"""transformers: ``fuse_lm_head(model)`` gives the loss and every parameter gradient of the
+model's own ``model(labels=...)``, without the logits, for every decoder family it claims
+(tied and untied heads, Cohere's and Granite's logit factors folded into a temperature),
+called every way transformers calls it (num_items_in_batch as int or tensor, shift_labels,
+tuples, skip_logits, the Trainer with gradient accumulation); refuses what it cannot fuse;
+is idempotent and reversible; and never allocates a ``[tokens, V_local]`` tensor.
 
-Two ways to shard: transformers' own ``tp_plan`` (``{"lm_head": "colwise"}``, its output
-not gathered), and a head split by hand, which needs ``copy_to_tp_region`` in front of it:
-without it the backbone gradients are silently wrong, and the test shows that too.
-One rank pool for the module: importing transformers costs seconds per rank. The ranks use
-the eager backend: the adapters are under test here, not the kernels (which would run
-through Triton's slow CPU interpreter on these 32000-entry rows).
+On 2 gloo ranks, a tiny Llama (V=1001: uneven 501/500 shards) sharded over the vocabulary
+gives the single process's loss and gradients with the head split every way a user gets
+there: transformers' ``tp_plan`` (``"colwise"`` and the default ``"colwise_gather_output"``),
+torch's ``ColwiseParallel`` (a DTensor weight), and by hand (``copy_to_tp_region`` in front,
+without which the backbone gradients are silently wrong -- shown too). The ranks use the
+eager backend: the adapters are under test here, not the kernels.
 """
 
+import copy
 import importlib.util
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import vtp_runtime as vtp
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                 reason="transformers is not installed (pip install -e '.[integrations]')")
 
-V, WORLD = 32000, 2
-SPLIT = 12345  # the hand-split head's uneven boundary
+V, WORLD = 1001, 2
+SPLIT = 345  # the hand-split head's boundary: not torch.chunk's
+SMALL = {"vocab_size": 101, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+FAMILIES = {  # the decoder families fuse_lm_head claims; extra config, tied head or not
+    "Llama": {"tie_word_embeddings": False},
+    "Llama-tied": {"tie_word_embeddings": True},
+    "Qwen2": {},
+    "Qwen3": {"head_dim": 8},
+    "Mistral": {},
+    "Phi3": {"pad_token_id": 0},
+    "Gemma": {"head_dim": 8},
+    "Gemma2": {"head_dim": 8, "final_logit_softcapping": None},
+    "Cohere": {"logit_scale": 0.25},  # logits * 0.25
+    "Granite": {"logits_scaling": 4.0},  # logits / 4
+}
+
+
+def _family(name, **extra):
+    import transformers
+
+    base = name.split("-")[0]
+    config = getattr(transformers, f"{base}Config")(**{**SMALL, **FAMILIES.get(name, {}), **extra})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{base}ForCausalLM")(config)
+
+
+def _grads(model):
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _step(model, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)
+    loss = out.loss if not isinstance(out, tuple) else out[0]
+    loss.backward()
+    return out, loss.detach(), _grads(model)
+
+
+def _small_batch(v=101):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v, (2, 9), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt
+    labels[1, -2:] = -100  # padding
+    return ids, labels
+
+
+def _calls(ids, labels):
+    """Each way transformers calls a causal LM with labels: (name, model kwargs)."""
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    return [
+        ("labels", {"labels": labels}),
+        ("num_items int", {"labels": labels, "num_items_in_batch": 9}),
+        ("num_items tensor", {"labels": labels, "num_items_in_batch": torch.tensor(9)}),
+        ("shift_labels", {"labels": labels, "shift_labels": shifted}),
+        ("tuple", {"labels": labels, "return_dict": False}),
+    ]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fused_head_gives_the_models_own_loss_and_gradients(family):
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    reference = _family(family)
+    fused = fuse_lm_head(copy.deepcopy(reference))
+    ids, labels = _small_batch()
+    with vtp.use_backend("eager"):
+        for how, kw in _calls(ids, labels):
+            want, want_loss, want_grads = _step(reference, input_ids=ids, **kw)
+            got, got_loss, got_grads = _step(fused, input_ids=ids, **kw)
+            assert (got[1] if isinstance(got, tuple) else got.logits) is None, how  # never formed
+            torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6, msg=how)
+            assert got_grads.keys() == want_grads.keys(), how
+            for name, grad in want_grads.items():
+                torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=f"{how}: {name}")
+        # evaluation (and an explicit skip_logits=False) keeps the logits: the loss on them is vtp's
+        fused.eval(), reference.eval()
+        want = reference(input_ids=ids, labels=labels)
+        for got in (fused(input_ids=ids, labels=labels), fused.train()(input_ids=ids, labels=labels,
+                                                                       skip_logits=False)):
+            torch.testing.assert_close(got.logits, want.logits)
+            torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+        # no labels: the usual logits, whatever the mode
+        torch.testing.assert_close(fused(input_ids=ids).logits, reference(input_ids=ids).logits)
+        # eval with skip_logits=True: fused, without gradients
+        fused.eval()
+        with torch.no_grad():
+            out = fused(input_ids=ids, labels=labels, skip_logits=True)
+        assert out.logits is None
+        torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_generate_is_unchanged():
+    """Generation runs the model's own forward (no labels), in training mode too, and
+    ``generate`` reads the model's own signature through the patch."""
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    model = _family("Llama", pad_token_id=0, eos_token_id=1)
+    ids = torch.randint(2, 101, (2, 5), generator=torch.Generator().manual_seed(4))
+    want = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(fuse_lm_head(model).train().generate(ids, max_new_tokens=4, do_sample=False), want)
+
+
+def test_fuse_is_idempotent_and_reversible():
+    from vtp_runtime.integrations.transformers import VtpCausalLMLoss, fuse_lm_head, is_fused, unfuse_lm_head
+
+    model = _family("Llama")
+    default_loss = model.loss_function
+    assert fuse_lm_head(model) is model and is_fused(model)
+    forward = model.forward
+    assert fuse_lm_head(model).forward == forward  # a second call changes nothing
+    assert isinstance(model.loss_function, VtpCausalLMLoss)
+    with pytest.raises(ValueError, match="other arguments"):
+        fuse_lm_head(model, chunk_rows=4)
+    unfuse_lm_head(model)
+    assert not is_fused(model) and "forward" not in model.__dict__ and model.loss_function is default_loss
+    assert unfuse_lm_head(model) is model  # not fused: nothing to do
+
+    # a patch on top of ours is not silently dropped
+    fuse_lm_head(model)
+    inner = model.forward
+    model.forward = lambda *a, **k: inner(*a, **k)
+    with pytest.raises(RuntimeError, match="wrapped again"):
+        unfuse_lm_head(model)
+
+
+def test_what_cannot_be_fused_is_refused():
+    from vtp_runtime.integrations.lm_head import UnfusableLogits
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
+        fuse_lm_head(_family("Gemma2", final_logit_softcapping=30.0))
+
+    class Tanh(torch.nn.Module):  # not an nn.Linear
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return torch.tanh(self.linear(x))
+
+    model = _family("Llama")
+    model.lm_head = Tanh(model.lm_head)
+    with pytest.raises(ValueError, match="is a Tanh; vtp_runtime fuses an nn.Linear"):
+        fuse_lm_head(model)
+
+    # soft-capping switched on after fusing: the forward raises at its tanh, no number comes out
+    model = fuse_lm_head(_family("Gemma2"))
+    model.config.final_logit_softcapping = 30.0
+    ids, labels = _small_batch()
+    with vtp.use_backend("eager"), pytest.raises(UnfusableLogits, match="applies tanh"):
+        model(input_ids=ids, labels=labels)
+    with pytest.raises(ValueError, match="needs labels"):
+        fuse_lm_head(_family("Llama"))(input_ids=ids, skip_logits=True)
+
+
+class _Storages(TorchDispatchMode):
+    """The largest tensor any op of the block returned, in bytes of memory it spans (its
+    elements, or its storage where that is smaller: an expanded stand-in owns almost none),
+    and which op returned it."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.what = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                size = min(t.untyped_storage().nbytes(), t.numel() * t.element_size())
+                if size > self.largest:
+                    self.largest, self.what = size, (str(func), tuple(t.shape))
+        return out
+
+
+def _largest_storage(model, ids, labels):
+    model.zero_grad(set_to_none=True)
+    with _Storages() as seen:
+        model(input_ids=ids, labels=labels).loss.backward()
+    return seen.largest, seen.what
+
+
+def _memory_case(v_local, vocab):
+    """(ids, labels, bound): a batch of N = 256 tokens, and the bytes of half its
+    [N, V_local] fp32 logits: the fused step must never hold a tensor that large (a chunk
+    of 16 rows and its fp32 temporaries are far below; so are the [V, H] weights and their
+    gradients, H = 32)."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (8, 32), generator=g)
+    return ids, ids.clone(), 256 * v_local * 4 // 2
+
+
+def test_fused_step_never_allocates_the_logits():
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    model = _family("Llama", vocab_size=V)  # logits well above every activation and weight gradient
+    ids, labels, bound = _memory_case(V, V)
+    with vtp.use_backend("eager"):
+        unfused, what = _largest_storage(model, ids, labels)
+        assert unfused >= bound, what  # the model's own step does: the check can fail
+        fused, what = _largest_storage(fuse_lm_head(model, chunk_rows=16), ids, labels)
+    assert fused < bound, what
+
+
+def test_trainer_with_gradient_accumulation(tmp_path):
+    """transformers' Trainer (num_items_in_batch over two accumulated micro-batches) logs
+    the same losses and gradient norms with the head fused."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(8):
+        ids = torch.randint(0, 101, (7,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(1, 5, (), generator=g))] = -100  # prompts of different lengths
+        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+    def logs(model, out):
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=2, logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True,
+                                 save_strategy="no", disable_tqdm=True, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
+        trainer.train()
+        return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+    want = logs(_family("Llama"), tmp_path / "hf")
+    with vtp.use_backend("eager"):
+        got = logs(fuse_lm_head(_family("Llama")), tmp_path / "vtp")
+    assert len(want) == 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+
+
+# -- two ranks -------------------------------------------------------------------------------------
 
 
 def _save_job(rank, world, group, path):
@@ -30,7 +273,7 @@ def _save_job(rank, world, group, path):
 
     if rank == 0:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier(group)
@@ -57,7 +300,8 @@ def _batch():
 def _load(path, **kw):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    # in training mode, where fuse_lm_head fuses (from_pretrained gives eval mode; no dropout here)
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).train()
 
 
 def _loss_and_grads(model, ids, labels, num_items):
@@ -72,25 +316,57 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _tp_plan_job(rank, world, group, path):
-    from transformers.distributed import DistributedConfig
-
-    from vtp_runtime.integrations.transformers import use_vocab_parallel_loss
-
-    ref = _load(path)
-    sharded = use_vocab_parallel_loss(_load(path, distributed_config=DistributedConfig(
-        tp_plan={"lm_head": "colwise"}, tp_size=world)))
-    ids, labels = _batch()
+def _same_as_reference(ref, model, ids, labels, start=None, end=None):
+    """The sharded model's loss and gradients against the single process's, with and
+    without num_items_in_batch. ``start``/``end``: rows of a plain (hand-split) head weight."""
+    outputs = []
     for num_items in (None, torch.tensor(9)):
         want, want_grads = _loss_and_grads(ref, ids, labels, num_items)
-        got, got_grads = _loss_and_grads(sharded, ids, labels, num_items)
-        assert got.logits.shape == (2, 7, V // world), got.logits.shape  # local shards, not gathered
+        got, got_grads = _loss_and_grads(model, ids, labels, num_items)
         torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
         assert want_grads.keys() == got_grads.keys()
         for name, grad in want_grads.items():  # every rank gathers every DTensor, in the same order
+            if start is not None and name == "lm_head.weight":
+                grad = grad[start:end]
             torch.testing.assert_close(_full(got_grads[name]), grad, rtol=1e-4, atol=1e-6, msg=name)
+        outputs.append(got)
+    return outputs
 
-    # the default plan gathers the output: the loss refuses it instead of computing garbage
+
+def _tp_plan_job(rank, world, group, path):
+    from transformers.distributed import DistributedConfig
+
+    from vtp_runtime.integrations.transformers import fuse_lm_head, use_vocab_parallel_loss
+
+    ref = _load(path)
+    ids, labels = _batch()
+    chunk = -(-V // world)
+    # fused, under the head's "colwise" style and under the default one (which gathers its output)
+    for plan in ({"lm_head": "colwise"}, None):
+        model = fuse_lm_head(_load(path, distributed_config=DistributedConfig(tp_plan=plan, tp_size=world)))
+        for out in _same_as_reference(ref, model, ids, labels):
+            assert out.logits is None
+        model.eval()
+        want = ref(input_ids=ids).logits  # without labels: the logits as the plan gives them
+        got = model(input_ids=ids, labels=labels)  # evaluation keeps the logits; the loss is still vtp's
+        assert got.logits.shape == (2, 7, min(chunk, V - rank * chunk) if plan else V)
+        torch.testing.assert_close(got.loss, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+        if plan is None:
+            torch.testing.assert_close(got.logits, want, rtol=1e-5, atol=1e-6)
+        # the memory test at TP=2: no [N, V_local] storage in a fused step
+        model.train()
+        fuse_ids, fuse_labels, bound = _memory_case(min(chunk, V - rank * chunk), V)
+        from vtp_runtime.integrations.transformers import unfuse_lm_head
+
+        largest, what = _largest_storage(fuse_lm_head(unfuse_lm_head(model), chunk_rows=16), fuse_ids, fuse_labels)
+        assert largest < bound, what
+
+    # the one line that keeps the logits, on the "colwise" plan
+    sharded = use_vocab_parallel_loss(_load(path, distributed_config=DistributedConfig(
+        tp_plan={"lm_head": "colwise"}, tp_size=world)))
+    for out in _same_as_reference(ref, sharded, ids, labels):
+        assert out.logits.shape == (2, 7, min(chunk, V - rank * chunk))  # local shards, not gathered
+    # the default plan gathers the output: that loss refuses it instead of computing garbage
     gathered = use_vocab_parallel_loss(_load(path, distributed_config=DistributedConfig(tp_size=world)))
     try:
         gathered(input_ids=ids, labels=labels)
@@ -100,10 +376,37 @@ def _tp_plan_job(rank, world, group, path):
 
 
 @pytest.mark.timeout(300)
-def test_tp_plan_colwise_lm_head(pool):
+def test_tp_plan_lm_head(pool):
     pool, path = pool
     for message in pool.run(_tp_plan_job, path, timeout=240):
         assert "colwise_gather_output" in message
+
+
+def _colwise_parallel_job(rank, world, group, path):
+    """torch's own TP on the head: a DTensor weight, DTensor logits (use_local_output=False)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from vtp_runtime.integrations.transformers import fuse_lm_head, use_vocab_parallel_loss
+
+    ref = _load(path)
+    ids, labels = _batch()
+    mesh = init_device_mesh("cpu", (world,))
+    for use_local_output in (False, True):
+        model = _load(path)
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(use_local_output=use_local_output)})
+        for out in _same_as_reference(ref, fuse_lm_head(model), ids, labels):
+            assert out.logits is None
+        if not use_local_output:  # DTensor logits, taken as they are by the loss that keeps them
+            model = _load(path)
+            parallelize_module(model, mesh, {"lm_head": ColwiseParallel(use_local_output=False)})
+            _same_as_reference(ref, use_vocab_parallel_loss(model), ids, labels)
+
+
+@pytest.mark.timeout(300)
+def test_colwise_parallel_head(pool):
+    pool, path = pool
+    pool.run(_colwise_parallel_job, path, timeout=240)
 
 
 class _HandSplitHead(torch.nn.Module):
@@ -124,16 +427,25 @@ class _HandSplitHead(torch.nn.Module):
 
 
 def _hand_split_job(rank, world, group, path):
-    from vtp_runtime.integrations.transformers import use_vocab_parallel_loss
+    from vtp_runtime.integrations.transformers import fuse_lm_head, use_vocab_parallel_loss
 
     bounds = [0, SPLIT, V]
     start, end = bounds[rank], bounds[rank + 1]
     ref = _load(path)
     ids, labels = _batch()
+
+    # fused: a plain nn.Linear with this rank's rows, and the layout given
+    model = _load(path)
+    linear = torch.nn.Linear(32, end - start, bias=False)
+    linear.weight = torch.nn.Parameter(model.lm_head.weight.detach()[start:end].clone())
+    model.lm_head = linear
+    for out in _same_as_reference(ref, fuse_lm_head(model, group, start, end), ids, labels, start, end):
+        assert out.logits is None
+
     wrong = []
-    for copy in (True, False):
+    for copy_ in (True, False):
         model = _load(path)
-        model.lm_head = _HandSplitHead(model.lm_head, start, end, group, copy)
+        model.lm_head = _HandSplitHead(model.lm_head, start, end, group, copy_)
         use_vocab_parallel_loss(model, group, start, end)
         for num_items in (None, 9):
             want, want_grads = _loss_and_grads(ref, ids, labels, num_items)
@@ -142,7 +454,7 @@ def _hand_split_job(rank, world, group, path):
             torch.testing.assert_close(got_grads["lm_head.weight"], want_grads["lm_head.weight"][start:end],
                                        rtol=1e-4, atol=1e-6)
             backbone = [name for name in want_grads if name != "lm_head.weight"]
-            if copy:
+            if copy_:
                 for name in backbone:
                     torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
             else:
@@ -152,8 +464,29 @@ def _hand_split_job(rank, world, group, path):
 
 
 @pytest.mark.timeout(300)
-def test_hand_split_head_needs_copy_to_tp_region(pool):
+def test_hand_split_head(pool):
     pool, path = pool
     for wrong, n_backbone in pool.run(_hand_split_job, path, timeout=240):
         # without the copy every backbone gradient is a partial sum: wrong, and nothing says so
         assert wrong == [n_backbone, n_backbone], (wrong, n_backbone)
+
+
+def test_a_forward_that_bypasses_its_head_module_is_refused():
+    """A model projecting with ``self.lm_head.weight`` itself would form the logits anyway:
+    the fused forward raises instead of silently materializing them."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from vtp_runtime.integrations.transformers import fuse_lm_head
+
+    model = _family("Llama")
+
+    def bypassing(self, input_ids=None, labels=None, **kw):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        logits = F.linear(hidden, self.get_output_embeddings().weight)
+        return CausalLMOutputWithPast(logits=logits, loss=logits.mean())
+
+    model.forward = bypassing.__get__(model)
+    fuse_lm_head(model)
+    ids, labels = _small_batch()
+    with pytest.raises(RuntimeError, match="did not call its output head"):
+        model(input_ids=ids, labels=labels)

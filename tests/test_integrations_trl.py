@@ -1,8 +1,8 @@
 """TRL: ``generalized_jsd_loss`` gives what the installed trl's
 ``GKDTrainer.generalized_jsd_loss`` gives on the full logits — every reduction, beta 0 / 0.5
 / 1, temperature 1 and 2, with and without labels and ``num_items_in_batch`` — at TP=1, on
-uneven TP=2 shards and on DTensor shards (an empty one at TP=4); and ``GKDTrainer`` logs
-the same losses with its loss swapped for it."""
+uneven TP=2 shards and on DTensor shards (an empty one at TP=4). The trainers themselves are
+in ``test_integrations_trl_trainers.py``."""
 
 import importlib.util
 import os
@@ -161,64 +161,3 @@ def test_shards_equal_trl(ranks, world, kind):
                 got = torch.cat([rank_results[i][k] for rank_results in per_rank], -1)
                 torch.testing.assert_close(got, want[k], rtol=1e-10, atol=1e-10)
             i += 1
-
-
-# -- the trainer ----------------------------------------------------------------------------
-
-def _trainer_losses(trainer_class, tmp_path):
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    try:
-        from trl.experimental.gkd import GKDConfig
-    except ImportError:
-        from trl import GKDConfig
-
-    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>")
-
-    def model(seed):
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, initializer_range=0.5, pad_token_id=0,
-            bos_token_id=1, eos_token_id=1))
-
-    g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(3, len(words), (6,), generator=g).tolist()} for _ in range(8)]
-
-    def collate(batch):
-        ids = torch.tensor([row["input_ids"] for row in batch])
-        labels = ids.clone()
-        labels[:, :2] = -100  # the prompt
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
-
-    args = GKDConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, logging_steps=1,
-                     lmbda=0.0, seq_kd=False, beta=0.5, learning_rate=1e-2, seed=0, report_to=[], use_cpu=True,
-                     save_strategy="no", disable_tqdm=True)
-    trainer = trainer_class(model=model(0), teacher_model=model(1), args=args, train_dataset=Dataset.from_list(rows),
-                            processing_class=tokenizer, data_collator=collate)
-    trainer.train()
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-
-@pytest.mark.timeout(240)
-def test_gkd_trainer_logs_the_same_losses(tmp_path, monkeypatch):
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return generalized_jsd_loss(*args, **kwargs)
-
-    generalized_jsd_loss = vtp_trl.generalized_jsd_loss
-    stock = _trainer_losses(vtp_trl._gkd_trainer(), tmp_path / "stock")
-    monkeypatch.setattr(vtp_trl, "generalized_jsd_loss", counted)
-    with vtp.use_backend("eager"):
-        ours = _trainer_losses(vtp_trl.VocabParallelGKDTrainer, tmp_path / "vtp")
-    assert len(stock) == 3 and len(calls) == 3
-    assert min(stock) > 0.01  # distinct random models: a loss worth comparing
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(stock), rtol=1e-5, atol=0)

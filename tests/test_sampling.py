@@ -228,11 +228,13 @@ def test_bad_options_raise_clearly(options, error, text):
         vtp.sample(torch.zeros(3, 5), **given)
 
 
-def test_sampling_ops_are_not_losses_and_take_no_head():
+def test_sampling_ops_are_not_losses_and_sample_takes_no_head():
+    """sample's noise is keyed by the row of the whole call, so it takes logits only; argmax
+    takes a Head (test_argmax_of_a_head)."""
     with pytest.raises(TypeError, match="returns token ids, not a loss"):
         vtp.loss("sample", torch.zeros(2, 5), seed=1)
     with pytest.raises(vtp.BackendUnavailable, match="head inputs not supported"):
-        vtp.argmax(vtp.Head(torch.zeros(2, 4), torch.zeros(5, 4)))
+        vtp.sample(vtp.Head(torch.zeros(2, 4), torch.zeros(5, 4)), seed=1)
     ex = vtp.explain("sample", torch.zeros(2, 5), seed=1, top_p=0.9)
     assert ex.backend == "triton" and ex.request.op == "sample"
     assert "`liger`" in str(ex) and "does not implement op 'sample'" in str(ex)
@@ -387,3 +389,27 @@ def test_gpu_argmax_and_temperature_zero():
     assert torch.equal(vtp.argmax(x, backend="triton"), x.argmax(-1))
     assert torch.equal(vtp.sample(x, seed=1, temperature=0.0, backend="triton"), x.argmax(-1))
     assert torch.equal(vtp.sample(x, seed=1, backend="triton"), vtp.sample(x, seed=1, backend="triton"))
+
+
+def head_argmax_job(rank, world, group, backend):
+    """argmax of a Head (hidden [2, 7, 6], weight rows split unevenly, chunks of 3 tokens)
+    on every rank, and the dense argmax of the full logits in float64."""
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(2, 7, 6, generator=g)
+    weight = torch.randn(23, 6, generator=g)
+    bias = torch.randn(23, generator=g)
+    weight[5] = weight[17]  # a tie across the shards: the lowest id wins
+    bias[5] = bias[17]
+    start, end = (0, 9) if rank == 0 else (9, 23)
+    head = vtp.Head(hidden, weight[start:end], bias[start:end], chunk_rows=3)
+    got = vtp.argmax(head, tp_group=group, backend=backend)
+    want = (hidden.double() @ weight.double().T + bias.double()).argmax(-1)
+    return got, want
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_argmax_of_a_head(ranks, backend):
+    """argmax straight from the hidden states, the logits formed one token chunk at a time:
+    the dense argmax of hidden @ W.T + b on every rank."""
+    for got, want in ranks(2, head_argmax_job, backend, timeout=120):
+        assert torch.equal(got, want)

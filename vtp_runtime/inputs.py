@@ -362,6 +362,18 @@ def _head_layout(head: Head, names: _Torch, seen: dict | None = None) -> _Layout
     w: Any = head.weight  # DTensors (device_mesh, placements)
     h: Any = head.hidden
     ndim = h.dim()
+    strided = [i for i, p in enumerate(w.placements) if hasattr(p, "split_factor")]
+    if strided:
+        # FSDP2 over a TP weight: between forwards each rank holds a slice of its vocabulary
+        # shard, and the head needs the whole shard, which only FSDP2's all-gather gives
+        raise ValueError(
+            f"Head.weight is a DTensor placed {tuple(w.placements)}: mesh dimension {strided[0]} shards each "
+            f"vocabulary shard again (_StridedShard), as FSDP2 leaves a tensor-parallel weight between forward "
+            f"passes. Pass the weight FSDP2 gathers for the forward (Shard(0) on the TP mesh only): build the Head "
+            f"inside the forward of the fully_shard unit that holds the weight -- shard the head together with "
+            f"the module that runs before it, fully_shard([model.norm, model.lm_head]), as transformers does -- or "
+            f"call unshard() on that unit first"
+        )
     hidden = _placements(h, names) if isinstance(h, names.DTensor) else None
     if hidden is None and w.device_mesh.ndim > 1:
         raise ValueError(

@@ -18,6 +18,7 @@ graph steps 2 and 3 run inside two custom ops (``library``), steps 1 and 4 in th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -64,11 +65,8 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
     call = made.call(given.get("tp_group"), given)
     inputs_ = tensors[:n_inputs]
     if spec.returns_ids:  # argmax, sample: token ids, no gradient
-        if n == 0:
-            return torch.zeros(made.lead, dtype=torch.int64, device=inputs_[0].device)
         with torch.no_grad():
-            ids, _ = made.backend.forward(call, (autograd.rows(inputs_[0], n, made.backend.input_layout),), None, None)
-        return ids.view(made.lead)
+            return _ids(made, call, inputs_[0]).view(made.lead)
     if n == 0:  # no rank has a token: nothing to compute or communicate
         parts = [p for x in inputs_ for p in ((x.hidden, x.weight, x.bias) if isinstance(x, Head) else (x,))]
         values = autograd.no_tokens(call, _values_shape(made, index), tuple(parts))
@@ -79,6 +77,25 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
     else:
         values = autograd.run_logits(made.backend, call, inputs_, index, mask)
     return finish(values, made.lead, made.topk, index, mask, given)
+
+
+def _ids(made: plans.Plan, call: Any, x: Any) -> Tensor:
+    """The ids an op returning them gives for logits ``x``, or for a Head chunk by chunk (the
+    chunk count is the same on every rank: ``made.head_rows`` derives from what they share)."""
+    n, layout = made.num_tokens, made.backend.input_layout
+    if not isinstance(x, Head):
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int64, device=x.device)
+        return made.backend.forward(call, (autograd.rows(x, n, layout),), None, None)[0]
+    hidden = x.hidden.reshape(n, x.hidden.shape[-1])
+    assert made.head_rows is not None  # planned with a Head
+    out = [torch.zeros(0, dtype=torch.int64, device=hidden.device)]
+    for lo in range(0, n, made.head_rows):
+        hi = min(lo + made.head_rows, n)
+        chunk = dataclasses.replace(call, request=dataclasses.replace(call.request, num_tokens=hi - lo))
+        z = torch.nn.functional.linear(hidden[lo:hi], x.weight, x.bias)
+        out.append(made.backend.forward(chunk, (z,), None, None)[0])
+    return torch.cat(out)
 
 
 def _values_shape(made: plans.Plan, index: Tensor | None) -> tuple[int, ...]:

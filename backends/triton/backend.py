@@ -198,7 +198,8 @@ class TritonBackend(TakesHead, Compiles):
     # other than 1 is copied by the core (strided column loads would not coalesce anyway)
     input_layout = "unit_vocab_stride_3d"
     ops = capabilities(frozenset({"cuda", "cpu"}))
-    head_ops = {op: HeadSupport() for op in LOSSES}  # argmax and sample (sampling.py): from logits
+    # sample from logits only (its noise is keyed by the row of the whole call, not of a chunk)
+    head_ops = {op: HeadSupport() for op in (*LOSSES, "argmax")}
     compiled_ops = frozenset(LOSSES)
 
     def __init__(self, config: LaunchConfig | None = None) -> None:

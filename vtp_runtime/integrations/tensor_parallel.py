@@ -1,5 +1,5 @@
 """What every framework adapter needs from a tensor-parallel setup: the hidden-state copy
-into the TP region, and the local shard and vocabulary bounds of (possibly DTensor) logits.
+into the TP region, and the vocabulary bounds a DTensor weight gives this rank.
 
 Nothing here computes a loss; the adapters pass the results to ``vtp_runtime``'s ops.
 """
@@ -7,6 +7,7 @@ Nothing here computes a loss; the adapters pass the results to ``vtp_runtime``'s
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -54,10 +55,12 @@ def copy_to_tp_region(hidden: torch.Tensor, tp_group) -> torch.Tensor:
 
 
 class VocabShard(NamedTuple):
-    """This rank's logits ``[..., V_local]`` and where they sit in the global vocabulary.
+    """Logits ``[..., V_local]`` and the layout keywords of ``vtp_runtime``'s ops for them.
 
-    ``vocab_start``/``vocab_end``/``vocab_size`` are None when the caller did not know them
-    (rank order is then the runtime's default); ``tp_group`` is None for a full vocabulary.
+    For a DTensor, ``logits`` is the DTensor itself and the layout fields are None: the ops
+    read the group, the bounds and V from it. ``vocab_start``/``vocab_end``/``vocab_size``
+    are None when the caller did not know them (rank order is then the runtime's default);
+    ``tp_group`` is None for a full vocabulary.
     """
 
     logits: torch.Tensor
@@ -86,27 +89,36 @@ def is_dtensor(t) -> bool:
     return False
 
 
+def _strided(p) -> bool:
+    """FSDP2's ``_StridedShard`` (sharding within another mesh dimension's shards): not a
+    ``Shard`` on torch 2.13, one on some older versions."""
+    return hasattr(p, "split_factor")
+
+
 def dtensor_vocab_layout(t, dim: int) -> tuple[object, int, int, int]:
     """``(tp_group, vocab_start, vocab_end, vocab_size)`` of this rank for a DTensor whose
     dimension ``dim`` is the vocabulary: torch shards a dimension like ``torch.chunk``,
     ceil(V / tp) per rank, the trailing shards smaller or empty.
 
-    Exactly one mesh dimension may shard the vocabulary (that mesh dimension is the TP
-    group); the others must replicate it or shard another tensor dimension (tokens split
-    over data-parallel ranks: reductions are then over this rank's tokens). With no mesh
-    dimension sharding the vocabulary, every rank holds all of it: ``tp_group`` is None.
+    Exactly one mesh dimension may ``Shard`` the vocabulary (that mesh dimension is the TP
+    group); the others replicate it, shard another tensor dimension, or -- FSDP2 over a TP
+    weight -- ``_StridedShard`` it within the TP shards, which leaves the TP bounds as they
+    are. With no mesh dimension sharding the vocabulary, every rank holds all of it:
+    ``tp_group`` is None.
     """
     ndim = t.dim()
     dim = dim % ndim
     size = t.shape[dim]  # a DTensor's shape is the global shape
     tp_dims = []
     for mesh_dim, p in enumerate(t.placements):
+        if _strided(p):
+            continue
         if p.is_shard() and p.dim % ndim == dim:
             tp_dims.append(mesh_dim)
         elif not (p.is_shard() or p.is_replicate()):
             raise ValueError(
-                f"a DTensor with placements {tuple(t.placements)} has pending (partial) values; "
-                f"redistribute it to Shard or Replicate placements first"
+                f"a DTensor with placements {tuple(t.placements)} has pending (partial) values on mesh "
+                f"dimension {mesh_dim}; redistribute it to Shard or Replicate placements first"
             )
     if not tp_dims:
         return None, 0, size, size
@@ -126,26 +138,13 @@ def dtensor_vocab_layout(t, dim: int) -> tuple[object, int, int, int]:
 def vocab_shard(
     logits: torch.Tensor, tp_group=None, vocab_start: int | None = None, vocab_end: int | None = None
 ) -> VocabShard:
-    """This rank's local logits and their layout, from a DTensor or from a local tensor.
+    """Deprecated: every op takes DTensor logits directly. ``logits`` with the layout
+    keywords for ``vtp_runtime``'s ops: ``vtp.entropy(s.logits, **s.options())``.
 
-    A DTensor sharded over the vocabulary (last dimension) gives its local tensor
-    (``to_local()``: gradients flow back into the DTensor) with the group and bounds read
-    from its mesh and placement; ``tp_group``/``vocab_start``/``vocab_end`` must then be
-    left out. A plain tensor is this rank's shard as given, with the given layout.
+    A DTensor comes back as it is, with no layout keywords (the ops read them from it);
+    a plain tensor is this rank's shard with the given layout.
     """
-    if not is_dtensor(logits):
-        return VocabShard(logits, tp_group, vocab_start, vocab_end, None)
-    if tp_group is not None or vocab_start is not None or vocab_end is not None:
-        raise ValueError(
-            "DTensor logits carry their own process group and vocabulary bounds: "
-            "leave out tp_group, vocab_start and vocab_end"
-        )
-    group, start, end, size = dtensor_vocab_layout(logits, -1)
-    local = logits.to_local()  # type: ignore[attr-defined]  # a DTensor (is_dtensor above)
-    if local.shape[-1] != end - start:
-        raise ValueError(
-            f"this rank's DTensor shard has {local.shape[-1]} vocabulary entries, but torch.chunk "
-            f"layout gives it [{start}, {end}); call .to_local() yourself and pass tp_group, "
-            f"vocab_start and vocab_end"
-        )
-    return VocabShard(local, group, start, end, size)
+    warnings.warn(
+        "vocab_shard is deprecated: pass DTensor logits to vtp_runtime's ops directly", DeprecationWarning, stacklevel=2
+    )
+    return VocabShard(logits, tp_group, vocab_start, vocab_end, None)

@@ -1,30 +1,41 @@
-"""Hugging Face transformers: a causal-LM loss for a vocabulary-sharded ``lm_head``.
+"""Hugging Face transformers: the LM head fused into the loss, and a causal-LM loss for
+vocabulary-sharded logits.
 
-One added line after loading a model whose ``lm_head`` is split over the vocabulary
-without gathering its output (transformers' ``tp_plan={"lm_head": "colwise"}``, or
-DeepSpeed AutoTP's ``vocab_parallel_lm_head``)::
+One added line, like Liger's ``apply_liger_kernel_to_llama``::
 
-    model = AutoModelForCausalLM.from_pretrained(
-        name, distributed_config=DistributedConfig(tp_plan={"lm_head": "colwise"}))
-    use_vocab_parallel_loss(model)              # model(labels=...) / Trainer now use it
+    fuse_lm_head(model)          # model(labels=...) and Trainer: the loss straight from the hidden states
 
-The default plan of most models, ``"colwise_gather_output"``, gathers the full ``[..., V]``
-logits on every rank before the loss: correct, but it saves nothing. This module does not
-import transformers.
+``fuse_lm_head`` patches ``model.forward`` (this instance): in training with labels, the
+model's own forward runs with its head replaced by ``vtp.Head`` (see ``lm_head.py``), so the
+``[tokens, V_local]`` logits are never formed and ``logits`` comes back as None; otherwise
+(no labels, or ``model.eval()``, or ``skip_logits=False``) the usual logits come back. It
+works on a full head, on transformers' ``tp_plan`` (``"colwise"`` and the default
+``"colwise_gather_output"``), torch's ``ColwiseParallel``, DeepSpeed AutoTP's
+vocabulary-parallel head, FSDP2 (with TP) and a head split by hand. ``unfuse_lm_head``
+undoes it.
+
+``use_vocab_parallel_loss(model)`` keeps the logits and computes the loss on their shards.
+This module does not import transformers.
 """
 
 from __future__ import annotations
+
+import inspect
+import types
+import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import vtp_runtime as vtp
 
-from .tensor_parallel import VocabShard, dtensor_vocab_layout, is_dtensor, vocab_shard
+from . import lm_head as heads
+from .tensor_parallel import dtensor_vocab_layout, is_dtensor
 
 
 def causal_lm_loss(
-    logits: torch.Tensor,
+    logits: Any,
     labels: torch.Tensor | None = None,
     vocab_size: int | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
@@ -41,56 +52,73 @@ def causal_lm_loss(
 
     ``logits``: ``[batch, seq, V_local]`` (any float dtype; not upcast), a local shard with
     ``tp_group`` (and ``vocab_start``/``vocab_end`` when the shards are not in rank order),
-    or a DTensor sharded on its last dimension. ``labels``: ``[batch, seq]`` global ids,
-    shifted here (position i predicts label i+1; the last position predicts nothing), or
-    ``shift_labels`` already shifted. ``ignore_index`` labels count for nothing. Without
-    ``num_items_in_batch`` the mean over counted tokens (0 when there are none); with it
-    (int or tensor) their sum divided by it. ``vocab_size`` (what models pass) is checked
-    against the global vocabulary. Other keywords models pass are ignored, as transformers does.
+    a DTensor sharded on its last dimension (taken as it is), or fused ``HeadLogits``.
+    ``labels``: ``[batch, seq]`` global ids, shifted here (position i predicts label i+1;
+    the last position predicts nothing), or ``shift_labels`` already shifted.
+    ``ignore_index`` labels count for nothing. Without ``num_items_in_batch`` the mean over
+    counted tokens (0 when there are none); with it (int or tensor) their sum divided by it.
+    ``vocab_size`` (what models pass) is checked against the global vocabulary. Other
+    keywords models pass are ignored, as transformers does.
     """
-    shard = vocab_shard(logits, tp_group, vocab_start, vocab_end)
     if shift_labels is None:
         if labels is None:
             raise ValueError("causal_lm_loss needs labels or shift_labels")
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    _check_not_gathered(shard)
-    return vtp.cross_entropy(
-        shard.logits,
-        shift_labels.to(shard.logits.device),
-        ignore_index=ignore_index,
-        reduction="mean" if num_items_in_batch is None else "sum",
-        normalizer=num_items_in_batch,
-        tp_group=shard.tp_group,
-        vocab_start=shard.vocab_start,
-        vocab_end=shard.vocab_end,
-        global_vocab_size=shard.vocab_size if shard.vocab_size is not None else vocab_size,
-    )
+    options: dict[str, Any] = {
+        "ignore_index": ignore_index,
+        "reduction": "mean" if num_items_in_batch is None else "sum",
+        "normalizer": num_items_in_batch,
+    }
+    if isinstance(logits, heads.HeadLogits):
+        head, layout = logits.vtp_inputs()
+        return heads.local(vtp.cross_entropy(head, shift_labels.to(logits.device), **options, **layout))
+    if is_dtensor(logits):
+        if tp_group is not None or vocab_start is not None or vocab_end is not None:
+            options.update(tp_group=tp_group, vocab_start=vocab_start, vocab_end=vocab_end)
+    else:
+        _check_not_gathered(logits, vocab_start, vocab_end)
+        options.update(tp_group=tp_group, vocab_start=vocab_start, vocab_end=vocab_end, global_vocab_size=vocab_size)
+    return heads.local(vtp.cross_entropy(logits, shift_labels.to(logits.device), **options))
 
 
-def _check_not_gathered(shard: VocabShard) -> None:
-    if (
-        shard.vocab_start is not None
-        and shard.vocab_end is not None
-        and shard.logits.shape[-1] != shard.vocab_end - shard.vocab_start
-    ):
+def _check_not_gathered(logits: torch.Tensor, vocab_start: int | None, vocab_end: int | None) -> None:
+    if vocab_start is not None and vocab_end is not None and logits.shape[-1] != vocab_end - vocab_start:
         raise ValueError(
-            f"the logits have {shard.logits.shape[-1]} vocabulary entries, but this rank's lm_head holds ids "
-            f"[{shard.vocab_start}, {shard.vocab_end}): its output is gathered. Load the model with "
+            f"the logits have {logits.shape[-1]} vocabulary entries, but this rank's lm_head holds ids "
+            f"[{vocab_start}, {vocab_end}): its output is gathered. Load the model with "
             f"tp_plan={{'lm_head': 'colwise'}} (not the default 'colwise_gather_output') so each rank keeps "
-            f"its shard of the logits"
+            f"its shard of the logits, or fuse the head (fuse_lm_head), which never forms them"
         )
 
 
-class VocabParallelCausalLMLoss:
-    """``causal_lm_loss`` bound to one vocabulary layout: assign it to ``model.loss_function``.
+class VtpCausalLMLoss:
+    """``causal_lm_loss`` for a model's ``loss_function``, on the layout of its head.
 
-    ``tp_group``, ``vocab_start``, ``vocab_end``: the layout of the head's local logits
-    (None, None, None for a full vocabulary or a DTensor output). One instance serves any
-    number of calls and models with that layout (a student and its teacher, for instance).
+    With ``head`` (the output-head module), the layout is read from it at every call (a
+    DTensor weight, DeepSpeed AutoTP's head; under FSDP2 the weight is gathered only inside
+    the forward); ``tp_group``, ``vocab_start``, ``vocab_end`` fix it instead (a head split
+    by hand). ``gathered="full"`` takes logits as wide as the global vocabulary as a full
+    vocabulary (the head gathered them); the default refuses them.
     """
 
-    def __init__(self, tp_group=None, vocab_start: int | None = None, vocab_end: int | None = None):
+    def __init__(
+        self,
+        tp_group=None,
+        vocab_start: int | None = None,
+        vocab_end: int | None = None,
+        *,
+        head: Any = None,
+        gathered: str = "refuse",
+    ) -> None:
+        if gathered not in ("refuse", "full"):
+            raise ValueError(f"gathered must be 'refuse' or 'full', got {gathered!r}")
         self.tp_group, self.vocab_start, self.vocab_end = tp_group, vocab_start, vocab_end
+        self.head, self.gathered = head, gathered
+
+    def layout(self) -> tuple[object, int | None, int | None]:
+        if self.tp_group is not None or self.vocab_start is not None or self.head is None:
+            return self.tp_group, self.vocab_start, self.vocab_end
+        return _module_layout(self.head)
 
     def __call__(
         self,
@@ -102,8 +130,12 @@ class VocabParallelCausalLMLoss:
         shift_labels=None,
         **kwargs,
     ) -> torch.Tensor:
-        if is_dtensor(logits):
+        if isinstance(logits, heads.HeadLogits) or is_dtensor(logits):
             return causal_lm_loss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+        group, start, end = self.layout()
+        full = vocab_size if vocab_size is not None else (self.head.weight.shape[0] if self.head is not None else None)
+        if self.gathered == "full" and start is not None and logits.shape[-1] == full:
+            group = start = end = None  # the head gathered its output: every rank holds the whole vocabulary
         return causal_lm_loss(
             logits,
             labels,
@@ -111,30 +143,34 @@ class VocabParallelCausalLMLoss:
             num_items_in_batch,
             ignore_index,
             shift_labels,
-            tp_group=self.tp_group,
-            vocab_start=self.vocab_start,
-            vocab_end=self.vocab_end,
+            tp_group=group,
+            vocab_start=start,
+            vocab_end=end,
         )
 
     def __repr__(self) -> str:
-        return (
-            f"VocabParallelCausalLMLoss(tp_group={self.tp_group!r}, vocab_start={self.vocab_start}, "
-            f"vocab_end={self.vocab_end})"
+        where = (
+            f"head={type(self.head).__name__}"
+            if self.head is not None
+            else (f"tp_group={self.tp_group!r}, vocab_start={self.vocab_start}, vocab_end={self.vocab_end}")
         )
+        return f"{type(self).__name__}({where})"
 
 
-def lm_head_layout(model) -> tuple[object, int | None, int | None]:
-    """``(tp_group, vocab_start, vocab_end)`` of a model's output head on this rank.
+class VocabParallelCausalLMLoss(VtpCausalLMLoss):
+    """Deprecated name of ``VtpCausalLMLoss`` (it is also the name of DeepSpeed's own loss)."""
 
-    Read from the head's weight when it is a DTensor sharded over the vocabulary
-    (transformers' ``tp_plan``), or from DeepSpeed AutoTP's vocabulary-parallel head
-    (``mp_group``, ``vocab_start_index``, ``vocab_end_index``); ``(None, None, None)`` for a
-    head that is not split over the vocabulary.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return None, None, None
-    if getattr(head, "is_vocab_parallel_lm_head", False):  # DeepSpeed AutoTP's VocabParallelLinear
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        warnings.warn(
+            "VocabParallelCausalLMLoss is deprecated (DeepSpeed has a loss of that name); use VtpCausalLMLoss",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(*args, **kwargs)
+
+
+def _module_layout(head: Any) -> tuple[object, int | None, int | None]:
+    if heads.is_vocab_parallel_linear(head):
         return head.mp_group, int(head.vocab_start_index), int(head.vocab_end_index)
     weight = getattr(head, "weight", None)
     if is_dtensor(weight):
@@ -144,15 +180,142 @@ def lm_head_layout(model) -> tuple[object, int | None, int | None]:
     return None, None, None
 
 
+def lm_head_layout(model) -> tuple[object, int | None, int | None]:
+    """``(tp_group, vocab_start, vocab_end)`` of a model's output head on this rank, now.
+
+    Read from the head's weight when it is a DTensor sharded over the vocabulary
+    (transformers' ``tp_plan``; FSDP2's ``_StridedShard`` over the data-parallel dimension
+    leaves the TP bounds as they are), or from DeepSpeed AutoTP's vocabulary-parallel head
+    (``mp_group``, ``vocab_start_index``, ``vocab_end_index``); ``(None, None, None)`` for a
+    head that is not split over the vocabulary.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None, None, None
+    return _module_layout(head)
+
+
 def use_vocab_parallel_loss(model, tp_group=None, vocab_start: int | None = None, vocab_end: int | None = None):
     """Make ``model(labels=...)`` (and so transformers' ``Trainer``) compute its causal-LM
     loss with ``vtp_runtime`` on the head's vocabulary shards. Returns ``model``.
 
-    Without arguments the layout comes from the model's head (``lm_head_layout``). Pass
-    ``tp_group`` (and ``vocab_start``/``vocab_end`` unless the shards are in rank order) for
-    a head you split yourself, and put ``copy_to_tp_region`` before it.
+    The logits are still formed (``fuse_lm_head`` does without them). Without arguments the
+    layout is read from the model's head at every call; pass ``tp_group`` (and
+    ``vocab_start``/``vocab_end`` unless the shards are in rank order) for a head you split
+    yourself, and put ``copy_to_tp_region`` before it.
     """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if tp_group is None and vocab_start is None and vocab_end is None:
-        tp_group, vocab_start, vocab_end = lm_head_layout(model)
-    model.loss_function = VocabParallelCausalLMLoss(tp_group, vocab_start, vocab_end)
+        model.loss_function = VtpCausalLMLoss(head=head)
+    else:
+        model.loss_function = VtpCausalLMLoss(tp_group, vocab_start, vocab_end)
     return model
+
+
+# -- the fused head ----------------------------------------------------------------------------
+
+_STATE = "_vtp_fused_lm_head"  # the instance attribute holding what fuse_lm_head replaced
+
+
+def fuse_lm_head(
+    model,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_end: int | None = None,
+    *,
+    chunk_rows: int | None = None,
+):
+    """Patch ``model.forward`` so that in training with labels the causal-LM loss comes
+    straight from the hidden states through ``vtp.Head``: the ``[tokens, V_local]`` logits
+    are never formed, and ``output.logits`` is None. Returns ``model``.
+
+    - When: ``model.training`` and ``labels`` (or ``shift_labels``) given, as Liger does;
+      ``model(..., skip_logits=True/False)`` decides explicitly. Otherwise the model's own
+      forward runs and returns its logits, with the loss (when labels are given) computed
+      by ``VtpCausalLMLoss`` on their shards.
+    - Layout: read from the head at every call (DTensor weight, DeepSpeed AutoTP); pass
+      ``tp_group`` (and ``vocab_start``/``vocab_end``) for a plain ``nn.Linear`` holding
+      this rank's rows, split by hand.
+    - ``chunk_rows``: tokens per chunk of ``vtp.Head`` (default: its own rule).
+    - Refuses (``ValueError``) a head that is not an ``nn.Linear`` (or DeepSpeed's
+      ``VocabParallelLinear``) and final logit soft-capping (Gemma 2 and 3), before any
+      forward; a forward that transforms the logits beyond a positive scalar factor raises
+      ``UnfusableLogits`` at its first call.
+
+    Idempotent (a second call with the same arguments changes nothing; with others it
+    raises); ``unfuse_lm_head(model)`` restores the forward and the loss function.
+    Tied or untied heads alike: the gradient goes to the head's weight, whichever module
+    owns it.
+    """
+    heads.output_head(model)
+    heads.check_fusable(model)
+    explicit = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_end": vocab_end}
+    layout = explicit if any(v is not None for v in explicit.values()) else None
+    state = model.__dict__.get(_STATE)
+    if state is not None:
+        if state["layout"] != layout or state["chunk_rows"] != chunk_rows:
+            raise ValueError(
+                "fuse_lm_head was already applied to this model with other arguments; call unfuse_lm_head(model) first"
+            )
+        return model
+    original = model.forward
+    signature = inspect.signature(type(model).forward)
+
+    def forward(self, *args, skip_logits: bool | None = None, **kwargs):
+        try:
+            labels = signature.bind_partial(self, *args, **kwargs).arguments.get("labels")
+        except TypeError:  # let the model's own forward say what is wrong with the arguments
+            labels = kwargs.get("labels")
+        labelled = labels is not None or kwargs.get("shift_labels") is not None
+        fuse = skip_logits if skip_logits is not None else (self.training and labelled)
+        if not fuse:
+            return original(*args, **kwargs)
+        if not labelled:
+            raise ValueError("skip_logits=True needs labels (or shift_labels): there would be nothing to return")
+        with heads.intercepted(self, layout, chunk_rows):
+            out = original(*args, **kwargs)
+        return heads.without_logits(out)
+
+    forward.__wrapped__ = type(model).forward  # type: ignore[attr-defined]  # generate() reads the signature
+    model.__dict__[_STATE] = {
+        "layout": layout,
+        "chunk_rows": chunk_rows,
+        "forward": model.__dict__.get("forward"),
+        "loss_function": model.__dict__.get("_loss_function"),
+        "had_loss_function": "_loss_function" in model.__dict__,
+    }
+    model.forward = types.MethodType(forward, model)
+    model.forward.__func__._vtp_fused = True  # type: ignore[attr-defined]
+    if layout is None:
+        model.loss_function = VtpCausalLMLoss(head=heads.output_head(model), gathered="full")
+    else:
+        model.loss_function = VtpCausalLMLoss(tp_group, vocab_start, vocab_end)
+    return model
+
+
+def unfuse_lm_head(model):
+    """Undo ``fuse_lm_head``: the forward and the loss function the model had. Returns
+    ``model``; a model that was not fused is returned as it is."""
+    state = model.__dict__.get(_STATE)
+    if state is None:
+        return model
+    if not getattr(getattr(model.forward, "__func__", None), "_vtp_fused", False):
+        raise RuntimeError(
+            "model.forward was wrapped again after fuse_lm_head (by another patch); unwrap that first, "
+            "so that unfuse_lm_head does not drop it"
+        )
+    if state["forward"] is None:
+        del model.__dict__["forward"]
+    else:
+        model.__dict__["forward"] = state["forward"]
+    if state["had_loss_function"]:
+        model._loss_function = state["loss_function"]
+    else:
+        model.__dict__.pop("_loss_function", None)
+    del model.__dict__[_STATE]
+    return model
+
+
+def is_fused(model) -> bool:
+    """Whether ``fuse_lm_head`` is in effect on ``model``."""
+    return _STATE in model.__dict__

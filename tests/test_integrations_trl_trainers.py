@@ -1,0 +1,225 @@
+"""TRL's trainers through vtp with one changed line: ``VocabParallel<X>Trainer`` logs what TRL's
+own ``<X>Trainer`` logs -- every loss and metric of every step (SFT's entropy and token
+accuracy, DPO's log-prob sums, mean logits and WPO weights, KTO's KL, GRPO's and RLOO's
+importance ratios, KL and entropy, GKD's generalized JSD) -- on the same seed and data, at
+TP=1 in this process and at TP=2 on gloo (a tiny Llama loaded with transformers' TP plan:
+the head's weight a ``Shard(0)`` DTensor), against the stock trainer on one process.
+
+Token accuracy comes from ``vtp.argmax`` on the fused head. Each TP rank runs the trainer as a single process (accelerate has no CPU tensor
+parallelism, so the model's ``tp_size`` is hidden from the Trainer): both ranks see the whole
+batch, as tensor parallelism wants. fp32 throughout (``bf16=False``): the adapters are under
+test, not bf16 rounding.
+"""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from vtp_runtime.testing.distributed import RankPool
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                                reason="trl is not installed (pip install -e '.[integrations]')")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]  # V = 64: 32 ids per TP rank
+KINDS = ("SFT", "DPO", "KTO", "GRPO", "RLOO", "GKD")
+# what each trainer is run with: DPO with WPO's weights (log Σp²), GRPO/RLOO with a reference
+# model (beta > 0) and a sampling temperature, GKD on-policy (the student samples each batch)
+EXTRA = {
+    "SFT": {},
+    "DPO": {"use_weighting": True},
+    "KTO": {},
+    "GRPO": {"num_generations": 2, "max_completion_length": 4, "beta": 0.1, "temperature": 0.8},
+    "RLOO": {"num_generations": 2, "max_completion_length": 4, "beta": 0.1, "temperature": 0.8},
+    "GKD": {"lmbda": 1.0, "beta": 0.5, "max_new_tokens": 3, "temperature": 0.9},  # on-policy: every step samples
+}
+SKIP = ("runtime", "per_second", "step_time")  # wall-clock entries of the logs
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _save_models(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    for seed in (0, 1):  # the policy (student), and GKD's teacher
+        torch.manual_seed(seed)
+        LlamaForCausalLM(LlamaConfig(
+            vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2, initializer_range=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        )).save_pretrained(os.path.join(path, str(seed)))
+
+
+def _text(g, n):
+    # a trailing space: prompt + completion tokenizes as the prompt's tokens, then the completion's
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, 61, (n,), generator=g)) + " "
+
+
+def _rows(kind):
+    g = torch.Generator().manual_seed(0)
+    if kind == "SFT":
+        return [{"prompt": _text(g, 3), "completion": _text(g, 4)} for _ in range(8)]
+    if kind == "DPO":
+        return [{"prompt": _text(g, 3), "chosen": _text(g, 3), "rejected": _text(g, 4)} for _ in range(8)]
+    if kind == "KTO":
+        return [{"prompt": _text(g, 3), "completion": _text(g, 3), "label": bool(i % 2)} for i in range(8)]
+    if kind == "GKD":
+        return [{"input_ids": torch.randint(3, len(WORDS), (6,), generator=g).tolist()} for _ in range(8)]
+    return [{"prompt": _text(g, 3)} for _ in range(8)]
+
+
+def _gkd_collate(batch):
+    ids = torch.tensor([row["input_ids"] for row in batch])
+    labels = ids.clone()
+    labels[:, :2] = -100  # the prompt
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "prompts": ids[:, :2],
+            "prompt_attention_mask": torch.ones_like(ids[:, :2])}
+
+
+def _reward(completions, **kwargs):
+    return [len(c) / 10 for c in completions]
+
+
+def _config(kind, out):
+    import trl
+
+    if kind == "GKD":
+        try:
+            from trl.experimental.gkd import GKDConfig as config
+        except ImportError:
+            config = trl.GKDConfig
+    else:
+        config = getattr(trl, f"{kind}Config")
+    return config(output_dir=out, per_device_train_batch_size=4, max_steps=2, logging_steps=1, learning_rate=1e-2,
+                  seed=0, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False,
+                  model_init_kwargs=None if kind == "GKD" else {"dtype": torch.float32}, **EXTRA[kind])
+
+
+def _train(kind, trainer_class, path, out, tp=None):
+    """The trainer's log history after two steps; ``tp``: load the models with transformers'
+    TP plan over that many ranks (the head's default plan gathers its output)."""
+    import warnings
+
+    from datasets import Dataset
+    from transformers import LlamaForCausalLM
+
+    warnings.simplefilter("ignore")
+
+    def load(seed):
+        kw = {}
+        if tp is not None:
+            from transformers.distributed import DistributedConfig
+
+            kw["distributed_config"] = DistributedConfig(tp_size=tp)
+        model = LlamaForCausalLM.from_pretrained(os.path.join(path, str(seed)), dtype=torch.float32, **kw)
+        model._tp_size = None  # each TP rank runs the Trainer as one process (see the module docstring)
+        return model
+
+    kw = {"args": _config(kind, out), "train_dataset": Dataset.from_list(_rows(kind)),
+          "processing_class": _tokenizer()}
+    kw["model"] = load(0) if tp is not None or kind == "GKD" else os.path.join(path, "0")
+    if kind in ("GRPO", "RLOO"):
+        kw["reward_funcs"] = _reward
+    if kind == "GKD":
+        kw.update(teacher_model=load(1), data_collator=_gkd_collate)
+    trainer = trainer_class(**kw)
+    trainer.train()
+    return [{k: v for k, v in entry.items() if not any(s in k for s in SKIP)} for entry in trainer.state.log_history]
+
+
+def _stock(kind):
+    import vtp_runtime.integrations.trl as vtp_trl
+
+    return vtp_trl._trl_trainer(kind)
+
+
+def _ours(kind):
+    import vtp_runtime.integrations.trl as vtp_trl
+
+    return getattr(vtp_trl, f"VocabParallel{kind}Trainer")
+
+
+def _counted(fn, calls):
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _run_ours(kind, path, out, tp=None):
+    """``VocabParallel<kind>Trainer``'s logs, and how many calls reached vtp's fused head."""
+    import vtp_runtime as vtp
+    import vtp_runtime.integrations.trl as vtp_trl
+
+    calls = []
+    saved = vtp_trl.per_token_outputs, vtp_trl.generalized_jsd_loss
+    vtp_trl.per_token_outputs = _counted(saved[0], calls)
+    vtp_trl.generalized_jsd_loss = _counted(saved[1], calls)
+    try:
+        with vtp.use_backend("eager"):
+            return _train(kind, _ours(kind), path, out, tp), len(calls)
+    finally:
+        vtp_trl.per_token_outputs, vtp_trl.generalized_jsd_loss = saved
+
+
+def _assert_same_logs(ours, stock):
+    assert len(ours) == len(stock) == 3, (len(ours), len(stock))
+    compared = 0
+    for got, want in zip(ours, stock):
+        assert got.keys() == want.keys(), (got.keys() ^ want.keys())
+        for key, value in want.items():
+            if isinstance(value, float):
+                # KL-like metrics are differences of nearby log-prob sums: an absolute floor
+                torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=key)
+                compared += 1
+    return compared
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tiny"))
+    _save_models(path)
+    return path
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp1_trainer_logs_what_trl_logs(kind, models, tmp_path):
+    stock = _train(kind, _stock(kind), models, str(tmp_path / "stock"))
+    ours, calls = _run_ours(kind, models, str(tmp_path / "vtp"))
+    assert calls >= 2, f"{kind}: vtp's fused head ran {calls} times"
+    assert _assert_same_logs(ours, stock) >= 8
+
+
+# -- TP=2 ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(2, env={"VTP_BACKEND": "eager"})  # the adapters are under test, not the kernels
+    yield pool
+    pool.close()
+
+
+def _tp2_job(rank, world, group, kind, path, out):
+    logs, calls = _run_ours(kind, path, os.path.join(out, str(rank)), tp=world)
+    return logs, calls
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp2_trainer_logs_what_one_process_logs(kind, models, pool, tmp_path):
+    stock = _train(kind, _stock(kind), models, str(tmp_path / "stock"))
+    per_rank = pool.run(_tp2_job, kind, models, str(tmp_path), timeout=300)
+    for logs, calls in per_rank:
+        assert calls >= 2
+        _assert_same_logs(logs, stock)
