@@ -105,31 +105,41 @@ def main() -> None:
     noop = vtp.registry.REGISTRY.get("noop_profile")
     noop.values = torch.zeros(args.tokens, device=dev)
     noop.grad = torch.zeros_like(s)
-
-    def ce(b):
-        return lambda: vtp.cross_entropy(s, y, backend=b)
-
-    def jsd(b):
-        return lambda: vtp.jsd(s, t, beta=0.5, backend=b)
-
+    idx = y[:, None].expand(-1, 4).contiguous()
+    # every op, as a training step calls it: a mean over the tokens, then its backward
+    calls = {
+        "cross_entropy": lambda b: lambda: vtp.cross_entropy(s, y, reduction="mean", backend=b),
+        "logprobs": lambda b: lambda: vtp.logprobs(s, y, reduction="mean", backend=b),
+        "logprobs_entropy": lambda b: lambda: sum(vtp.logprobs(s, y, return_entropy=True, reduction="mean", backend=b)),
+        "logprobs_topk": lambda b: lambda: vtp.logprobs(s, idx, reduction="mean", backend=b),
+        "entropy": lambda b: lambda: vtp.entropy(s, reduction="mean", backend=b),
+        "kl": lambda b: lambda: vtp.kl(s, t, reduction="mean", backend=b),
+        "jsd": lambda b: lambda: vtp.jsd(s, t, beta=0.5, reduction="mean", backend=b),
+    }
+    noop_ops = ("cross_entropy", "jsd")  # what the do-nothing backend declares
     backends = ("triton", "eager", "noop_profile") if dev.type == "cuda" else ("eager", "noop_profile")
     print(f"N={args.tokens} V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1; "
           f"CPU µs per call: thread (device idle at each call) / process / loop (back to back)")
+    peer = per_call_us(lambda: torch.nn.functional.cross_entropy(s, y).backward(), args.reps, dev)
+    print(f"{'torch':13s} {'F.cross_entropy':16s} forward+backward {peer[0]:7.1f} / {peer[1]:7.1f} / {peer[2]:7.1f}")
     for backend in backends:
-        for name, make in (("cross_entropy", ce), ("jsd", jsd)):
+        for name, make in calls.items():
+            if backend == "noop_profile" and name not in noop_ops:
+                continue
             fwd = per_call_us(make(backend), args.reps, dev)
-            both = per_call_us(lambda f=make(backend): f().sum().backward(), args.reps, dev)
-            print(f"{backend:13s} {name:14s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
-                  f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}")
+            both = per_call_us(lambda f=make(backend): f().backward(), args.reps, dev)
+            print(f"{backend:13s} {name:16s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
+                  f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}   "
+                  f"loop x F.cross_entropy {both[2] / peer[2]:5.2f}")
     base = per_call_us(lambda: s.float().sum().backward(), args.reps, dev)
     print(f"{'torch':13s} {'s.float().sum().backward()':29s} {base[0]:7.1f} / {base[1]:7.1f} / {base[2]:7.1f} "
           f"(for scale)")
     prof = cProfile.Profile()
-    f = ce(backends[0])
+    f = calls["cross_entropy"](backends[0])
     _sync(dev)
     prof.enable()
     for _ in range(args.reps):
-        f().sum().backward()
+        f().backward()
     prof.disable()
     _sync(dev)
     out = io.StringIO()

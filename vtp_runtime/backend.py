@@ -120,9 +120,11 @@ class Request:
     compiled: bool = False  # called from a torch.compile'd graph (vtp_runtime.library)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
-    """Everything a backend needs for one call on this rank."""
+    """Everything a backend needs for one call on this rank. Made for every call (cheaply:
+    this is on every call's path) and shared with whatever the call hands it to: never
+    modify one."""
 
     request: Request
     group: Any  # torch.distributed ProcessGroup, or None for a single device

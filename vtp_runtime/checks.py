@@ -149,12 +149,13 @@ def check_tensors(spec: OpSpec, logits: tuple, index: Tensor | None, options: Ma
 
 def per_call_failure(spec: OpSpec, given: Mapping[str, Any], check: Check | None) -> Exception | None:
     """What is wrong with a planned call's per-call data (its signature was checked before):
-    a number option given per call (``normalizer``) and ``check``."""
+    a number option given per call (``normalizer``, ``seed``) and ``check``."""
     try:
-        for name, option in spec.options.items():
-            if option.per_call and name in given:
-                value = given[name]
-                if type(value) in (int, float) and option.valid is not None and not option.valid(value):
+        for name in spec.per_call:
+            value = given.get(name)
+            if type(value) in (int, float):
+                option = spec.options[name]
+                if option.valid is not None and not option.valid(value):
                     raise option.error(f"{name} must be {option.rule}, got {value!r}")
         if check is not None:
             check()

@@ -177,13 +177,15 @@ class OpSpec:
     returns_ids: bool = False
     options: Mapping[str, Option] = field(init=False)  # every option, common ones first, by name
     defaults: Mapping[str, Any] = field(init=False)  # every option's default, by name
-    per_call_backend: tuple[str, ...] = field(init=False)  # per-call options backends get
+    per_call: tuple[str, ...] = field(init=False)  # the per-call options
+    per_call_backend: tuple[str, ...] = field(init=False)  # ... and those backends get
 
     def __post_init__(self) -> None:
         options = {o.name: o for o in (*COMMON, *self.own)}
         object.__setattr__(self, "options", options)
         object.__setattr__(self, "defaults", {name: o.default for name, o in options.items()})
-        object.__setattr__(self, "per_call_backend", tuple(n for n, o in options.items() if o.per_call and o.backend))
+        object.__setattr__(self, "per_call", tuple(n for n, o in options.items() if o.per_call))
+        object.__setattr__(self, "per_call_backend", tuple(n for n in self.per_call if options[n].backend))
         unknown = set(self.features) - set(FEATURES)
         assert not unknown, f"{self.name}: unknown features {unknown}"
 

@@ -41,23 +41,25 @@ def reduce(values: Tensor, options, index: Tensor | None, mask: Tensor | None, i
     """Per-token ``values`` reduced as ``options["reduction"]`` and ``normalizer`` say: "mean"
     over unmasked tokens (index entries for top-k log-probs), 0 when all are masked."""
     reduction, normalizer = options.get("reduction", "none"), options.get("normalizer")
-    total = values if reduction == "none" else values.sum()
     if normalizer is not None:
+        total = values if reduction == "none" else values.sum()
         if isinstance(normalizer, Tensor):
             normalizer = normalizer.to(device=total.device, dtype=total.dtype).reshape(())
             # not read on the host (no sync): a count that is not finite and > 0 gives NaN
             normalizer = torch.where((normalizer > 0) & (normalizer < math.inf), normalizer, math.nan)
         return total / normalizer
-    if reduction != "mean":
-        return total
+    if reduction == "none":
+        return values
+    if reduction == "sum":
+        return values.sum()
     if index is not None:
         count = (index != ignore_index).sum()
     elif mask is not None:
         count = mask.sum()
-    else:
-        # a fill on the device: torch.tensor(n, device=cuda) would wait for the stream
-        count = torch.full((), values.numel(), device=values.device)
-    return total / count.clamp(min=1).to(total.dtype)
+    else:  # every token counts: one op (an empty call gives 0, a sum over nothing)
+        return values.mean() if values.numel() else values.sum()
+    # an int64 count divides a float total in the total's dtype; 0 when all are masked
+    return values.sum() / count.clamp(min=1)
 
 
 def head_reduction(options: Mapping[str, Any]) -> str:
