@@ -82,7 +82,7 @@ def drop_compiled(compiled: dict) -> None:
     compiled.clear()
     torch._dynamo.reset()
     for name in [k for k in globals() if k.startswith("__compiled_fn")]:
-        del globals()[name]
+        globals()[name] = None  # torch's own cleanup deletes the name later
 
 
 def runtime_plans() -> tuple[int, int]:

@@ -453,7 +453,7 @@ def compiled_group_rounds(rank, world, group, rounds):
         del g, f, z, out
         torch._dynamo.reset()
         for name in [k for k in globals() if k.startswith("__compiled_fn")]:
-            del globals()[name]
+            globals()[name] = None  # torch's own cleanup deletes the name later
     gc.collect()
     return _alive(refs), _plan_caches(), worst
 
