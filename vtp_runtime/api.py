@@ -134,7 +134,6 @@ def jsd(student_logits: Logits, teacher_logits: Logits, *, beta: float = 0.5, **
     return loss("jsd", student_logits, teacher_logits, beta=beta, **options)
 
 
-@torch.compiler.disable  # inside a compiled function: a graph break, the call runs eagerly
 def argmax(logits: Tensor, **options: Any) -> Tensor:
     """The global id of each row's largest logit, ties to the lowest id, as
     ``torch.argmax(full_logits, -1)`` gives it: int64 ``logits.shape[:-1]``, identical on
@@ -145,12 +144,14 @@ def argmax(logits: Tensor, **options: Any) -> Tensor:
     on its mesh, ``Replicate()`` on the vocabulary's mesh dimension). Options: ``tp_group``,
     ``vocab_start``/``vocab_end``, ``global_vocab_size``, ``backend`` (as for the losses);
     ``temperature`` is accepted and changes nothing. One all-gather of ``[N, 6]`` numbers
-    per call. NaN counts as ``+inf``; a row of all ``-inf`` gives 0.
+    per call. NaN counts as ``+inf``; a row of all ``-inf`` gives 0. Inside a compiled
+    function it is a graph break (it runs eagerly).
     """
+    if torch.compiler.is_compiling():
+        return _eagerly("argmax", (logits,), options)
     return pipeline.run("argmax", (logits,), options)
 
 
-@torch.compiler.disable  # inside a compiled function: a graph break, the call runs eagerly
 def sample(
     logits: Tensor,
     *,
@@ -176,13 +177,21 @@ def sample(
     ``logits`` and the other options as for ``argmax``. Collectives and host reads per call:
     see ``vtp_runtime.sampling``. Ranks passing different seeds raise the same ShardError
     where the metadata is checked per call (gloo, ``VTP_CHECK=1``) and get -1 in every row
-    otherwise (NCCL, ``VTP_CHECK=once``).
+    otherwise (NCCL, ``VTP_CHECK=once``). Inside a compiled function it is a graph break.
     """
     given = {"seed": _python_int(seed), "temperature": temperature, **options}
     for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if value is not None:
             given[name] = value
+    if torch.compiler.is_compiling():
+        return _eagerly("sample", (logits,), given)
     return pipeline.run("sample", (logits,), given)
+
+
+@torch.compiler.disable  # inside a compiled function: a graph break, the call runs eagerly
+def _eagerly(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
+    # (the decorator's own cost is paid only when compiling)
+    return pipeline.run(op, tensors, options)
 
 
 def _python_int(seed: Any) -> Any:
