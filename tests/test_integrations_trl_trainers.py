@@ -5,10 +5,19 @@ importance ratios, KL and entropy, GKD's generalized JSD) -- on the same seed an
 TP=1 in this process and at TP=2 on gloo (a tiny Llama loaded with transformers' TP plan:
 the head's weight a ``Shard(0)`` DTensor), against the stock trainer on one process.
 
-Token accuracy comes from ``vtp.argmax`` on the fused head. Each TP rank runs the trainer as a single process (accelerate has no CPU tensor
+Token accuracy comes from ``vtp.argmax`` on the fused head. The trainers that generate (GRPO,
+RLOO, on-policy GKD) sample with vtp's sampler, which they turn on themselves; the stock
+trainer they are compared with gets it by hand (``use_vocab_parallel_sampling``), and every
+completion is compared token for token. On a head that keeps its vocabulary shard
+(``tp_plan={"lm_head": "colwise"}``) TP=2 must generate one process's completions on both
+ranks; TRL's own sampler there does not (the control).
+
+Each TP rank runs the trainer as a single process (accelerate has no CPU tensor
 parallelism, so the model's ``tp_size`` is hidden from the Trainer): both ranks see the whole
-batch, as tensor parallelism wants. fp32 throughout (``bf16=False``): the adapters are under
-test, not bf16 rounding.
+batch, as tensor parallelism wants; the reference model TRL loads is sharded as the policy
+(else the policy's and the reference's log-probs differ in their last bits at TP=2, and
+AdamW turns that noise, where the gradient is exactly 0 at TP=1, into full-size steps).
+fp32 throughout (``bf16=False``): the adapters are under test, not bf16 rounding.
 """
 
 import importlib.util
@@ -335,3 +344,20 @@ def test_on_policy_generation_from_a_sharded_head_at_tp2(case, models, pool, tmp
         per_rank = pool.run(_colwise_job, kind, models, str(tmp_path), extra, ours=False, timeout=400)
         assert not all(torch.equal(ids, w) for _, _, generated in per_rank
                        for (_, ids, _), (_, w, _) in zip(generated, want))
+
+
+def _continuous_batching_job(rank, world, group, path, out):
+    try:
+        _run_ours("GRPO", path, os.path.join(out, str(rank)), tp=world, plan=COLWISE,
+                  use_transformers_continuous_batching=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+def test_continuous_batching_on_a_sharded_head_is_refused(models, pool, tmp_path):
+    """transformers' continuous batching samples without the logits processors' hook: on a
+    head that keeps its shard it would pick local ids, so the trainer refuses it."""
+    for message in pool.run(_continuous_batching_job, models, str(tmp_path), timeout=200):
+        assert "use_transformers_continuous_batching" in message and "local ids" in message, message

@@ -234,6 +234,19 @@ def layout_of(module: Any) -> dict[str, Any]:
     return {}
 
 
+def local_output(model: nn.Module) -> bool:
+    """Whether the head's own forward returns this rank's vocabulary shard of the logits
+    (DeepSpeed's vocabulary-parallel head, transformers' ``"colwise"`` style) rather than
+    gathered or DTensor logits: generation from them needs the vocabulary-parallel sampler
+    (TRL's trainers refuse continuous batching on them, which does not run it)."""
+    head: Any = output_head(model)
+    if is_vocab_parallel_linear(head):
+        return _group_size(head.mp_group) > 1
+    plan = getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None) or {}
+    names = [name for name, m in model.named_modules() if m is head]
+    return isinstance(plan, dict) and any(plan.get(name) == "colwise" for name in names)
+
+
 class _Stand(nn.Module):
     """What the model calls in place of its head during a fused forward."""
 

@@ -300,6 +300,7 @@ class VocabParallelTrainerMixin:
                     f"add_fused_lm_head; vtp_runtime cannot engage with it"
                 )
             super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._vtp_split_by_hand = bool(vtp_layout) and _group_size((vtp_layout or {}).get("tp_group")) > 1
         model = _unwrapped(self.model)  # type: ignore[attr-defined]
         reference = getattr(self, "ref_model", None)
         for name, m in (("model", model), ("reference model", reference)):
@@ -312,10 +313,24 @@ class VocabParallelTrainerMixin:
             _connect_sampling(self, [model], vtp_layout)
 
     def _vtp_generates(self) -> bool:
-        """Whether the trainer samples completions with ``model.generate`` (not vLLM)."""
+        """Whether the trainer samples completions with ``model.generate`` (not vLLM, not
+        transformers' continuous batching, which it refuses on a head that keeps its shard)."""
         samplers = ("GRPOTrainer", "RLOOTrainer")
         trl_sampler = any(c.__name__ in samplers and c.__module__.startswith("trl.") for c in type(self).__mro__)
-        return trl_sampler and not getattr(getattr(self, "args", None), "use_vllm", False)
+        args = getattr(self, "args", None)
+        if not trl_sampler or getattr(args, "use_vllm", False):
+            return False
+        if getattr(args, "use_transformers_continuous_batching", False):
+            model = _unwrapped(self.model)  # type: ignore[attr-defined]
+            if heads.local_output(model) or getattr(self, "_vtp_split_by_hand", False):
+                raise RuntimeError(
+                    f"{type(self).__name__}: use_transformers_continuous_batching samples from each rank's shard of "
+                    f"the logits, which the model's head returns (its vocabulary is split over the TP ranks), and "
+                    f"would pick local ids; generate with model.generate (use_transformers_continuous_batching=False: "
+                    f"vtp's vocabulary-parallel sampler) or vLLM"
+                )
+            return False  # the head's output holds the whole vocabulary: TRL's own sampling is right
+        return True
 
 
 def _connect_sampling(trainer, models, layout: dict | None = None) -> None:
