@@ -1,7 +1,11 @@
 """transformers' generate() on a tiny random Llama whose lm_head is vocabulary-sharded on 2 gloo
 ranks (``tp_plan={"lm_head": "colwise"}``): with ``use_vocab_parallel_sampling`` greedy
 decoding gives the unsharded model's sequences and sampling the same sequences on both
-ranks (and, for one seed, the unsharded model's); without it, generate() warns once."""
+ranks (and, for one seed, the unsharded model's with vtp's sampler); without it, generate()
+warns once. The same through ``fuse_lm_head`` and ``use_vocab_parallel_loss``, which install
+the warning on a head split over the vocabulary (the "colwise" plan, a head split by hand)
+and not where the head gathers its output (the default plan: there the sampler takes the
+whole logits, other logits processors first)."""
 
 import importlib.util
 
@@ -66,7 +70,8 @@ def _generate_job(rank, world, group, path):
         warnings.simplefilter("always")
         out["unguarded"] = sharded.generate(prompt, do_sample=False, **kw)
         sharded.generate(prompt, do_sample=False, **kw)
-    out["warnings"] = sum("split over the vocabulary" in str(w.message) for w in caught)
+    found = [str(w.message) for w in caught if "shard of the vocabulary" in str(w.message)]
+    out["warnings"], out["message"] = len(found), found[0] if found else ""
 
     use_vocab_parallel_sampling(sharded)
     out["greedy"] = sharded.generate(prompt, do_sample=False, **kw)
@@ -97,5 +102,95 @@ def test_generate_on_a_vocabulary_sharded_head(pool):
     assert torch.equal(r0["seeded"], r0["seeded_ref"])
     # without it: local ids, and one warning per model
     assert r0["warnings"] == r1["warnings"] == 1
+    assert "use_vocab_parallel_sampling(model)" in r0["message"]
     assert not torch.equal(r1["unguarded"], r1["greedy_ref"])
     assert "RepetitionPenaltyLogitsProcessor" in r0["refused"]
+
+
+def _warnings(fn):
+    """``fn()``'s result and how many vocabulary-shard warnings it raised."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, sum("shard of the vocabulary" in str(w.message) for w in caught)
+
+
+def _patched_job(rank, world, group, path):
+    from torch import nn
+    from transformers.distributed import DistributedConfig
+
+    from vtp_runtime.integrations.generation import use_vocab_parallel_sampling, vocab_parallel_sampling
+    from vtp_runtime.integrations.transformers import fuse_lm_head, use_vocab_parallel_loss
+
+    ref = _load(path)
+    prompt = torch.randint(3, V, (3, 5), generator=torch.Generator().manual_seed(3))
+    kw = {"max_new_tokens": 6, "pad_token_id": 0}
+    sampled = {"do_sample": True, "temperature": 0.7, "top_k": 40}
+    penalty = {"do_sample": True, "repetition_penalty": 1.3}
+    want = {"greedy": ref.generate(prompt, do_sample=False, **kw)}
+    with vocab_parallel_sampling(ref, seed=11):  # one process, vtp's sampler on the whole logits
+        want["seeded"] = ref.generate(prompt, **sampled, **kw)
+        want["penalty"] = ref.generate(prompt, **penalty, **kw)
+
+    def hand_split():  # this rank's rows of the head in a plain nn.Linear
+        model = _load(path)
+        start, end = (0, 400) if rank == 0 else (400, V)
+        head = nn.Linear(model.config.hidden_size, end - start, bias=False)
+        head.weight.data.copy_(ref.lm_head.weight.data[start:end])
+        model.lm_head = head
+        return model, {"tp_group": group, "vocab_start": start, "vocab_end": end}
+
+    colwise = {"lm_head": "colwise"}
+    out = {}
+    for name, patch, plan in (("fused", fuse_lm_head, colwise), ("loss", use_vocab_parallel_loss, colwise),
+                              ("fused gathered", fuse_lm_head, None), ("fused by hand", fuse_lm_head, "hand")):
+        def load():
+            if plan == "hand":
+                model, layout = hand_split()
+                return patch(model, **layout).train(), layout
+            config = DistributedConfig(tp_plan=plan, tp_size=world)
+            return patch(_load(path, distributed_config=config)).train(), {}
+
+        got = {}
+        plain, layout = load()  # a plain generate(): warns (once) where the logits are shards
+        got["plain"], got["warnings"] = _warnings(lambda: [plain.generate(prompt, do_sample=False, **kw)
+                                                           for _ in range(2)][0])
+        model, layout = load()  # with the sampler: no warning, the unsharded model's tokens
+        use_vocab_parallel_sampling(model, **layout)
+
+        def generate():
+            result = {"greedy": model.generate(prompt, do_sample=False, **kw)}
+            with vocab_parallel_sampling(model, seed=11, **layout):
+                result["seeded"] = model.generate(prompt, **sampled, **kw)
+                if plan is None:  # the whole logits on every rank: other processors run first
+                    result["penalty"] = model.generate(prompt, **penalty, **kw)
+            return result
+
+        result, got["sampler warnings"] = _warnings(generate)
+        out[name] = {**got, **result}
+    return want, out
+
+
+@pytest.mark.timeout(600)
+def test_generate_through_the_patched_models(pool):
+    """``fuse_lm_head`` and ``use_vocab_parallel_loss`` with ``model.generate()``: the warning
+    once where the head's output is a shard (never with the sampler, never where it is
+    gathered), and with ``use_vocab_parallel_sampling`` the unsharded model's sequences
+    (greedy; sampled for one seed, against the one process sampling with vtp's sampler)."""
+    pool, path = pool
+    per_rank = pool.run(_patched_job, path, timeout=500)
+    for rank, (want, out) in enumerate(per_rank):
+        for name, got in out.items():
+            sharded = name != "fused gathered"
+            assert got["warnings"] == (1 if sharded else 0), (rank, name, got["warnings"])
+            assert got["sampler warnings"] == 0, (rank, name)
+            for key in ("greedy", "seeded") + (() if sharded else ("penalty",)):
+                assert torch.equal(got[key], want[key]), (rank, name, key)
+        assert not torch.equal(want["seeded"], want["greedy"])
+        assert not torch.equal(want["penalty"], want["seeded"])
+    # a plain generate() picks from each rank's shard: wrong where the head's output is one
+    for name in per_rank[0][1]:
+        right = [torch.equal(out[name]["plain"], want["greedy"]) for want, out in per_rank]
+        assert (right == [True, True]) if name == "fused gathered" else (not all(right)), (name, right)

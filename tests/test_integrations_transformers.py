@@ -124,13 +124,32 @@ def test_fused_head_gives_the_models_own_loss_and_gradients(family):
 
 def test_generate_is_unchanged():
     """Generation runs the model's own forward (no labels), in training mode too, and
-    ``generate`` reads the model's own signature through the patch."""
+    ``generate`` reads the model's own signature through the patch; with
+    ``use_vocab_parallel_sampling`` on the fused model as well (greedy: the unpatched model's
+    sequences; sampled: the unfused model's with the same sampler and seed)."""
+    import warnings
+
+    from vtp_runtime.integrations.generation import use_vocab_parallel_sampling
     from vtp_runtime.integrations.transformers import fuse_lm_head
 
     model = _family("Llama", pad_token_id=0, eos_token_id=1)
     ids = torch.randint(2, 101, (2, 5), generator=torch.Generator().manual_seed(4))
-    want = model.generate(ids, max_new_tokens=4, do_sample=False)
-    assert torch.equal(fuse_lm_head(model).train().generate(ids, max_new_tokens=4, do_sample=False), want)
+    kw = {"max_new_tokens": 4, "do_sample": False}
+    sampled = {"max_new_tokens": 6, "do_sample": True, "top_p": 0.9}
+    want = model.generate(ids, **kw)
+    unfused = use_vocab_parallel_sampling(copy.deepcopy(model), seed=5)
+    with vtp.use_backend("eager"):
+        want_sampled = unfused.generate(ids, **sampled)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(fuse_lm_head(model).train().generate(ids, **kw), want)
+        use_vocab_parallel_sampling(model, seed=5)
+        with vtp.use_backend("eager"):
+            assert torch.equal(model.generate(ids, **kw), want)
+            got = model.generate(ids, **sampled)
+    assert not [w for w in caught if "shard of the vocabulary" in str(w.message)]  # one process: a whole head
+    assert torch.equal(got, want_sampled)
+    assert got.shape[1] > want.shape[1] and not torch.equal(got[:, : want.shape[1]], want)  # it did sample
 
 
 def test_fuse_is_idempotent_and_reversible():

@@ -5,10 +5,19 @@ importance ratios, KL and entropy, GKD's generalized JSD) -- on the same seed an
 TP=1 in this process and at TP=2 on gloo (a tiny Llama loaded with transformers' TP plan:
 the head's weight a ``Shard(0)`` DTensor), against the stock trainer on one process.
 
-Token accuracy comes from ``vtp.argmax`` on the fused head. Each TP rank runs the trainer as a single process (accelerate has no CPU tensor
+Token accuracy comes from ``vtp.argmax`` on the fused head. The trainers that generate (GRPO,
+RLOO, on-policy GKD) sample with vtp's sampler, which they turn on themselves; the stock
+trainer they are compared with gets it by hand (``use_vocab_parallel_sampling``), and every
+completion is compared token for token. On a head that keeps its vocabulary shard
+(``tp_plan={"lm_head": "colwise"}``) TP=2 must generate one process's completions on both
+ranks; TRL's own sampler there does not (the control).
+
+Each TP rank runs the trainer as a single process (accelerate has no CPU tensor
 parallelism, so the model's ``tp_size`` is hidden from the Trainer): both ranks see the whole
-batch, as tensor parallelism wants. fp32 throughout (``bf16=False``): the adapters are under
-test, not bf16 rounding.
+batch, as tensor parallelism wants; the reference model TRL loads is sharded as the policy
+(else the policy's and the reference's log-probs differ in their last bits at TP=2, and
+AdamW turns that noise, where the gradient is exactly 0 at TP=1, into full-size steps).
+fp32 throughout (``bf16=False``): the adapters are under test, not bf16 rounding.
 """
 
 import importlib.util
@@ -36,6 +45,7 @@ EXTRA = {
     "GKD": {"lmbda": 1.0, "beta": 0.5, "max_new_tokens": 3, "temperature": 0.9},  # on-policy: every step samples
 }
 SKIP = ("runtime", "per_second", "step_time")  # wall-clock entries of the logs
+SAMPLERS = ("GRPO", "RLOO", "GKD")  # the trainers that generate (GKD: on-policy, lmbda > 0)
 
 
 def _tokenizer():
@@ -88,7 +98,7 @@ def _reward(completions, **kwargs):
     return [len(c) / 10 for c in completions]
 
 
-def _config(kind, out):
+def _config(kind, out, **extra):
     import trl
 
     if kind == "GKD":
@@ -98,14 +108,19 @@ def _config(kind, out):
             config = trl.GKDConfig
     else:
         config = getattr(trl, f"{kind}Config")
-    return config(output_dir=out, per_device_train_batch_size=4, max_steps=2, logging_steps=1, learning_rate=1e-2,
-                  seed=0, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False,
-                  model_init_kwargs=None if kind == "GKD" else {"dtype": torch.float32}, **EXTRA[kind])
+    fields = {"max_steps": 2, "model_init_kwargs": None if kind == "GKD" else {"dtype": torch.float32},
+              **EXTRA[kind], **extra}
+    return config(output_dir=out, per_device_train_batch_size=4, logging_steps=1, learning_rate=1e-2,
+                  seed=0, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, **fields)
 
 
-def _train(kind, trainer_class, path, out, tp=None):
-    """The trainer's log history after two steps; ``tp``: load the models with transformers'
-    TP plan over that many ranks (the head's default plan gathers its output)."""
+def _train(kind, trainer_class, path, out, tp=None, plan=None, sampler=False, generated=None, **extra):
+    """The trainer's log history after its steps; ``tp``: load the models with transformers'
+    TP plan over that many ranks (``plan``: rules over the model's own, e.g. the head's
+    ``"colwise"``; without it the head's default plan gathers its output). ``sampler``: the
+    stock trainer's models sample with ``use_vocab_parallel_sampling`` (what the VocabParallel
+    trainers turn on themselves). ``generated``: a list that receives ``(who, sequences)`` of
+    every ``generate()`` call. ``extra``: config fields over ``EXTRA[kind]``."""
     import warnings
 
     from datasets import Dataset
@@ -118,12 +133,18 @@ def _train(kind, trainer_class, path, out, tp=None):
         if tp is not None:
             from transformers.distributed import DistributedConfig
 
-            kw["distributed_config"] = DistributedConfig(tp_size=tp)
+            kw["distributed_config"] = DistributedConfig(tp_size=tp, tp_plan=plan)
         model = LlamaForCausalLM.from_pretrained(os.path.join(path, str(seed)), dtype=torch.float32, **kw)
         model._tp_size = None  # each TP rank runs the Trainer as one process (see the module docstring)
         return model
 
-    kw = {"args": _config(kind, out), "train_dataset": Dataset.from_list(_rows(kind)),
+    if tp is not None and kind != "GKD":
+        from transformers.distributed import DistributedConfig
+
+        # the reference model TRL loads (GRPO, RLOO, DPO, KTO with beta > 0) is sharded as the policy
+        extra.setdefault("model_init_kwargs", {"dtype": torch.float32,
+                                               "distributed_config": DistributedConfig(tp_size=tp, tp_plan=plan)})
+    kw = {"args": _config(kind, out, **extra), "train_dataset": Dataset.from_list(_rows(kind)),
           "processing_class": _tokenizer()}
     kw["model"] = load(0) if tp is not None or kind == "GKD" else os.path.join(path, "0")
     if kind in ("GRPO", "RLOO"):
@@ -131,8 +152,33 @@ def _train(kind, trainer_class, path, out, tp=None):
     if kind == "GKD":
         kw.update(teacher_model=load(1), data_collator=_gkd_collate)
     trainer = trainer_class(**kw)
+    models = {"policy": trainer.model, "teacher": getattr(trainer, "teacher_model", None)}
+    for who, model in models.items():
+        if model is None:
+            continue
+        if sampler:
+            from vtp_runtime.integrations.generation import use_vocab_parallel_sampling
+
+            use_vocab_parallel_sampling(model)
+        if generated is not None:
+            model.generate = _recorded(model, who, generated)
     trainer.train()
     return [{k: v for k, v in entry.items() if not any(s in k for s in SKIP)} for entry in trainer.state.log_history]
+
+
+def _recorded(model, who, into):
+    """``model.generate``, recording ``(who, sequences, whether vtp's sampler is on)``."""
+    from vtp_runtime.integrations.generation import is_vocab_parallel_sampling
+
+    generate = model.generate
+
+    def wrapper(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        sequences = out if isinstance(out, torch.Tensor) else out.sequences
+        into.append((who, sequences.clone(), is_vocab_parallel_sampling(model)))
+        return out
+
+    return wrapper
 
 
 def _stock(kind):
@@ -155,7 +201,7 @@ def _counted(fn, calls):
     return wrapper
 
 
-def _run_ours(kind, path, out, tp=None):
+def _run_ours(kind, path, out, tp=None, **kw):
     """``VocabParallel<kind>Trainer``'s logs, and how many calls reached vtp's fused head."""
     import vtp_runtime as vtp
     import vtp_runtime.integrations.trl as vtp_trl
@@ -166,13 +212,23 @@ def _run_ours(kind, path, out, tp=None):
     vtp_trl.generalized_jsd_loss = _counted(saved[1], calls)
     try:
         with vtp.use_backend("eager"):
-            return _train(kind, _ours(kind), path, out, tp), len(calls)
+            return _train(kind, _ours(kind), path, out, tp, **kw), len(calls)
     finally:
         vtp_trl.per_token_outputs, vtp_trl.generalized_jsd_loss = saved
 
 
-def _assert_same_logs(ours, stock):
-    assert len(ours) == len(stock) == 3, (len(ours), len(stock))
+def _run_stock(kind, path, out, **kw):
+    """The stock trainer on one process; trainers that generate sample with vtp's sampler
+    (as ``VocabParallel<kind>Trainer`` does), on the same backend as ours (a draw is the same
+    for one seed at any TP size on one backend)."""
+    import vtp_runtime as vtp
+
+    with vtp.use_backend("eager"):
+        return _train(kind, _stock(kind), path, out, sampler=kind in SAMPLERS, **kw)
+
+
+def _assert_same_logs(ours, stock, steps=2):
+    assert len(ours) == len(stock) == steps + 1, (len(ours), len(stock))
     compared = 0
     for got, want in zip(ours, stock):
         assert got.keys() == want.keys(), (got.keys() ^ want.keys())
@@ -194,7 +250,7 @@ def models(tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp1_trainer_logs_what_trl_logs(kind, models, tmp_path):
-    stock = _train(kind, _stock(kind), models, str(tmp_path / "stock"))
+    stock = _run_stock(kind, models, str(tmp_path / "stock"))
     ours, calls = _run_ours(kind, models, str(tmp_path / "vtp"))
     assert calls >= 2, f"{kind}: vtp's fused head ran {calls} times"
     assert _assert_same_logs(ours, stock) >= 8
@@ -218,8 +274,90 @@ def _tp2_job(rank, world, group, kind, path, out):
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("kind", KINDS)
 def test_tp2_trainer_logs_what_one_process_logs(kind, models, pool, tmp_path):
-    stock = _train(kind, _stock(kind), models, str(tmp_path / "stock"))
+    stock = _run_stock(kind, models, str(tmp_path / "stock"))
     per_rank = pool.run(_tp2_job, kind, models, str(tmp_path), timeout=300)
     for logs, calls in per_rank:
         assert calls >= 2
         _assert_same_logs(logs, stock)
+
+
+# -- on-policy generation from a head that keeps its vocabulary shard (TP=2, "colwise") ---------
+# The head's output is this rank's shard of the logits: sampling from it alone picks local ids.
+# The VocabParallel trainers turn on vtp's sampler by themselves (at any TP size), whose draws
+# depend on the global logits, the seed and the row only; the base seed of each generate() is
+# drawn from torch's generator (which the Trainer seeds with args.seed) on the group's first
+# rank. So TP=2 must generate exactly the completions of one process with the same seed, and
+# log what it logs.
+
+COLWISE = {"lm_head": "colwise"}
+ON_POLICY = {  # case: (trainer, config fields over EXTRA)
+    "GKD-on-policy": ("GKD", {}),  # lmbda=1: the student samples every step
+    # the default lmbda=0.5 with seq_kd: python's random (seeded by the Trainer) picks the
+    # student or the teacher each step; four steps give both
+    "GKD-seq_kd": ("GKD", {"lmbda": 0.5, "seq_kd": True, "max_steps": 4}),
+    "GRPO": ("GRPO", {}),
+    "RLOO": ("RLOO", {}),
+}
+
+
+def _colwise_job(rank, world, group, kind, path, out, extra, ours=True):
+    generated = []
+    out = os.path.join(out, f"{'ours' if ours else 'stock'}{rank}")
+    if ours:
+        logs, calls = _run_ours(kind, path, out, tp=world, plan=COLWISE, generated=generated, **extra)
+    else:  # TRL's own sampler on the shards
+        import vtp_runtime as vtp
+
+        with vtp.use_backend("eager"):
+            logs, calls = _train(kind, _stock(kind), path, out, tp=world, plan=COLWISE, generated=generated,
+                                 **extra), 0
+    return logs, calls, generated
+
+
+def _assert_same_generations(got, want):
+    assert len(got) == len(want) > 0, (len(got), len(want))
+    for (who, ids, on), (want_who, want_ids, _) in zip(got, want):
+        assert on, f"{who} generated without vtp's sampler"
+        assert who == want_who
+        assert torch.equal(ids, want_ids), (ids, want_ids)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("case", list(ON_POLICY))
+def test_on_policy_generation_from_a_sharded_head_at_tp2(case, models, pool, tmp_path):
+    kind, extra = ON_POLICY[case]
+    steps = extra.get("max_steps", 2)
+    want = []  # the stock trainer on one process, vtp's sampler on its models
+    stock = _run_stock(kind, models, str(tmp_path / "stock"), generated=want, **extra)
+    tp1 = []  # ours on one process: the sampler is turned on by the trainer, at TP=1 too
+    logs, _ = _run_ours(kind, models, str(tmp_path / "tp1"), generated=tp1, **extra)
+    _assert_same_generations(tp1, want)
+    _assert_same_logs(logs, stock, steps)
+    if case == "GKD-seq_kd":
+        assert {who for who, _, _ in want} == {"policy", "teacher"}, [who for who, _, _ in want]
+    per_rank = pool.run(_colwise_job, kind, models, str(tmp_path), extra, timeout=400)
+    for logs, calls, generated in per_rank:
+        assert calls >= steps
+        _assert_same_generations(generated, want)  # both ranks, token for token
+        _assert_same_logs(logs, stock, steps)
+    if case == "GKD-on-policy":  # the control: TRL's own sampler on the shards picks local ids
+        per_rank = pool.run(_colwise_job, kind, models, str(tmp_path), extra, ours=False, timeout=400)
+        assert not all(torch.equal(ids, w) for _, _, generated in per_rank
+                       for (_, ids, _), (_, w, _) in zip(generated, want))
+
+
+def _continuous_batching_job(rank, world, group, path, out):
+    try:
+        _run_ours("GRPO", path, os.path.join(out, str(rank)), tp=world, plan=COLWISE,
+                  use_transformers_continuous_batching=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.timeout(300)
+def test_continuous_batching_on_a_sharded_head_is_refused(models, pool, tmp_path):
+    """transformers' continuous batching samples without the logits processors' hook: on a
+    head that keeps its shard it would pick local ids, so the trainer refuses it."""
+    for message in pool.run(_continuous_batching_job, models, str(tmp_path), timeout=200):
+        assert "use_transformers_continuous_batching" in message and "local ids" in message, message

@@ -16,21 +16,32 @@ unsharded model::
 How. ``generate()`` builds its logits processors once per call (``_get_logits_processor``);
 on this model that method is wrapped so that the list holds, instead of the sampling
 warpers (temperature, top-k, top-p, min-p), one processor that draws the token itself and
-returns scores that are 0 at the drawn global id and ``-inf`` elsewhere, ``[batch, V]``:
+returns scores that are 0 at the drawn global id and ``-inf`` elsewhere (``[batch, V]``):
 transformers' own ``argmax``/``multinomial`` then take exactly that id. Everything else of
 the decoding loop (stopping, padding, caches, streamers) is transformers' own.
+
+Which logits. At each step the processor looks at the scores it gets: a DTensor, or a
+plain tensor as wide as this rank's shard of a head split over a TP group of more than one
+rank, is a shard (``vtp.sample`` on the shards); anything else holds the whole vocabulary
+on every rank (a head that gathers its output, TP=1), and ``vtp.sample`` runs on it as it
+is. So the same line is right on any head, and a draw depends on the global logits, the
+seed and the row only: one seed gives the same tokens at any TP size and head layout.
 
 Seeds. Step ``t`` of a call (the sequence length so far) draws with seed
 ``base * 2**32 + t``; ``base`` is ``seed=`` if given, else drawn once per ``generate()`` from
 torch's default generator on the first rank of the TP group and broadcast (so
-``torch.manual_seed`` before ``generate()`` makes a run repeatable).
+``torch.manual_seed`` before ``generate()`` makes a run repeatable, and the ranks agree
+even where their generators differ).
 
-Refused, with a ValueError saying why: beam search (``num_beams > 1``), and any other
-logits processor (repetition penalty, bad words, min length, ...): they index the full
-vocabulary, which a rank does not hold. ``output_scores`` holds the one-hot scores.
+Other logits processors (repetition penalty, bad words, min length, ...) index the full
+vocabulary: on logits that hold it they run first, as in transformers; on shards they are
+refused with a ValueError at the first step. Beam search (``num_beams > 1``) is refused
+before any step. ``output_scores`` holds the one-hot scores.
 
-Without it, a generation on a vocabulary-sharded head is wrong silently; ``warn_on_sharded_generation(model)``
-makes ``generate()`` say so once (``use_vocab_parallel_loss`` users should call it).
+Without it, a generation on a vocabulary-sharded head is wrong silently;
+``warn_on_sharded_generation(model)`` makes ``generate()`` warn once where the logits it
+gets are a shard (``fuse_lm_head`` and ``use_vocab_parallel_loss`` call it on a head split
+over the vocabulary).
 This module does not import transformers.
 """
 
@@ -78,14 +89,26 @@ def _hook(model) -> _Hook:
 
 def _head_layout(model) -> tuple[Any, int | None, int | None, int | None]:
     """``(tp_group, vocab_start, vocab_end, V)`` of the model's output head (None, ... when it
-    is not split over the vocabulary)."""
+    is not split over the vocabulary; V None where the head does not say)."""
+    from .lm_head import is_vocab_parallel_linear
     from .transformers import lm_head_layout
 
     group, start, end = lm_head_layout(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight: Any = getattr(head, "weight", None)
-    size = int(weight.shape[0]) if is_dtensor(weight) else None  # a DTensor's shape is the global one
+    size = None
+    if is_dtensor(weight):
+        size = int(weight.shape[0])  # a DTensor's shape is the global one
+    elif head is not None and is_vocab_parallel_linear(head):
+        size = int(head.vocab_size)
     return group, start, end, size
+
+
+def _global_vocab(model, given: int | None = None) -> int:
+    if given is not None:
+        return given
+    found = _head_layout(model)[3]
+    return found if found is not None else int(model.config.get_text_config().vocab_size)
 
 
 def _sharded(group) -> bool:
@@ -107,8 +130,10 @@ def use_vocab_parallel_sampling(
     ``use_vocab_parallel_loss``: a DTensor weight, DeepSpeed AutoTP's head). For a head split
     by hand pass ``tp_group`` (and ``vocab_start``/``vocab_end`` unless the shards are in
     rank order) and ``vocab_size`` (the global V; default ``model.config.vocab_size``).
-    ``seed``: the base of every step's seed, the same on every rank (default: a new one per
-    ``generate()`` call from torch's generator, agreed across the ranks).
+    Logits that hold the whole vocabulary (a head that gathers its output, TP=1) are
+    sampled as they are, other logits processors first. ``seed``: the base of every
+    step's seed, the same on every rank (default: a new one per ``generate()`` call from
+    torch's generator on the group's first rank, broadcast).
     """
     hook = _hook(model)
     if tp_group is None and vocab_start is None and vocab_end is None:
@@ -119,6 +144,12 @@ def use_vocab_parallel_sampling(
     hook.seed = seed
     hook.enabled = True
     return model
+
+
+def is_vocab_parallel_sampling(model) -> bool:
+    """Whether ``use_vocab_parallel_sampling`` is in effect on ``model``."""
+    hook = model.__dict__.get(_STATE)
+    return hook is not None and hook.enabled
 
 
 @contextlib.contextmanager
@@ -134,10 +165,19 @@ def vocab_parallel_sampling(model, **kwargs: Any) -> Iterator[Any]:
 
 
 def warn_on_sharded_generation(model):
-    """Make ``model.generate()`` warn (once per model) when the head is split over the
-    vocabulary and vocabulary-parallel sampling is off. Returns ``model``."""
+    """Make ``model.generate()`` warn (once per model) where vocabulary-parallel sampling is
+    off and the logits it gets are a shard of the vocabulary: a DTensor sharded over it, or
+    narrower than the global V (the head's, else ``config.vocab_size``). Returns ``model``."""
     _hook(model)
     return model
+
+
+_WARNING = (
+    "generate() on a model whose lm_head returns this rank's shard of the vocabulary ({what}): every rank picks "
+    "a token from its own shard of the logits (a local id, different on every rank). Call "
+    "vtp_runtime.integrations.generation.use_vocab_parallel_sampling(model) first (TRL's VocabParallelGRPOTrainer, "
+    "VocabParallelRLOOTrainer and VocabParallelGKDTrainer do)"
+)
 
 
 def _get_logits_processor(self, generation_config=None, *args: Any, **kwargs: Any) -> Any:
@@ -146,28 +186,43 @@ def _get_logits_processor(self, generation_config=None, *args: Any, **kwargs: An
         generation_config = args[0]
         args = args[1:]
     if not hook.enabled:
-        if not hook.warned and _sharded(_head_layout(self)[0]):
-            hook.warned = True
-            warnings.warn(
-                "generate() on a model whose lm_head is split over the vocabulary: every rank picks a token "
-                "from its own shard of the logits (a local id, different on every rank). Call "
-                "vtp_runtime.integrations.generation.use_vocab_parallel_sampling(model) first",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return hook.original(generation_config, *args, **kwargs)
+        processors = hook.original(generation_config, *args, **kwargs)
+        if not hook.warned:
+            processors.append(_shard_check(self, hook))
+        return processors
     _check_supported(generation_config)
     plain = copy.copy(generation_config)
     plain.do_sample = False  # no sampling warpers: the selector below does their work
     processors = hook.original(plain, *args, **kwargs)
-    if len(processors):
-        names = ", ".join(type(p).__name__ for p in processors)
-        raise ValueError(
-            f"vocabulary-parallel generation takes no other logits processors ({names}): they index the full "
-            f"vocabulary, which each rank holds only a shard of. Remove them from the call and generation_config"
-        )
-    processors.append(_selector(self, hook, generation_config, kwargs.get("device")))
+    others = type(processors)(processors)  # run first where the logits hold the whole vocabulary
+    processors.clear()
+    processors.append(_selector(self, hook, generation_config, kwargs.get("device"), others))
     return processors
+
+
+def _shard_check(model, hook: _Hook):
+    from transformers import LogitsProcessor
+
+    vocab = _global_vocab(model)
+
+    class VocabShardCheck(LogitsProcessor):
+        """Warns (once per model) where the scores are a shard of the vocabulary; changes nothing."""
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if hook.warned:
+                return scores
+            what = None
+            if is_dtensor(scores):
+                if any(p.is_shard() for p in scores.placements):  # type: ignore[attr-defined]
+                    what = "DTensor logits sharded over it"
+            elif scores.shape[-1] < vocab:
+                what = f"{scores.shape[-1]} of {vocab} ids"
+            if what is not None:
+                hook.warned = True
+                warnings.warn(_WARNING.format(what=what), RuntimeWarning, stacklevel=2)
+            return scores
+
+    return VocabShardCheck()
 
 
 def _check_supported(cfg) -> None:
@@ -199,7 +254,7 @@ def _base_seed(hook: _Hook, device) -> int:
     return int(base.item())
 
 
-def _selector(model, hook: _Hook, cfg, device):
+def _selector(model, hook: _Hook, cfg, device, others):
     from transformers import LogitsProcessor
 
     sample = bool(cfg.do_sample)
@@ -213,21 +268,52 @@ def _selector(model, hook: _Hook, cfg, device):
             "min_p": cfg.min_p if cfg.min_p else None,
         }
     layout = dict(hook.layout)
-    vocab = hook.vocab_size or int(model.config.get_text_config().vocab_size)
+    vocab = _global_vocab(model, hook.vocab_size)
     base = _base_seed(hook, device) if sample else 0
+
+    def shard_options(scores: torch.Tensor) -> dict[str, Any] | None:
+        """The op keywords where ``scores`` is this rank's shard; None where it holds the
+        whole vocabulary."""
+        if is_dtensor(scores):
+            return {}  # it carries its layout
+        width = scores.shape[-1]
+        start, end = layout.get("vocab_start"), layout.get("vocab_end")
+        if not _sharded(layout.get("tp_group")):
+            return None
+        if start is None or end is None or end - start == width:
+            return {**layout, "global_vocab_size": vocab}
+        if width == vocab:
+            return None  # the head gathered its output
+        raise ValueError(
+            f"the logits have {width} vocabulary entries: neither this rank's shard of the head, ids "
+            f"[{start}, {end}), nor the whole vocabulary ({vocab})"
+        )
 
     class VocabParallelTokenSelector(LogitsProcessor):
         """Draws the next token of every row on the vocabulary shards; scores 0 there, -inf elsewhere."""
 
         def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            kw = {} if is_dtensor(scores) else {**layout, "global_vocab_size": vocab}
+            kw = shard_options(scores)
+            if kw is None:
+                kw = {}
+                scores = others(input_ids, scores)
+                width = scores.shape[-1]
+            elif len(others):
+                names = ", ".join(type(p).__name__ for p in others)
+                raise ValueError(
+                    f"vocabulary-parallel generation on a sharded head takes no other logits processors ({names}): "
+                    f"they index the full vocabulary, which each rank holds only a shard of. Remove them from the "
+                    f"call and generation_config"
+                )
+            else:
+                width = vocab
             if sample:
                 ids = vtp.sample(scores, seed=base * 2**32 + input_ids.shape[-1], **options, **kw)
             else:
                 ids = vtp.argmax(scores, **kw)
             if is_dtensor(ids):
                 ids = ids.to_local()  # type: ignore[attr-defined]  # replicated over the vocabulary
-            out = torch.full((ids.shape[0], vocab), -math.inf, dtype=torch.float32, device=ids.device)
+            out = torch.full((ids.shape[0], width), -math.inf, dtype=torch.float32, device=ids.device)
             return out.scatter_(1, ids[:, None], 0.0)
 
     return VocabParallelTokenSelector()

@@ -237,7 +237,8 @@ def layout_of(module: Any) -> dict[str, Any]:
 def local_output(model: nn.Module) -> bool:
     """Whether the head's own forward returns this rank's vocabulary shard of the logits
     (DeepSpeed's vocabulary-parallel head, transformers' ``"colwise"`` style) rather than
-    gathered or DTensor logits: generation from them needs the vocabulary-parallel sampler."""
+    gathered or DTensor logits: generation from them needs the vocabulary-parallel sampler
+    (TRL's trainers refuse continuous batching on them, which does not run it)."""
     head: Any = output_head(model)
     if is_vocab_parallel_linear(head):
         return _group_size(head.mp_group) > 1

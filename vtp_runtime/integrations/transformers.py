@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import vtp_runtime as vtp
 
+from . import generation
 from . import lm_head as heads
 from .tensor_parallel import dtensor_vocab_layout, is_dtensor
 
@@ -202,14 +203,25 @@ def use_vocab_parallel_loss(model, tp_group=None, vocab_start: int | None = None
     The logits are still formed (``fuse_lm_head`` does without them). Without arguments the
     layout is read from the model's head at every call; pass ``tp_group`` (and
     ``vocab_start``/``vocab_end`` unless the shards are in rank order) for a head you split
-    yourself, and put ``copy_to_tp_region`` before it.
+    yourself, and put ``copy_to_tp_region`` before it. On a head split over the vocabulary,
+    ``model.generate()`` then warns once where its logits are a shard and
+    ``use_vocab_parallel_sampling`` is off (``warn_on_sharded_generation``).
     """
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if tp_group is None and vocab_start is None and vocab_end is None:
         model.loss_function = VtpCausalLMLoss(head=head)
     else:
         model.loss_function = VtpCausalLMLoss(tp_group, vocab_start, vocab_end)
+    _warn_on_generation_if_split(model, tp_group)
     return model
+
+
+def _warn_on_generation_if_split(model, tp_group=None) -> None:
+    """A head split over the vocabulary: ``model.generate()`` warns once where its logits
+    are a shard and vocabulary-parallel sampling is off (``generation.warn_on_sharded_generation``)."""
+    group = tp_group if tp_group is not None else lm_head_layout(model)[0]
+    if generation._sharded(group):
+        generation.warn_on_sharded_generation(model)
 
 
 # -- the fused head ----------------------------------------------------------------------------
@@ -241,6 +253,10 @@ def fuse_lm_head(
       ``VocabParallelLinear``) and final logit soft-capping (Gemma 2 and 3), before any
       forward; a forward that transforms the logits beyond a positive scalar factor raises
       ``UnfusableLogits`` at its first call.
+
+    Generation (no labels) runs the model's own forward. On a head split over the
+    vocabulary, ``model.generate()`` warns once where its logits are a shard and
+    ``use_vocab_parallel_sampling`` is off (``warn_on_sharded_generation``).
 
     Idempotent (a second call with the same arguments changes nothing; with others it
     raises); ``unfuse_lm_head(model)`` restores the forward and the loss function.
@@ -290,6 +306,7 @@ def fuse_lm_head(
         model.loss_function = VtpCausalLMLoss(head=heads.output_head(model), gathered="full")
     else:
         model.loss_function = VtpCausalLMLoss(tp_group, vocab_start, vocab_end)
+    _warn_on_generation_if_split(model, tp_group)
     return model
 
 

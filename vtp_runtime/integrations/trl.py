@@ -17,11 +17,12 @@ the shard. Everything else is TRL's.
 teacher logits stand as heads, and the generalized JSD is ``vtp.jsd`` on two ``vtp.Head``s,
 with TRL's reductions (``generalized_jsd_loss``).
 
-On-policy generation (GRPO and RLOO without vLLM, GKD with ``lmbda > 0`` or ``seq_kd``) from
-a head that keeps its vocabulary shard (DeepSpeed's, transformers' ``"colwise"``) needs the
-vocabulary-parallel sampler, ``vtp_runtime.integrations.generation.use_vocab_parallel_sampling``;
-without it the trainer refuses to start. This module imports trl only when a trainer class
-or ``add_fused_lm_head`` is first used.
+On-policy generation (GRPO and RLOO without vLLM, GKD with ``lmbda > 0``, GKD's teacher with
+``seq_kd``) runs through the vocabulary-parallel sampler, which the trainers turn on
+(``vtp_runtime.integrations.generation.use_vocab_parallel_sampling``) on every model they
+generate from: right on a head that keeps its vocabulary shard (DeepSpeed's, transformers'
+``"colwise"``), and on any head the same completions for one seed at every TP size. This
+module imports trl only when a trainer class or ``add_fused_lm_head`` is first used.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ import torch.distributed as dist
 
 import vtp_runtime as vtp
 
+from . import generation
 from . import lm_head as heads
 from .tensor_parallel import _group_size, is_dtensor
-from .transformers import lm_head_layout
+from .transformers import _warn_on_generation_if_split, lm_head_layout
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -218,6 +220,7 @@ def add_fused_lm_head(
 
     forward._vtp_fused = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)
+    _warn_on_generation_if_split(model, tp_group)
 
 
 def per_token_outputs(
@@ -284,8 +287,8 @@ class VocabParallelTrainerMixin:
     Extra keyword arguments: ``vtp_layout`` (``{"tp_group": g, "vocab_start": s,
     "vocab_end": e}``) for a head split by hand; ``vtp_chunk_rows`` for ``vtp.Head``.
     Raises at construction if the installed trl does not call ``add_fused_lm_head`` (vtp
-    would not engage), and where on-policy generation needs the vocabulary-parallel sampler
-    that is not there.
+    would not engage). GRPO and RLOO generating with ``model.generate`` (not vLLM) sample
+    with ``use_vocab_parallel_sampling`` on the model (``_connect_sampling``).
     """
 
     def __init__(self, *args: Any, vtp_layout: dict | None = None, vtp_chunk_rows: int | None = None, **kwargs: Any):
@@ -297,6 +300,7 @@ class VocabParallelTrainerMixin:
                     f"add_fused_lm_head; vtp_runtime cannot engage with it"
                 )
             super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._vtp_split_by_hand = bool(vtp_layout) and _group_size((vtp_layout or {}).get("tp_group")) > 1
         model = _unwrapped(self.model)  # type: ignore[attr-defined]
         reference = getattr(self, "ref_model", None)
         for name, m in (("model", model), ("reference model", reference)):
@@ -306,32 +310,42 @@ class VocabParallelTrainerMixin:
                     f"would not be used (this trl version may work differently from 1.16)"
                 )
         if self._vtp_generates():
-            _connect_sampling(self, [model])
+            _connect_sampling(self, [model], vtp_layout)
 
     def _vtp_generates(self) -> bool:
-        """Whether the trainer samples completions with ``model.generate`` (not vLLM)."""
+        """Whether the trainer samples completions with ``model.generate`` (not vLLM, not
+        transformers' continuous batching, which it refuses on a head that keeps its shard)."""
         samplers = ("GRPOTrainer", "RLOOTrainer")
         trl_sampler = any(c.__name__ in samplers and c.__module__.startswith("trl.") for c in type(self).__mro__)
-        return trl_sampler and not getattr(getattr(self, "args", None), "use_vllm", False)
+        args = getattr(self, "args", None)
+        if not trl_sampler or getattr(args, "use_vllm", False):
+            return False
+        if getattr(args, "use_transformers_continuous_batching", False):
+            model = _unwrapped(self.model)  # type: ignore[attr-defined]
+            if heads.local_output(model) or getattr(self, "_vtp_split_by_hand", False):
+                raise RuntimeError(
+                    f"{type(self).__name__}: use_transformers_continuous_batching samples from each rank's shard of "
+                    f"the logits, which the model's head returns (its vocabulary is split over the TP ranks), and "
+                    f"would pick local ids; generate with model.generate (use_transformers_continuous_batching=False: "
+                    f"vtp's vocabulary-parallel sampler) or vLLM"
+                )
+            return False  # the head's output holds the whole vocabulary: TRL's own sampling is right
+        return True
 
 
-def _connect_sampling(trainer, models) -> None:
-    """On-policy generation from heads that keep their vocabulary shard: the vocabulary-
-    parallel sampler, or a refusal (sampling from this rank's shard alone is wrong)."""
-    sharded = [m for m in models if m is not None and heads.local_output(m)]
-    if not sharded:
-        return
-    try:
-        from .generation import use_vocab_parallel_sampling  # type: ignore[attr-defined]
-    except ImportError:
-        raise RuntimeError(
-            f"{type(trainer).__name__} generates completions with model.generate, but the model's head returns "
-            f"this rank's vocabulary shard of the logits, and sampling from it alone would be wrong. This needs "
-            f"vtp_runtime.integrations.generation.use_vocab_parallel_sampling (vocabulary-parallel sampling), "
-            f"which this vtp_runtime does not have yet; use vLLM generation or a head whose output is gathered"
-        ) from None
-    for m in sharded:
-        use_vocab_parallel_sampling(m)
+def _connect_sampling(trainer, models, layout: dict | None = None) -> None:
+    """On-policy generation through ``use_vocab_parallel_sampling``, on every model the
+    trainer generates from: on a head that keeps its vocabulary shard (DeepSpeed's,
+    transformers' ``"colwise"``) sampling from this rank's shard alone would be wrong, and on
+    any head it makes the completions depend on the seed only, not on the TP size or the
+    head's layout. ``layout``: the trainer's ``vtp_layout`` for a head split by hand. A
+    model on which the sampler is already on (``use_vocab_parallel_sampling(model, seed=...)``
+    before the trainer) keeps it as it is."""
+    for m in models:
+        if m is None or generation.is_vocab_parallel_sampling(m):
+            continue
+        given = {k: v for k, v in (layout or {}).items() if v is not None}
+        generation.use_vocab_parallel_sampling(m, **given)
 
 
 class VocabParallelGKDMixin:
@@ -347,10 +361,13 @@ class VocabParallelGKDMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         args_ = getattr(self, "args", None)
+        layout = self._vtp_given() or None
         if getattr(args_, "lmbda", 0) > 0:
-            _connect_sampling(self, [_unwrapped(self.model)])  # type: ignore[attr-defined]
-        if getattr(args_, "seq_kd", False):
-            _connect_sampling(self, [_unwrapped(getattr(self, "teacher_model", None))])
+            _connect_sampling(self, [_unwrapped(self.model)], layout)  # type: ignore[attr-defined]
+        teacher = getattr(self, "teacher_model", None)
+        if getattr(args_, "seq_kd", False) and teacher is not None:
+            unwrap = self.accelerator.unwrap_model  # type: ignore[attr-defined]
+            _connect_sampling(self, [_unwrapped(unwrap(teacher))], layout)
 
     def _vtp_given(self) -> dict:
         if self.vtp_layout is None:
