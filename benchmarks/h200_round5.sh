@@ -9,6 +9,8 @@
 #   head    the fused head at N=8192 against the materialized path and its peers
 #   soak    benchmarks/soak.py: 10,000 steps on two ranks sharing the GPU
 #   step    the end-to-end training step, transformers' Llama with each way of computing the loss
+#   tune    launch configurations at N=1024, TP=4 (and N=8192) for every op
+#   tp1gpu  the TP-on-one-GPU tests (every backend at TP 2 and 3, gloo ranks sharing the GPU)
 . "$(dirname "$0")/gpu_setup.sh"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 STEPS=${STEPS:-tests,sample,cpu,head}
@@ -37,4 +39,13 @@ if [[ $STEPS == *step* ]]; then
   timeout 240 python3 benchmarks/step.py --tokens 8192 --seq 2048 --reps 10 --json "$OUT/step_hf.json" \
     --arms hf_torch,hf_vtp_loss,hf_vtp_fused,hf_liger,hf_liger_lce,hf_liger_vtp 2>"$OUT/step_hf.err" \
     | tee "$OUT/step_hf.log" | tail -20
+fi
+if [[ $STEPS == *tune* ]]; then
+  timeout 120 python3 benchmarks/tune.py --variants default,programs2k,programs4k,bwd8k,programs4k_bwd8k \
+    --shapes cross_entropy:1024:4,logprobs:1024:4,entropy:1024:4,kl:1024:4,jsd:1024:4,cross_entropy:8192:1,jsd:8192:1 \
+    2>&1 | tee "$OUT/tune.log" | tail -40
+fi
+if [[ $STEPS == *tp1gpu* ]]; then
+  timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 200 tests/test_tp_one_device.py -k V151936 2>&1 \
+    | tee "$OUT/tp1gpu.log" | grep -E "passed|failed|^E |FAILED" | head -20
 fi

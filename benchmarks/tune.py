@@ -3,9 +3,10 @@
 Replaces ``CUDA_CONFIG`` between runs and times JSD and cross entropy fwd+bwd at the
 target shapes; prints one line per (config, shape). Used to pick the defaults in
 ``backends/triton/backend.py``; see benchmarks/NOTES.md.
-    python benchmarks/tune.py
+    python benchmarks/tune.py [--shapes op:N:TP,...] [--variants name,...]
 """
 
+import argparse
 import dataclasses
 import sys
 
@@ -24,6 +25,10 @@ VARIANTS = {
     "tiles1k_w4": dataclasses.replace(tb.CUDA_CONFIG, block_stats=2048, warps_stats=4, block_div=1024, warps_div=4,
                                       block_bwd=1024, warps_bwd=4),
     "more_programs": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096, bwd_target_programs=16384),
+    "programs2k": dataclasses.replace(tb.CUDA_CONFIG, target_programs=2048),
+    "programs4k": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096),
+    "bwd8k": dataclasses.replace(tb.CUDA_CONFIG, bwd_target_programs=8192),
+    "programs4k_bwd8k": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096, bwd_target_programs=8192),
 }
 
 
@@ -32,14 +37,20 @@ def time_ms(fn, reps=20):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=None, help="op:N:TP,... (default: the design's target shapes)")
+    p.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(VARIANTS)}")
+    args = p.parse_args()
+    shapes = SHAPES if not args.shapes else [(o, int(n), int(t)) for o, n, t in (x.split(":") for x in args.shapes.split(","))]
+    variants = {k: VARIANTS[k] for k in (args.variants.split(",") if args.variants else VARIANTS)}
     copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
     copy = 2 * 2**30 / (time_ms(lambda: copy_dst.copy_(copy_src)) * 1e-3) / 1e9
     del copy_src, copy_dst
     print(f"copy {copy:.0f} GB/s")
-    for name, cfg in VARIANTS.items():
+    for name, cfg in variants.items():
         tb.CUDA_CONFIG = cfg
-        for op, n, tp in SHAPES:
+        for op, n, tp in shapes:
             v = V // tp
             z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
             ms = time_ms(vtp_arm("triton", op, z, other, beta=0.5))
