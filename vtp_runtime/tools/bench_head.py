@@ -8,15 +8,19 @@ device (so "TP = t" times one rank's share; the O(N) cross-rank statistics are n
   ``fused`` (``vtp.cross_entropy(vtp.Head(h, W))``), ``fused_none`` (the same with
   ``reduction="none"``, then ``(values * g).sum() / N`` for a fixed random ``g``: the logits
   recomputed in backward), ``torch`` (``F.cross_entropy`` on
-  ``h @ W.T``), ``liger`` (Liger's fused linear CE) and ``cce`` (cut-cross-entropy's
-  ``linear_cross_entropy``) when installed.
+  ``h @ W.T``), ``liger`` (Liger's fused linear CE), ``liger_tp`` (Liger's tensor-parallel
+  fused linear CE, ``LigerFusedLinearScaledCrossEntropyTPFunction`` on a group of one:
+  labelled ``native`` where its CUTLASS + NVSHMEM kernel loads, else ``fallback``, its
+  chunked path) and ``cce`` (cut-cross-entropy's ``linear_cross_entropy``) when installed.
 - ``jsd``: a frozen teacher head (``h_t``, ``W_t`` without gradients): ``materialized``
   (``h @ W.T`` and, without grad, ``h_t @ W_t.T``, then ``vtp.jsd``) against ``fused`` (both Heads).
 
 Reported per arm: the median time of ``--reps`` calls (CUDA events; wall clock on CPU), and
 the temporaries beyond the inputs and their gradients: peak allocated memory during the call
 minus the memory held before it (the inputs) minus the bytes of the returned gradients
-(CUDA only). ``vs_mat`` is the time relative to the ``materialized`` arm of the same backend.
+(CUDA only). ``vs_mat`` is the time relative to the ``materialized`` arm of the same backend;
+``TFLOP/s`` counts the GEMMs of a forward + backward with gradients to ``h`` and ``W``:
+``6 N H V_local`` (``8`` with the frozen teacher head of ``jsd``).
 On CPU (``--device cpu``, for trying it out at tiny sizes) memory is not measured.
 """
 
@@ -46,6 +50,7 @@ class HeadRow:
     ms: float | None = None  # median time per forward + backward
     temp_gib: float | None = None  # temporaries beyond inputs and their gradients
     vs_mat: float | None = None  # time / time of the materialized arm (same backend)
+    tflops: float | None = None  # by the GEMM count: 6 N H V_local (8 with a frozen teacher head)
     error: str = ""
 
 
@@ -85,6 +90,13 @@ def _arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
             from cut_cross_entropy import linear_cross_entropy
 
             return lambda: grads(linear_cross_entropy(h, w, y))
+        if arm.startswith("liger_tp"):
+            # Liger's tensor-parallel fused linear CE on a group of one: this rank's work at
+            # TP = t, the shard taken as the vocabulary (its collectives are then no-ops)
+            from liger_kernel.ops import LigerFusedLinearScaledCrossEntropyTPFunction as TP
+
+            group = _world_of_one()
+            return lambda: grads(TP.apply(h, w, y, group).mean())
     if op == "jsd":
         if arm == "materialized":
 
@@ -105,7 +117,38 @@ def _arms(op: str, peers: set[str]) -> list[str]:
     arms = ["materialized", "fused"]
     if op == "cross_entropy":
         arms += ["fused_none"] + [p for p in ("torch", "liger", "cce") if p in peers]
+        if "liger" in peers:
+            arms.append(_liger_tp_arm())
     return arms
+
+
+def _liger_tp_arm() -> str:
+    """``liger_tp(native)`` where liger's CUTLASS + NVSHMEM kernel loads, else
+    ``liger_tp(fallback)``: its chunked fallback."""
+    try:
+        from liger_kernel.ops.fused_linear_scaled_cross_entropy import _load_native_tp_function
+
+        native = _load_native_tp_function() is not None
+    except Exception:  # an import failure of the native path is the fallback
+        native = False
+    return "liger_tp(native)" if native else "liger_tp(fallback)"
+
+
+def _world_of_one():
+    """A gloo process group of this process alone (Liger's TP function needs one)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    return dist.group.WORLD
 
 
 def _available(peer: str) -> bool:
@@ -203,6 +246,8 @@ def run(args) -> int:
                 )
             fn = _arm(op, arm, backend, h, w, y, ht, wt, args.beta)
             row.ms = _time(fn, device, args.warmup, args.reps)  # warm first: no compilation in the peak
+            gemms = 8 if op == "jsd" else 6
+            row.tflops = gemms * n * hidden * v_local / (row.ms * 1e-3) / 1e12
             if device == "cuda":
                 row.temp_gib = _temporaries(fn)
         except Exception as exc:
@@ -250,11 +295,11 @@ def run(args) -> int:
 def print_table(rows) -> None:
 
     print_rows(
-        f"{'op':14s} {'arm':20s} {'TP':>2s} {'N':>6s} {'H':>5s} {'V_local':>7s} {'ms':>9s} {'vs_mat':>6s} "
-        f"{'temp GiB':>8s}  note",
+        f"{'op':14s} {'arm':20s} {'TP':>2s} {'N':>6s} {'H':>5s} {'V_local':>7s} {'ms':>9s} {'TFLOP/s':>7s} "
+        f"{'vs_mat':>6s} {'temp GiB':>8s}  note",
         (
             f"{r.op:14s} {r.arm:20s} {r.tp:2d} {r.tokens:6d} {r.hidden:5d} {r.v_local:7d} {fmt(r.ms, '9.3f')} "
-            f"{fmt(r.vs_mat, '6.3f')} {fmt(r.temp_gib, '8.3f')}  {r.error}"
+            f"{fmt(r.tflops, '7.0f')} {fmt(r.vs_mat, '6.3f')} {fmt(r.temp_gib, '8.3f')}  {r.error}"
             for r in rows
         ),
     )
