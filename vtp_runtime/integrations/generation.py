@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
+from vtp_runtime.comm import group_size
 
 from .tensor_parallel import is_dtensor
 
@@ -109,10 +110,6 @@ def _global_vocab(model, given: int | None = None) -> int:
         return given
     found = _head_layout(model)[3]
     return found if found is not None else int(model.config.get_text_config().vocab_size)
-
-
-def _sharded(group) -> bool:
-    return group is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def use_vocab_parallel_sampling(
@@ -246,7 +243,7 @@ def _base_seed(hook: _Hook, device) -> int:
         return hook.seed
     base = torch.randint(0, 2**62, (1,), dtype=torch.int64)
     group: Any = hook.layout.get("tp_group")
-    if _sharded(group):  # every rank takes the first rank's draw
+    if group_size(group) > 1:  # every rank takes the first rank's draw
         where = torch.device(device) if device is not None else torch.device("cpu")
         agreed = base.to(where)
         dist.broadcast(agreed, src=dist.get_global_rank(group, 0), group=group)
@@ -278,7 +275,7 @@ def _selector(model, hook: _Hook, cfg, device, others):
             return {}  # it carries its layout
         width = scores.shape[-1]
         start, end = layout.get("vocab_start"), layout.get("vocab_end")
-        if not _sharded(layout.get("tp_group")):
+        if group_size(layout.get("tp_group")) <= 1:
             return None
         if start is None or end is None or end - start == width:
             return {**layout, "global_vocab_size": vocab}

@@ -38,7 +38,8 @@ from torch import nn
 
 import vtp_runtime as vtp
 
-from .tensor_parallel import _group_size, is_dtensor
+from ..comm import group_size
+from .tensor_parallel import is_dtensor
 
 
 class UnfusableLogits(AttributeError, ValueError):
@@ -241,7 +242,7 @@ def local_output(model: nn.Module) -> bool:
     (TRL's trainers refuse continuous batching on them, which does not run it)."""
     head: Any = output_head(model)
     if is_vocab_parallel_linear(head):
-        return _group_size(head.mp_group) > 1
+        return group_size(head.mp_group) > 1
     plan = getattr(model, "_tp_plan", None) or getattr(model, "tp_plan", None) or {}
     names = [name for name, m in model.named_modules() if m is head]
     return isinstance(plan, dict) and any(plan.get(name) == "colwise" for name in names)
@@ -341,7 +342,7 @@ def mean_logits(logits: HeadLogits, temperature: float = 1.0) -> torch.Tensor:
             ]
             flat = torch.cat(parts)
             group = (logits.layout if logits.layout is not None else layout_of(module)).get("tp_group")
-            if _group_size(group) > 1:
+            if group_size(group) > 1:
                 dist.all_reduce(flat, group=group)
             sums, bias_sum, vocab = flat[:-2], flat[-2], flat[-1]
         hidden = logits.hidden

@@ -13,11 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-
-def _group_size(group) -> int:
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
+from ..comm import group_size
 
 
 class _CopyToTPRegion(torch.autograd.Function):
@@ -49,7 +45,7 @@ def copy_to_tp_region(hidden: torch.Tensor, tp_group) -> torch.Tensor:
     ``hidden``: any shape, any floating dtype, identical on every rank of ``tp_group``.
     With ``tp_group=None`` (or a group of one) it is the identity in both directions.
     """
-    if _group_size(tp_group) == 1:
+    if group_size(tp_group) == 1:
         return hidden
     return _CopyToTPRegion.apply(hidden, tp_group)
 

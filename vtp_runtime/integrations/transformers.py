@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import vtp_runtime as vtp
 
+from ..comm import group_size
 from . import generation
 from . import lm_head as heads
 from .tensor_parallel import dtensor_vocab_layout, is_dtensor
@@ -212,15 +213,15 @@ def use_vocab_parallel_loss(model, tp_group=None, vocab_start: int | None = None
         model.loss_function = VtpCausalLMLoss(head=head)
     else:
         model.loss_function = VtpCausalLMLoss(tp_group, vocab_start, vocab_end)
-    _warn_on_generation_if_split(model, tp_group)
+    warn_on_generation_if_split(model, tp_group)
     return model
 
 
-def _warn_on_generation_if_split(model, tp_group=None) -> None:
+def warn_on_generation_if_split(model, tp_group=None) -> None:
     """A head split over the vocabulary: ``model.generate()`` warns once where its logits
     are a shard and vocabulary-parallel sampling is off (``generation.warn_on_sharded_generation``)."""
     group = tp_group if tp_group is not None else lm_head_layout(model)[0]
-    if generation._sharded(group):
+    if group_size(group) > 1:
         generation.warn_on_sharded_generation(model)
 
 
@@ -306,7 +307,7 @@ def fuse_lm_head(
         model.loss_function = VtpCausalLMLoss(head=heads.output_head(model), gathered="full")
     else:
         model.loss_function = VtpCausalLMLoss(tp_group, vocab_start, vocab_end)
-    _warn_on_generation_if_split(model, tp_group)
+    warn_on_generation_if_split(model, tp_group)
     return model
 
 

@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 import vtp_runtime as vtp
 
+from ..comm import group_size
 from . import generation
 from . import lm_head as heads
-from .tensor_parallel import _group_size, is_dtensor
-from .transformers import _warn_on_generation_if_split, lm_head_layout
+from .tensor_parallel import is_dtensor
+from .transformers import lm_head_layout, warn_on_generation_if_split
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -136,7 +137,7 @@ def _head_vocab(x: heads.HeadLogits, options: dict) -> int | torch.Tensor:
 
 
 def _vocab_size(v_local: int, group, device) -> int | torch.Tensor:
-    if _group_size(group) == 1:
+    if group_size(group) == 1:
         return v_local
     size = torch.tensor([v_local], dtype=torch.int64, device=device)
     dist.all_reduce(size, group=group)
@@ -220,7 +221,7 @@ def add_fused_lm_head(
 
     forward._vtp_fused = True  # type: ignore[attr-defined]
     model.forward = types.MethodType(forward, model)
-    _warn_on_generation_if_split(model, tp_group)
+    warn_on_generation_if_split(model, tp_group)
 
 
 def per_token_outputs(
@@ -300,7 +301,7 @@ class VocabParallelTrainerMixin:
                     f"add_fused_lm_head; vtp_runtime cannot engage with it"
                 )
             super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        self._vtp_split_by_hand = bool(vtp_layout) and _group_size((vtp_layout or {}).get("tp_group")) > 1
+        self._vtp_split_by_hand = bool(vtp_layout) and group_size((vtp_layout or {}).get("tp_group")) > 1
         model = _unwrapped(self.model)  # type: ignore[attr-defined]
         reference = getattr(self, "ref_model", None)
         for name, m in (("model", model), ("reference model", reference)):
