@@ -13,7 +13,8 @@ replicate: the local batch is what this rank computes. The result is wrapped bac
 DTensor on the same mesh, placed as ``loss_parallel()`` places ``F.cross_entropy``'s
 result: ``Replicate()`` on the vocabulary's mesh dimension (every TP rank holds the same
 loss); per token (``reduction="none"``) it keeps the batch sharding; reduced, it is
-``Partial("sum")`` over batch-sharded mesh dimensions (each rank holds its batch's part).
+``Partial("sum")`` over batch-sharded mesh dimensions (each rank holds its batch's part),
+except on the one whose group is ``sp_group``: summed there already, and ``Replicate()``.
 ``to_local`` and ``from_local`` are differentiable, so the gradient of a DTensor input is a
 DTensor with the input's placement.
 
@@ -273,13 +274,38 @@ def _normalize(
         options["normalizer"] = normalizer.to_local()
 
     reduced = options.get("reduction", "none") != "none"
-    if reduced and lay.batch_sharded and options.get("reduction") == "mean" and options.get("normalizer") is None:
+    sequence_dim = _sequence_dim(lay, options.get("sp_group"))
+    partial = [i for i in _batch_dims(lay) if i != sequence_dim]  # what a reduced result leaves pending
+    if reduced and partial and options.get("reduction") == "mean" and options.get("normalizer") is None:
         raise ValueError(
             f"reduction='mean' on logits whose batch is sharded across the mesh (placements "
             f"{lay.placements}) would average per-rank means; use reduction='sum' with "
             f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'"
+            + ("" if sequence_dim is not None else ", or pass sp_group= the group of the mesh dimension sharding them")
         )
-    return tuple(local), options, _wrapper(lay, lead, reduced, names)
+    return tuple(local), options, _wrapper(lay, lead, reduced, names, sequence_dim)
+
+
+def _batch_dims(lay: _Layout) -> list[int]:
+    """The mesh dimensions that shard the logits' tokens."""
+    return [i for i, p in enumerate(lay.placements) if p.is_shard() and i != lay.vocab_mesh_dim]
+
+
+def _sequence_dim(lay: _Layout, sp_group: Any) -> int | None:
+    """The mesh dimension whose process group is ``sp_group`` (None without one), which must
+    shard the logits' tokens: a reduced result is then summed over it and replicated there."""
+    if sp_group is None:
+        return None
+    if not (torch.distributed.is_available() and isinstance(sp_group, torch.distributed.ProcessGroup)):
+        return None  # the option's own check says what is wrong
+    for i in _batch_dims(lay):
+        if _same_group(lay.mesh.get_group(i), sp_group):
+            return i
+    raise ValueError(
+        f"sp_group is not the process group of a mesh dimension that shards the logits' tokens (placements "
+        f"{lay.placements}); pass the group of that dimension (mesh.get_group(dim)), or leave sp_group out to "
+        f"get a sum pending over it (Partial)"
+    )
 
 
 def _see_group(dt, vocab_dim: int, seen: dict[str, Any]) -> None:
@@ -466,13 +492,15 @@ def _check_layout_options(lay: _Layout, options: dict[str, Any]) -> None:
         raise ValueError(f"global_vocab_size={given!r} but the logits DTensor's vocabulary has V={lay.vocab_size}")
 
 
-def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch) -> Wrap:
+def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch, sequence_dim: int | None = None) -> Wrap:
     """Wraps this rank's result into a DTensor; ``lead`` is the global shape of the logits
-    without the vocabulary."""
+    without the vocabulary; ``sequence_dim``: the mesh dimension of ``sp_group``, over which
+    a reduced result is summed already."""
     DTensor, Replicate, Partial = names.DTensor, names.Replicate, names.Partial
-    if reduced:  # a scalar: each batch shard holds its part of the sum
+    if reduced:  # a scalar: each batch shard holds its part of the sum (summed over sp_group)
         placements = tuple(
-            Partial() if p.is_shard() and i != lay.vocab_mesh_dim else Replicate() for i, p in enumerate(lay.placements)
+            Partial() if p.is_shard() and i not in (lay.vocab_mesh_dim, sequence_dim) else Replicate()
+            for i, p in enumerate(lay.placements)
         )
     else:  # the logits' batch sharding; replicated over the vocabulary's mesh dimension
         placements = tuple(Replicate() if i == lay.vocab_mesh_dim else p for i, p in enumerate(lay.placements))

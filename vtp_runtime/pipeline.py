@@ -52,6 +52,8 @@ def run(
     ``agree``: what else the ranks of ``sp_group`` must agree on (a composite op's own
     options, as ``name=value|...``)."""
     if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
+        if options.get("sp_group") is not None:  # the SP agreement reads the host: a graph break
+            return _eager(op, tensors, options, check=check, failure=failure, agree=agree)
         return library.traced_loss(op, tensors, options, check)
     tensors, options, wrap, normalized = inputs.normalize(op, tensors, options)
     failure = failure or normalized
@@ -76,6 +78,9 @@ def run(
     if wrap is None:
         return out
     return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
+
+
+_eager = torch.compiler.disable(run)  # a call with sp_group inside a compiled function runs eagerly
 
 
 def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tensor | tuple[Tensor, Tensor]:

@@ -45,7 +45,7 @@ from .backend import Backend, Call, Request
 from .checks import Check
 from .comm import group_size, is_group
 from .head import Head
-from .ops import OPS, OpSpec, backend_options
+from .ops import OPS, OpSpec, backend_options, dtype_name
 from .registry import REGISTRY
 from .sequence import SequenceLayout
 from .weak import IdentityMap
@@ -239,7 +239,7 @@ def signature(
                     key += (part.shape, part.dtype, part.device, part.requires_grad)
                 else:
                     return None
-            key += (t.reduce_hidden_grad, t.chunk_rows)
+            key += (t.reduce_hidden_grad, t.chunk_rows, t.sequence_parallel)
         else:
             return None
     options = spec.options
@@ -412,6 +412,7 @@ def _make_plan(loc: checks.Local, shards: metadata.Shards, meta: Metadata | None
         lead=lead,
         head_rows=head_rows,
         metadata=meta,
-        fingerprint=checks.fingerprint(loc, compiled, per_call=False),
+        fingerprint=checks.fingerprint(loc, compiled, per_call=False)
+        + f"|dtype={dtype_name(request.dtype)}|device type={request.device_type}",
         sequence=sequence,
     )

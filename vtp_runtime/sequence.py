@@ -149,7 +149,8 @@ def _check(table, text: str | None, normalizer: Any, failure: BaseException | No
         )
     if len({tuple(row) for row in table}) > 1:
         assert text is not None  # a rank without a text failed, and raised above
-        shown = text.replace("normalizer=<number>", f"normalizer={normalizer!r}")
+        number = repr(float(normalizer)) if _bits(normalizer) else repr(normalizer)
+        shown = text.replace("normalizer=<number>", f"normalizer={number}")
         diff = metadata.differences(metadata.gather_texts(shown, group, device))
         what = "; ".join(f"{k}: {v}" for k, v in diff.items()) or "the call"
         raise ShardError(
