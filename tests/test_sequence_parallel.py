@@ -655,3 +655,65 @@ def test_sequence_sum_backward_is_the_identity():
     (out * torch.tensor([5.0, 7.0], dtype=torch.float64)).sum().backward()
     assert parts.grad.tolist() == [5.0, 7.0]
     assert not math.isnan(out.sum().item())
+
+
+def dtensor_sequence_parallel_head(rank, world, group, two_d):
+    """A Head of DTensors whose hidden is placed Shard(0) on the vocabulary's mesh dimension
+    is a sequence-parallel Head (the placement says so); on an (sp, tp) mesh with sp_group
+    the sequence's tokens are split over both."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    key = ("sp_mesh", two_d)
+    if key not in _GROUPS:
+        shape, names = ((2, 2), ("sp", "tp")) if two_d else ((world,), ("tp",))
+        _GROUPS[key] = DeviceMesh("cpu", torch.arange(world).reshape(shape), mesh_dim_names=names)
+    mesh = _GROUPS[key]
+    g = torch.Generator().manual_seed(8)
+    s, b, h, v = 7, 2, 5, 9  # torch's chunking of 7 tokens: uneven shards
+    hidden = torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, v, (s, b), generator=g)
+    labels[0, 1] = -100
+    hp = [Shard(0), Shard(0)] if two_d else [Shard(0)]
+    wp = [Replicate(), Shard(0)] if two_d else [Shard(0)]
+    x = distribute_tensor(hidden, mesh, hp).requires_grad_(True)
+    w = distribute_tensor(weight, mesh, wp).requires_grad_(True)
+    y = distribute_tensor(labels, mesh, [Shard(0), Replicate()] if two_d else [Replicate()])
+    sp = mesh.get_group("sp") if two_d else None
+    loss = vtp.cross_entropy(vtp.Head(x, w, sequence_parallel=True), y, reduction="mean", sp_group=sp)
+    loss.backward()
+    ref_h, ref_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    want = torch.nn.functional.cross_entropy((ref_h @ ref_w.T).reshape(-1, v), labels.reshape(-1))
+    want.backward()
+    torch.testing.assert_close(loss.full_tensor(), want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(x.grad.full_tensor(), ref_h.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w.grad.full_tensor(), ref_w.grad, rtol=1e-10, atol=1e-12)
+    per_token = vtp.cross_entropy(vtp.Head(x.detach(), w.detach()), y)
+    torch.testing.assert_close(per_token.full_tensor(), torch.nn.functional.cross_entropy(
+        (hidden @ weight.T).reshape(-1, v), labels.reshape(-1), reduction="none").reshape(s, b))
+    plain = _outcome(lambda: vtp.entropy(vtp.Head(hidden[:2], w, sequence_parallel=True)))
+    return plain
+
+
+@pytest.mark.parametrize("two_d", [False, True], ids=["tp_mesh", "sp_tp_mesh"])
+def test_dtensor_sequence_parallel_head(ranks, two_d):
+    for kind, msg in ranks(4 if two_d else 2, dtensor_sequence_parallel_head, two_d, timeout=120):
+        assert "takes hidden as a DTensor placed Shard(0)" in msg or "2-D mesh" in msg, (kind, msg)
+
+
+def test_info_and_explain_show_the_capability(capsys):
+    from vtp_runtime import info
+    data = info.collect()
+    assert data["backends"]["eager"]["ops"]["jsd"]["head_sequence_parallel"]
+    assert data["backends"]["triton"]["ops"]["cross_entropy"]["head_sequence_parallel"]
+    text = info.render_plain(data)
+    assert "eager:               cross_entropy, logprobs, entropy, kl, jsd, argmax (per-token, sequence-parallel)" in text
+    with registered(_Plugin(), name="no-sequence"):
+        r = info.simulated_request("cross_entropy", torch.float32, 1000, 2, head="sequence-parallel")
+        assert r.head_sequence_parallel
+        from vtp_runtime import dispatch
+        ex = dispatch.explain_request(r, None)
+        assert ex.backend != "no_sequence" and "sequence-parallel head inputs not supported" in \
+            ex.reasons["no_sequence"][0]
+    assert not info.simulated_request("cross_entropy", torch.float32, 1000, 1, head="sequence-parallel") \
+        .head_sequence_parallel  # at TP 1 it is a plain Head

@@ -22,7 +22,9 @@ A ``Head`` whose weight (and bias) is a DTensor sharded over the vocabulary (``S
 on one mesh dimension, replicated on the others) stands for logits of shape
 ``hidden.shape[:-1] + (V,)`` placed the same way, the batch placed as a hidden DTensor
 places it (a plain hidden: replicated, on a 1-D mesh only); it becomes the Head of the
-local tensors.
+local tensors. A hidden DTensor placed ``Shard(0)`` on the vocabulary's mesh dimension
+(Megatron's sequence parallelism: the tokens split over the TP ranks) makes it a
+sequence-parallel Head.
 """
 
 from __future__ import annotations
@@ -418,11 +420,18 @@ def _head_layout(head: Head, names: _Torch, seen: dict | None = None) -> _Layout
         or _placements(head.bias, names) != _placements(w, names)
     ):
         raise ValueError("Head.bias must be a DTensor placed like Head.weight (Shard(0) on the same mesh dimension)")
+    sequence = _sequence_dims(head, names)
+    if head.sequence_parallel and not sequence:
+        raise ValueError(
+            "Head(sequence_parallel=True) with a DTensor weight takes hidden as a DTensor placed Shard(0) on the "
+            "weight's vocabulary mesh dimension (its tokens split over the TP ranks); the placement says so, "
+            "sequence_parallel may then be left out"
+        )
     placements = []
     for i, p in enumerate(_placements(w, names)):
         q = hidden[i] if hidden is not None else names.Replicate()
-        if p.is_shard() and p.dim == 0 and q.is_replicate():
-            placements.append(names.Shard(ndim - 1))
+        if p.is_shard() and p.dim == 0 and (q.is_replicate() or i in sequence):
+            placements.append(names.Shard(ndim - 1))  # a sequence-parallel hidden: every rank's tokens
         elif p.is_replicate() and not (q.is_shard() and q.dim == ndim - 1):
             placements.append(q)
         else:
@@ -434,20 +443,38 @@ def _head_layout(head: Head, names: _Torch, seen: dict | None = None) -> _Layout
     return _layout_for(w.device_mesh, tuple(placements), tuple(h.shape[:-1]) + (w.shape[0],), names, seen)
 
 
+def _sequence_dims(head: Head, names: _Torch) -> list[int]:
+    """The mesh dimensions where a Head's hidden DTensor is sharded on its first (token)
+    dimension and its weight on the vocabulary: Megatron's sequence parallelism."""
+    h: Any = head.hidden
+    w: Any = head.weight
+    if not isinstance(h, names.DTensor) or h.dim() < 2 or h.device_mesh != w.device_mesh:
+        return []
+    return [
+        i
+        for i, (p, q) in enumerate(zip(_placements(w, names), _placements(h, names)))
+        if p.is_shard() and p.dim == 0 and q.is_shard() and q.dim == 0
+    ]
+
+
 def _local_head(head: Head, names: _Torch) -> Head:
     """The Head of this rank's local tensors. Where the hidden DTensor shards the batch, the
     replicated weight and bias get a pending sum (``Partial``) as gradient: each batch shard
-    holds its part, as torch's own DTensor matmul gives it."""
+    holds its part, as torch's own DTensor matmul gives it. A hidden sharded over the tokens
+    on the vocabulary's mesh dimension makes a sequence-parallel Head, whose weight gradient
+    covers every token there."""
     h: Any = head.hidden
     weight: Any = head.weight
     batch = _placements(h, names) if isinstance(h, names.DTensor) else ()
+    sequence = _sequence_dims(head, names)
     weight_grad = tuple(
-        names.Partial() if i < len(batch) and batch[i].is_shard() else p for i, p in enumerate(weight.placements)
+        names.Partial() if i < len(batch) and batch[i].is_shard() and i not in sequence else p
+        for i, p in enumerate(weight.placements)
     )
     h = _to_local(h) if batch else h
     w = _to_local(weight, weight_grad)
     b = None if head.bias is None else _to_local(head.bias, weight_grad)
-    return Head(h, w, b, head.reduce_hidden_grad, chunk_rows=head.chunk_rows)
+    return Head(h, w, b, head.reduce_hidden_grad, chunk_rows=head.chunk_rows, sequence_parallel=bool(sequence))
 
 
 def _local_part(name: str, t, lay: _Layout, names: _Torch):
