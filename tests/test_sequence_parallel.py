@@ -837,3 +837,49 @@ def test_no_host_sync_over_nccl_on_two_gpus():
         assert all(pool.run(run_head_case, GPU_CASES[0], timeout=300))
     finally:
         pool.close()
+
+
+# -- the guide's examples, as written, on as many gloo ranks as they say ------------------------------
+
+def _guide_examples():
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide.md").read_text()
+    section = text.split("## Sequence parallelism", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for block in re.findall(r"```python\n(.*?)```", section, re.S):
+        world = re.search(r"torchrun --nproc-per-node (\d+)", block)
+        if "def main(" in block and world:
+            out.append((int(world.group(1)), block))
+    return out
+
+
+def _run_guide_example(rank, world, group, block):
+    namespace = {"__name__": "__doc_example__"}
+    exec(compile(block, "<docs/guide.md example>", "exec"), namespace)
+    with vtp.use_backend("eager"):
+        return float(namespace["main"]())
+
+
+def test_the_guide_has_both_examples():
+    assert sorted(world for world, _ in _guide_examples()) == [2, 4]
+
+
+@pytest.mark.parametrize("index", range(len(_guide_examples())))
+def test_guide_example_runs(ranks, index):
+    world, block = _guide_examples()[index]
+    losses = ranks(world, _run_guide_example, block, timeout=120)
+    assert len(set(losses)) == 1, losses  # replicated on every rank
+    torch.manual_seed(0)
+    if world == 2:  # Megatron SP: the loss of the full head on every token
+        s, b, h, v = 8, 2, 64, 1000
+        hidden, labels = torch.randn(s, b, h), torch.randint(0, v, (s, b))
+        weight = torch.randn(v, h) * h ** -0.5
+        want = torch.nn.functional.cross_entropy((hidden @ weight.T).reshape(-1, v), labels.reshape(-1),
+                                                 label_smoothing=0.1)
+    else:  # the mean over every token of the 2 x 2 grid
+        n, v = 16, 1000
+        logits, labels = torch.randn(n, v), torch.randint(0, v, (n,))
+        labels[::3] = -100
+        want = torch.nn.functional.cross_entropy(logits, labels)
+    assert losses[0] == pytest.approx(want.item(), rel=1e-5)
