@@ -92,12 +92,21 @@ def call_text(fingerprint: str, options: Any, extra: str = "") -> str:
     return f"{fingerprint}|normalizer={kind}{'|' + extra if extra else ''}"
 
 
+def _number(value: Any) -> float | None:
+    """A number normalizer as a float (numpy scalars too); None for none, or a tensor (never
+    read on the host)."""
+    if value is None or isinstance(value, (Tensor, bool)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def _bits(value: Any) -> int:
-    """A number normalizer as the int64 of its float64 bits (0: none, or a tensor, which is
-    never read on the host)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return struct.unpack("<q", struct.pack("<d", float(value)))[0] or 1
-    return 0
+    """A number normalizer as the int64 of its float64 bits (0 where it is not a number)."""
+    number = _number(value)
+    return 0 if number is None else struct.unpack("<q", struct.pack("<d", number))[0] or 1
 
 
 def agree(
@@ -120,14 +129,14 @@ def agree(
     mode = env.check_mode() or ("gather" if metadata.host_transport(group) else "once")  # as plans.metadata_mode
     if every_call and mode == "once":
         mode = "gather"
-    seen = _SEEN.setdefault(group, _Seen)
+    seen = _SEEN.setdefault(group, _Seen) if mode == "once" else None
     key = row[:3]  # a number normalizer that changes every step is not gathered for again
-    if mode == "once" and not failed and key in seen:
+    if seen is not None and not failed and key in seen:
         return
     where = metadata.gather_device(group, device)
     table = all_gather_stack(torch.tensor(row, dtype=torch.int64, device=where), group).cpu().tolist()
     _check(table, text, normalizer, failure, group, where)
-    if mode == "once":
+    if seen is not None:
         seen.add(key)
 
 
@@ -149,8 +158,8 @@ def _check(table, text: str | None, normalizer: Any, failure: BaseException | No
         )
     if len({tuple(row) for row in table}) > 1:
         assert text is not None  # a rank without a text failed, and raised above
-        number = repr(float(normalizer)) if _bits(normalizer) else repr(normalizer)
-        shown = text.replace("normalizer=<number>", f"normalizer={number}")
+        number = _number(normalizer)
+        shown = text.replace("normalizer=<number>", f"normalizer={number!r}")
         diff = metadata.differences(metadata.gather_texts(shown, group, device))
         what = "; ".join(f"{k}: {v}" for k, v in diff.items()) or "the call"
         raise ShardError(

@@ -152,7 +152,9 @@ def _agreed(opts: dict[str, Any], tail: bool) -> str:
     """What the ranks of an sp_group must agree on beyond the student's log-probs call."""
     shown = (f"{k}={opts[k]!r}" for k in ("reverse", "reduction") if k in opts)
     kinds = (f"{k}={opts.get(k) is not None}" for k in ("mask", "labels"))
-    return "|".join((f"TopK teacher, tail={tail!r}", *shown, *kinds))
+    normalizer = opts.get("normalizer")  # the student's call has none: the TopK result's
+    number = "<tensor>" if isinstance(normalizer, Tensor) else repr(normalizer)
+    return "|".join((f"TopK teacher, tail={tail!r}", *shown, *kinds, f"TopK normalizer={number}"))
 
 
 def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str, Any]:
