@@ -75,6 +75,21 @@ def test_sequence_parallel_head_triton(ranks, world, case):
     ranks(world, run_head_case, case, timeout=180)
 
 
+def by_reduce_scatter(rank, world, group, case):
+    """The reduce-scatter NCCL and XCCL run, here on gloo (which otherwise all-reduces in place)."""
+    original = sequence._scatters_by_all_reduce
+    sequence._scatters_by_all_reduce = lambda group, device: False
+    try:
+        return run_head_case(rank, world, group, case)
+    finally:
+        sequence._scatters_by_all_reduce = original
+
+
+@pytest.mark.parametrize("case", [SP_CASES[0], SP_CASES[4], SP_CASES[7]], ids=_id)
+def test_sequence_parallel_head_through_reduce_scatter(ranks, case):
+    ranks(3, by_reduce_scatter, case, timeout=180)
+
+
 def test_token_split():
     assert token_split("even", 7, 3, 0) == [3, 2, 2]
     assert token_split("empty", 9, 3, 0)[1] == 0 and sum(token_split("empty", 9, 3, 0)) == 9
@@ -769,11 +784,11 @@ def test_sequence_parallel_head_on_one_gpu(ranks, case):
 
 
 def memory_against_the_gather(rank, world, group):
-    """At N = 4096, H = 2048 (bf16): the same numbers as gathering the hidden states by hand, and
-    a peak at least the gathered [N, H] hidden (and its gradient) lower."""
+    """At N = 8192, H = 2048, V = 151936 (bf16; four chunks): the same numbers as gathering the
+    hidden states by hand, and a peak at least the gathered [N, H] hidden lower."""
     import benchmarks.sequence_parallel as bench
     dev = torch.device("cuda", torch.cuda.current_device())
-    n, h, v = 4096, 2048, 32000
+    n, h, v = 8192, 2048, 151936
     g = torch.Generator(device=dev).manual_seed(0)
     full = torch.randn(n, h, device=dev, generator=g).bfloat16()
     x = full[rank * n // world:(rank + 1) * n // world].clone().requires_grad_(True)

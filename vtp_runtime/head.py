@@ -458,6 +458,13 @@ class HeadRun:
             _, weight, _ = x.head_parts()  # an input needing a gradient with no dlogits is a Head
             h = x.rows_now
             assert h is not None  # chunk_logits ran for this chunk
+            if dw is not None and lo == 0:
+                torch.mm(dz.t(), h, out=dw)
+            elif dw is not None:
+                dw.addmm_(dz.t(), h)
+            if db is not None:
+                db.add_(dz.sum(dim=0, dtype=db.dtype))
+            # dh last: a sequence-parallel Head's previous reduce-scatter ran during the above
             if dh is not None:
                 if x.gather is not None:  # this rank's rows of the sum over the vocabulary shards
                     c = x.gather.chunk_at(lo)
@@ -467,12 +474,6 @@ class HeadRun:
                     torch.mm(dz, weight, out=dh[lo:hi])
                 else:
                     self._put(dh, lo, hi, dz @ weight)
-            if dw is not None and lo == 0:
-                torch.mm(dz.t(), h, out=dw)
-            elif dw is not None:
-                dw.addmm_(dz.t(), h)
-            if db is not None:
-                db.add_(dz.sum(dim=0, dtype=db.dtype))
 
     def finish_grads(self) -> list[Tensor | None]:
         """The gradients, one per flat tensor (hidden, weight, bias per Head; logits per

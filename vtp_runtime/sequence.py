@@ -247,6 +247,14 @@ class SequenceLayout:
         return torch.cat(parts)
 
 
+def _scatters_by_all_reduce(group: Any, device: torch.device) -> bool:
+    """Whether the reduce-scatters of ``group`` on ``device`` run on gloo, which implements
+    them as an all-reduce of a copy of the input: then an all-reduce in place is the same
+    traffic without the copy."""
+    backend = str(dist.get_backend(group)).lower()
+    return backend == "gloo" or (device.type == "cpu" and "gloo" in backend)
+
+
 def _gather_fn():
     # torch >= 2.13 names them *_single (the old names are deprecated); 2.11 has only the old
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -267,9 +275,15 @@ class HiddenChunks:
     ``wait``: no host sync; gloo runs it on its own threads); and, where the hidden gradient
     is needed, one reduce-scatter of ``[tp, m, H]`` (asynchronous as well, waited for in
     ``finish``; torch's gloo runs it as an all-reduce, twice the bytes). Their number and
-    sizes derive from the layout only, never from V_local. Memory: two gather buffers and
-    two gradient buffers of ``[tp * per_rank, H]``, and one compaction buffer where blocks
-    are padded; never the ``[N, H]`` of every rank's tokens.
+    sizes derive from the layout only, never from V_local. Memory: two gather buffers of
+    ``[tp * per_rank, H]``, and one compaction buffer where blocks are padded; never the
+    ``[N, H]`` of every rank's tokens. A chunk's partial hidden gradient is written over its
+    hidden rows (``grad_rows``: the chunk's weight gradient is computed first), and the
+    gather two chunks later writes that buffer only after the reduce-scatter has read it:
+    on NCCL and XCCL the collectives of a group run in issue order, on one stream; on gloo,
+    whose reduce-scatter is an all-reduce of a copy of its input, the gradient is
+    all-reduced in place instead (no copy) and waited for before the buffer is gathered into
+    again.
     """
 
     def __init__(self, hidden: Tensor, layout: SequenceLayout, group: Any) -> None:
@@ -279,7 +293,8 @@ class HiddenChunks:
         self._gathered: list[Tensor | None] = [None, None]
         self._in_flight: dict[int, tuple[Any, Tensor, Tensor]] = {}  # chunk -> (work, output, input)
         self._compact: Tensor | None = None
-        self._grads: list[Tensor | None] = [None, None]
+        self._current: tuple[int, Tensor] | None = None  # the chunk rows() gave last
+        self._in_place = _scatters_by_all_reduce(group, hidden.device)
         self._scatters: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []  # work, input, output, place
 
     def chunk_at(self, lo: int) -> int:
@@ -301,6 +316,8 @@ class HiddenChunks:
     def _start(self, c: int) -> None:
         if c >= self.layout.chunks or c in self._in_flight:
             return
+        if self._in_place:  # an all-reduce in place may still be reading this buffer
+            self._wait()
         counts = self.layout.counts(c)
         m, mine, lo = max(counts), counts[self.layout.rank], c * self.layout.per_rank
         send = self.hidden[lo : lo + mine]
@@ -318,6 +335,7 @@ class HiddenChunks:
         work.wait()
         self._start(c + 1)
         if not self._padded(c):
+            self._current = (c, out)
             return out
         counts = self.layout.counts(c)
         blocks = out.view(self.world, max(counts), self.width)
@@ -325,14 +343,17 @@ class HiddenChunks:
             self._compact = self.hidden.new_empty(self.layout.max_chunk, self.width)
         compact = self._compact[: sum(counts)]
         torch.cat([blocks[r, :k] for r, k in enumerate(counts) if k], out=compact)
+        self._current = (c, compact)
         return compact
 
     # -- the hidden gradient --------------------------------------------------------------
     def grad_rows(self, c: int) -> Tensor:
         """A ``[tokens of chunk c, H]`` buffer for chunk ``c``'s partial hidden gradient (this
-        rank's vocabulary shard's part), to be handed to ``scatter``."""
-        self._wait(keep=1)  # the buffer of this slot was read by the scatter two chunks back
-        return self._buffer(self._grads, c % 2)[: sum(self.layout.counts(c))]
+        rank's vocabulary shard's part), to be handed to ``scatter``: the chunk's hidden rows
+        themselves, which nothing reads after the chunk's weight gradient."""
+        assert self._current is not None and self._current[0] == c  # rows(c) gave the chunk's rows
+        self._wait(keep=1)  # keep the scatters in flight few: their padded outputs wait for a copy
+        return self._current[1]
 
     def scatter(self, c: int, partial: Tensor, out: Tensor) -> None:
         """Sum chunk ``c``'s ``partial`` hidden gradient over the ranks and write this rank's
@@ -348,6 +369,10 @@ class HiddenChunks:
                 blocks[r, :k].copy_(partial[at : at + k])
                 at += k
         place = out[lo : lo + mine]
+        if self._in_place:  # this rank's block of the sum, copied into place when it is done
+            work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._scatters.append((work, send, send.view(self.world, m, self.width)[self.layout.rank], place))
+            return
         target = place if mine == m else partial.new_empty(m, self.width)
         work = _scatter_fn()(target, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         self._scatters.append((work, send, target, None if target is place else place))
@@ -356,7 +381,7 @@ class HiddenChunks:
         while len(self._scatters) > keep:
             work, _, target, place = self._scatters.pop(0)
             work.wait()
-            if place is not None:  # a block padded past this rank's rows
+            if place is not None:  # this rank's rows, where the collective did not write them
                 place.copy_(target[: place.shape[0]])
 
     def finish(self) -> None:
@@ -369,7 +394,7 @@ class HiddenChunks:
         for work, _, _ in self._in_flight.values():
             work.wait()
         self._in_flight.clear()
-        self._gathered, self._grads, self._compact = [None, None], [None, None], None
+        self._gathered, self._compact, self._current = [None, None], None, None
 
 
 __all__ = ["SequenceLayout", "HiddenChunks", "agree", "active", "call_text", "fail", "seen_calls"]
