@@ -592,6 +592,7 @@ def sp_mismatches(rank, world, group, once):
             # equal values of other types agree
             _outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", normalizer=[np.float32(3.0), 3][rank],
                                                label_smoothing=[0.5, torch.tensor(0.5)][rank], sp_group=group)),
+            _outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", tp_group=group, sp_group=group)),
         ]
         return out, _healthy_sp(rank, group)
     finally:
@@ -604,8 +605,9 @@ def sp_mismatches(rank, world, group, once):
 @pytest.mark.parametrize("once", [False, True], ids=["gather", "once"])
 def test_sp_group_mismatches_raise_on_every_rank(ranks, once):
     results = ranks(2, sp_mismatches, once, timeout=90)
-    (ls, red, norm, typo, dtype, alike), _ = results[0]
+    (ls, red, norm, typo, dtype, alike, same), _ = results[0]
     assert alike == results[1][0][5] == ("no error", "")
+    assert same[0] == results[1][0][6][0] == "ValueError" and "sp_group is tp_group" in same[1]
     assert ls == results[1][0][0] and ls[0] == "ShardError" and "label_smoothing: rank 0 = 0.1, rank 1 = 0.2" in ls[1]
     assert red == results[1][0][1] and "reduction: rank 0 = 'sum', rank 1 = 'none'" in red[1]
     assert norm == results[1][0][2] and "normalizer: rank 0 = 3.0, rank 1 = 4.0" in norm[1]

@@ -163,6 +163,12 @@ def check_tensors(spec: OpSpec, logits: tuple, index: Tensor | None, options: Ma
         if tuple(t.shape) not in shapes:
             want = "logits.shape[:-1] or logits.shape[:-1] + (k,)" if name == "index" else "logits.shape[:-1]"
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want} = {lead}")
+    sp_group = options.get("sp_group")
+    if sp_group is not None and sp_group is options.get("tp_group"):
+        raise ValueError(
+            "sp_group is tp_group: the ranks of tp_group hold vocabulary shards of the same tokens, those of "
+            "sp_group other tokens; pass two groups (on a TP x SP grid each rank is in one of each)"
+        )
     start, end = options["vocab_start"], options["vocab_end"]
     if (start is None) != (end is None):
         raise ValueError("pass both vocab_start and vocab_end, or neither (rank order is the default)")
