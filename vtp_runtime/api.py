@@ -32,6 +32,15 @@ def loss(op: str, *tensors: Any, **options: Any) -> Any:
     top-k log-probs) or a scalar when reduced, and identical on every rank of ``tp_group``.
     DTensor logits give a DTensor result on their mesh (see ``vtp_runtime.inputs``).
     ``logprobs`` with ``return_entropy=True`` gives a pair ``(logprobs, entropy)``.
+
+    ``sp_group``: the ranks holding the other tokens of the batch (DeepSpeed Ulysses, context
+    parallelism). A ``"sum"``/``"mean"`` result then covers every rank's tokens ("mean": over
+    their global count of counted tokens), replicated on every rank of ``sp_group`` and
+    ``tp_group``; each rank backprops it once and gets the gradient of that global loss for
+    its own tokens. ``"none"`` is per token as without it. Every rank of ``sp_group`` must
+    make the same call but for its tokens (else they all raise); see
+    ``vtp_runtime/sequence.py``. A ``vtp.Head(..., sequence_parallel=True)`` is Megatron's
+    sequence parallelism inside ``tp_group`` instead (``vtp_runtime/head.py``).
     """
     if op in OPS and OPS[op].returns_ids:
         raise TypeError(f"{op} returns token ids, not a loss: call vtp.{op}(logits, ...)")

@@ -117,6 +117,7 @@ class Request:
     features: frozenset[str] = frozenset()
     head_inputs: bool = False  # some input is a vtp_runtime.Head
     head_per_token: bool = False  # ... and the result is per token (reduction="none")
+    head_sequence_parallel: bool = False  # ... a sequence-parallel one, at TP > 1
     compiled: bool = False  # called from a torch.compile'd graph (vtp_runtime.library)
 
 
@@ -246,6 +247,11 @@ class Backend:
             out.append("head inputs not supported (pass logits, or force a backend that takes vtp.Head)")
         elif request.head_per_token and head is not None and not head.per_token:
             out.append("head inputs with a per-token result not supported (use reduction='sum' or 'mean')")
+        if request.head_sequence_parallel and head is not None and not head.sequence_parallel:
+            out.append(
+                "sequence-parallel head inputs not supported (Head(sequence_parallel=True) at TP > 1: gather "
+                "the hidden states and pass a plain Head, or force a backend that declares them)"
+            )
         if request.compiled and not compiles(self, request.op):
             out.append(
                 "cannot run inside torch.compile (it does not implement the Compiles protocol for this op: "
@@ -277,6 +283,11 @@ class HeadSupport:
     # also a per-token result (reduction="none"), whose gradients need the per-token upstream
     # gradient in backward; False: only sum/mean (gradients in forward)
     per_token: bool = True
+    # also a sequence-parallel Head (Head(sequence_parallel=True) at TP > 1): the token-chunk
+    # driver gathers each chunk's hidden rows from the ranks and reduce-scatters their
+    # gradient, so a backend using it need do nothing more; a head_driver of its own must run
+    # them through HeadRun as HeadDriver says
+    sequence_parallel: bool = False
 
 
 class TakesHead(Backend):

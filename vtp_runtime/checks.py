@@ -17,6 +17,7 @@ import torch
 
 from . import dispatch, head, metadata
 from .backend import Request
+from .comm import group_size, is_group
 from .errors import UnknownBackend
 from .head import Head
 from .ops import OpSpec, check_options, features_of, get_spec, normalize_options
@@ -41,6 +42,10 @@ class Local:
     needs_grad: tuple[bool, ...]  # per floating input
     forced: str | None
     forced_by: str
+    # a sequence-parallel Head at TP > 1: its hidden's local token shape, and whether another
+    # input covers every rank's tokens (else lead[0] is this rank's and the gather sums them)
+    sequence: tuple[int, ...] | None = None
+    covered: bool = True
 
 
 def check_arguments(spec: OpSpec, tensors: tuple, given: Mapping[str, Any]) -> None:
@@ -61,8 +66,13 @@ def local(op: str, tensors: tuple, given: Mapping[str, Any], traced: Any = None)
     options = {**spec.defaults, **given}
     normalize_options(spec, options, given)
     index = tensors[len(spec.inputs)] if spec.index else None
+    group = options["tp_group"]
+    world = group_size(group) if is_group(group) else 1
+    inputs = tensors[: len(spec.inputs)]
+    tokens = _covering_tokens(inputs, index, options) if world > 1 else None
     # Head inputs are checked and validated through stand-ins of their logits
-    heads, logits = head.stand_ins(tensors[: len(spec.inputs)], spec.inputs)
+    heads, logits = head.stand_ins(inputs, spec.inputs, world=world, tokens=tokens)
+    sequence = head.sequence_tokens(heads) if world > 1 else None
     check_tensors(spec, logits, index, options)
     lead = tuple(logits[0].shape[:-1])
     grad_on = torch.is_grad_enabled()
@@ -86,7 +96,25 @@ def local(op: str, tensors: tuple, given: Mapping[str, Any], traced: Any = None)
         needs_grad=needs_grad,
         forced=forced,
         forced_by=forced_by,
+        sequence=sequence,
+        covered=sequence is None or tokens is not None,
     )
+
+
+def _covering_tokens(inputs: tuple, index: Tensor | None, options: Mapping[str, Any]) -> int | None:
+    """The first token dimension of an input that covers every rank's tokens of a
+    sequence-parallel Head (another input, the index, mask or labels), or None."""
+    for t in inputs:
+        if isinstance(t, Head):
+            if t.sequence_parallel:
+                continue
+            t = t.hidden
+        if isinstance(t, Tensor) and t.dim() >= 2:
+            return t.shape[0]
+    for t in (index, options.get("mask"), options.get("labels")):
+        if isinstance(t, Tensor) and t.dim() >= 1:
+            return t.shape[0]
+    return None
 
 
 def check_tensors(spec: OpSpec, logits: tuple, index: Tensor | None, options: Mapping[str, Any]) -> None:
@@ -135,6 +163,12 @@ def check_tensors(spec: OpSpec, logits: tuple, index: Tensor | None, options: Ma
         if tuple(t.shape) not in shapes:
             want = "logits.shape[:-1] or logits.shape[:-1] + (k,)" if name == "index" else "logits.shape[:-1]"
             raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want} = {lead}")
+    sp_group = options.get("sp_group")
+    if sp_group is not None and sp_group is options.get("tp_group"):
+        raise ValueError(
+            "sp_group is tp_group: the ranks of tp_group hold vocabulary shards of the same tokens, those of "
+            "sp_group other tokens; pass two groups (on a TP x SP grid each rank is in one of each)"
+        )
     start, end = options["vocab_start"], options["vocab_end"]
     if (start is None) != (end is None):
         raise ValueError("pass both vocab_start and vocab_end, or neither (rank order is the default)")
@@ -164,9 +198,10 @@ def per_call_failure(spec: OpSpec, given: Mapping[str, Any], check: Check | None
     return None
 
 
-def fingerprint(loc: Local, compiled: bool) -> str:
+def fingerprint(loc: Local, compiled: bool, per_call: bool = True) -> str:
     """``name=value|...`` of everything about a call that every rank must agree on (beyond the
-    shapes and dtypes gathered on their own); shown per option when ranks disagree."""
+    shapes and dtypes gathered on their own); shown per option when ranks disagree.
+    ``per_call=False``: per-call options (a number normalizer) by kind only, as a plan keeps it."""
     options = loc.options
     parts = [
         f"op={loc.spec.name}",
@@ -181,7 +216,13 @@ def fingerprint(loc: Local, compiled: bool) -> str:
             continue
         value = options[name]
         # a tensor normalizer is compared by kind only: reading its value would sync the device
-        parts.append(f"{name}={'<tensor>' if isinstance(value, Tensor) else repr(value)}")
+        if isinstance(value, Tensor):
+            shown = "<tensor>"
+        elif not per_call and loc.spec.options[name].per_call and value is not None:
+            shown = "<number>"
+        else:
+            shown = repr(value)
+        parts.append(f"{name}={shown}")
     return "|".join(parts) + head.fingerprint(loc.heads) + ("|torch.compile=True" if compiled else "")
 
 
@@ -198,13 +239,14 @@ def local_call(loc: Local, compiled: bool) -> metadata.LocalCall:
             normalizer if isinstance(normalizer, Tensor) else None,
             device,
         )
+    sequence = loc.sequence
     return metadata.LocalCall(
         op=loc.spec.name,
         v_local=first.shape[-1],
         vocab_start=options["vocab_start"],
         vocab_end=options["vocab_end"],
         global_vocab_size=options["global_vocab_size"],
-        num_tokens=math.prod(loc.lead),
+        num_tokens=math.prod(loc.lead) if loc.covered else -1,  # -1: the ranks' shards say
         dtype=first.dtype,
         device_type=device.type,
         options_fingerprint=fingerprint(loc, compiled),
@@ -212,6 +254,8 @@ def local_call(loc: Local, compiled: bool) -> metadata.LocalCall:
         forced_by=loc.forced_by,
         available=dispatch.local_availability(device.type),
         checksums=checksums,
+        sequence_first=-1 if sequence is None else sequence[0],
+        sequence_rows=-1 if sequence is None else math.prod(sequence),
     )
 
 
@@ -231,6 +275,7 @@ def request_of(loc: Local, shards: metadata.Shards, compiled: bool) -> Request:
         features=features_of(loc.spec, loc.options, topk=loc.topk, teacher_grad=teacher_grad),
         head_inputs=loc.heads is not None,
         head_per_token=loc.heads is not None and head_reduction(loc.options) == "none",
+        head_sequence_parallel=loc.sequence is not None,
         compiled=compiled,
     )
 

@@ -86,7 +86,7 @@ class Explanation:
             f"vtp_runtime: op={r.op} device={r.device_type} dtype={dtype_name(r.dtype)} "
             f"tp={r.tp_size} V={r.vocab_size} tokens={r.num_tokens} "
             f"shards={'even' if r.even_shards else 'uneven'}{', one empty' if r.empty_shard else ''} "
-            f"features={','.join(sorted(r.features)) or '-'}" + (" inputs=head" if r.head_inputs else "")
+            f"features={','.join(sorted(r.features)) or '-'}{_inputs(r)}"
         ]
         if self.view:
             lines.append(f"({self.view})")
@@ -103,6 +103,12 @@ class Explanation:
                 lines.extend(f"    {reason}" for reason in why)
             lines.extend(f"    (this rank) {note}" for note in self.local_notes.get(name, ()))
         return "\n".join(lines)
+
+
+def _inputs(r: Request) -> str:
+    if r.head_sequence_parallel:
+        return " inputs=sequence-parallel head"
+    return " inputs=head" if r.head_inputs else ""
 
 
 def _reasons(backend: Backend, request: Request, shards: Shards | None) -> tuple[list[str], list[str]]:

@@ -26,6 +26,13 @@ How a call runs (the generic driver, ``ChunkedDriver``):
 - The hidden gradient of a Head is a partial sum over this rank's vocabulary shard; it is
   all-reduced over ``tp_group`` (Megatron's column-parallel convention) unless
   ``reduce_hidden_grad=False``.
+- A sequence-parallel Head (``sequence_parallel=True``, Megatron SP) holds this rank's
+  contiguous shard of the tokens; the op runs over every rank's tokens. Its chunks take the
+  same number of rows from each rank's shard (``vtp_runtime.sequence.SequenceLayout``): each
+  chunk's hidden rows are all-gathered from the ranks (the next chunk's gather in flight
+  while this one computes), and each chunk's hidden gradient is reduce-scattered back to
+  the ranks owning its rows. Inputs covering every token (labels, index, mask, logits, a
+  plain Head) are read in that chunk order, and the values put back in token order.
 
 A backend taking Head inputs subclasses ``vtp_runtime.backend.TakesHead`` and names the ops
 in ``head_ops``. Under the generic driver its ``forward`` must keep the **input tensors
@@ -41,6 +48,7 @@ one rounding per chunk, on top of fp32 accumulation within each chunk's matmul.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,6 +57,7 @@ import torch
 from .autograd import OpFunction
 from .backend import Call, TakesHead, meets_layout
 from .comm import all_reduce
+from .sequence import HiddenChunks, SequenceLayout
 
 Tensor = torch.Tensor
 
@@ -77,11 +86,19 @@ class Head:
       that all-reduce it themselves.
     - ``chunk_rows``: tokens per chunk (default: ``chunk_rows()``, a ``[rows, V_local]``
       buffer of at most ``CHUNK_BYTES`` for the widest shard); the same on every rank.
+    - ``sequence_parallel`` (Megatron's sequence parallelism): ``hidden`` ``[S_r, ..., H]`` is
+      this rank's contiguous shard of the tokens instead, shards concatenated along the first
+      dimension in rank order (uneven, or empty, shards allowed; the other dimensions the
+      same on every rank). The op runs over all ``S = sum S_r`` tokens: labels, index, mask
+      and the other input cover all of them, and the result (``[S, ...]``) is replicated on
+      every rank as usual. ``hidden``'s gradient is this rank's rows of the complete hidden
+      gradient (the reduce-scatter is done here), so ``reduce_hidden_grad=False`` does not
+      apply. At TP 1 it is a plain Head.
 
     Gradients flow to ``hidden``, ``weight`` and ``bias`` (whichever require grad).
     """
 
-    __slots__ = ("hidden", "weight", "bias", "reduce_hidden_grad", "chunk_rows")
+    __slots__ = ("hidden", "weight", "bias", "reduce_hidden_grad", "chunk_rows", "sequence_parallel")
 
     def __init__(
         self,
@@ -91,13 +108,16 @@ class Head:
         reduce_hidden_grad: bool = True,
         *,
         chunk_rows: int | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         self.hidden, self.weight, self.bias = hidden, weight, bias
         self.reduce_hidden_grad, self.chunk_rows = reduce_hidden_grad, chunk_rows
+        self.sequence_parallel = sequence_parallel
 
     @property
     def shape(self) -> torch.Size:
-        """The shape of the logits it stands for: ``hidden.shape[:-1] + (V_local,)``."""
+        """The shape of the logits it stands for: ``hidden.shape[:-1] + (V_local,)`` (this
+        rank's tokens only, for a sequence-parallel Head)."""
         return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
 
     @property
@@ -115,7 +135,8 @@ class Head:
     def __repr__(self) -> str:
         return (
             f"Head(hidden={tuple(self.hidden.shape)}, weight={tuple(self.weight.shape)}, "
-            f"bias={None if self.bias is None else tuple(self.bias.shape)}, dtype={self.dtype})"
+            f"bias={None if self.bias is None else tuple(self.bias.shape)}, dtype={self.dtype}"
+            + (", sequence_parallel=True)" if self.sequence_parallel else ")")
         )
 
 
@@ -155,28 +176,68 @@ def _check(head: Head, name: str) -> None:
     rows = head.chunk_rows
     if rows is not None and not (isinstance(rows, int) and not isinstance(rows, bool) and rows > 0):
         raise ValueError(f"{name}: Head.chunk_rows must be a positive int or None, got {rows!r}")
+    if not isinstance(head.sequence_parallel, bool):
+        raise TypeError(f"{name}: Head.sequence_parallel must be a bool, got {head.sequence_parallel!r}")
+    if head.sequence_parallel:
+        if not head.reduce_hidden_grad:
+            raise ValueError(
+                f"{name}: Head(sequence_parallel=True) hands each rank its rows of the complete hidden gradient "
+                f"(it reduce-scatters them over tp_group itself); reduce_hidden_grad=False, a partial sum for a "
+                f"framework to all-reduce, does not apply to it: leave reduce_hidden_grad out"
+            )
+        if h.dim() < 2:
+            raise ValueError(
+                f"{name}: Head(sequence_parallel=True) needs hidden [S_r, ..., H] (this rank's tokens first), "
+                f"got shape {tuple(h.shape)}"
+            )
 
 
-def stand_ins(inputs: Sequence[Any], names: Sequence[str]) -> tuple[tuple[Head | None, ...] | None, tuple]:
+def stand_ins(
+    inputs: Sequence[Any], names: Sequence[str], *, world: int = 1, tokens: int | None = None
+) -> tuple[tuple[Head | None, ...] | None, tuple]:
     """``(heads, inputs)``: each Head among ``inputs`` checked and replaced by a stand-in
     logits tensor of its shape, dtype and device that owns no memory (a zero-stride
     expansion), so the core validates and dispatches it like logits. ``heads`` is None when
-    no input is a Head, else one entry per input (None for logits)."""
+    no input is a Head, else one entry per input (None for logits).
+
+    With ``world`` > 1 ranks, a sequence-parallel Head stands for logits of every rank's
+    tokens: ``(tokens, *hidden.shape[1:-1], V_local)``, ``tokens`` the first dimension of
+    an input that covers them all (labels, index, mask, another input), or this rank's
+    ``hidden.shape[0]`` where there is none (the metadata gather gives the sum)."""
     if not any(isinstance(t, Head) for t in inputs):
         return None, tuple(inputs)
     heads: list[Head | None] = []
     out: list[Any] = []
+    local = None
     for name, t in zip(names, inputs):
         if not isinstance(t, Head):
             heads.append(None)
             out.append(t)
             continue
         _check(t, name)
+        shape = t.shape
+        if t.sequence_parallel and world > 1:
+            if local is not None and tuple(t.hidden.shape[:-1]) != local:
+                raise ValueError(
+                    f"{name}: the sequence-parallel Heads of one call must hold the same tokens: hidden "
+                    f"{tuple(t.hidden.shape)} beside hidden [{', '.join(map(str, local))}, H]"
+                )
+            local = tuple(t.hidden.shape[:-1])
+            shape = torch.Size((local[0] if tokens is None else tokens, *local[1:], t.weight.shape[0]))
         needs = any(p is not None and p.requires_grad for p in (t.hidden, t.weight, t.bias))
         seed = torch.empty((), dtype=t.dtype, device=t.device, requires_grad=needs)
         heads.append(t)
-        out.append(seed.expand(t.shape))
+        out.append(seed.expand(shape))
     return tuple(heads), tuple(out)
+
+
+def sequence_tokens(heads: Sequence[Head | None] | None) -> tuple[int, ...] | None:
+    """The local token shape ``hidden.shape[:-1]`` of the sequence-parallel Heads among
+    ``heads`` (checked to be one by ``stand_ins``), or None when there is none."""
+    for h in heads or ():
+        if h is not None and h.sequence_parallel:
+            return tuple(h.hidden.shape[:-1])
+    return None
 
 
 def _needs(t: Tensor | None) -> bool:
@@ -194,9 +255,10 @@ def fingerprint(heads: Sequence[Head | None] | None) -> str:
             parts.append("logits")
         else:
             grads = "".join(str(int(_needs(t))) for t in (h.hidden, h.weight, h.bias))
+            sequence = f",sequence_parallel=[S_r, {', '.join(map(str, h.hidden.shape[1:-1]))}]"
             parts.append(
                 f"head:H={h.hidden.shape[-1]},bias={int(h.bias is not None)},grads={grads},"
-                f"reduce={int(h.reduce_hidden_grad)},rows={h.chunk_rows}"
+                f"reduce={int(h.reduce_hidden_grad)},rows={h.chunk_rows}" + (sequence if h.sequence_parallel else "")
             )
     return "|inputs=" + ";".join(parts)
 
@@ -224,7 +286,9 @@ def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int 
 @dataclasses.dataclass(eq=False)
 class ChunkInput:
     """One floating input of the op, as rows: a Head (hidden ``[N, H]``, weight, bias) or
-    plain logits ``[N, V_local]``; with what needs a gradient and the gradients so far."""
+    plain logits ``[N, V_local]``; with what needs a gradient and the gradients so far. A
+    sequence-parallel Head's hidden is this rank's ``[n_local, H]`` and ``gather`` brings in
+    each chunk's rows from every rank."""
 
     hidden: Tensor | None = None
     weight: Tensor | None = None
@@ -234,6 +298,9 @@ class ChunkInput:
     needs: tuple[bool, bool, bool, bool] = (False, False, False, False)  # hidden, weight, bias, logits
     buffer: Tensor | None = None  # [rows, V_local] logits of the current chunk (Heads only)
     grads: list = dataclasses.field(default_factory=lambda: [None, None, None, None])
+    sequence_parallel: bool = False  # a sequence-parallel Head (at TP > 1)
+    gather: HiddenChunks | None = None  # its chunk gathers, for one pass over the chunks
+    rows_now: Tensor | None = None  # the hidden rows of the current chunk (Heads only)
 
     @property
     def is_head(self) -> bool:
@@ -261,7 +328,12 @@ class ChunkInput:
 
 @dataclasses.dataclass(eq=False)
 class HeadRun:
-    """Everything a driver needs for one call with Head inputs on this rank."""
+    """Everything a driver needs for one call with Head inputs on this rank.
+
+    With a sequence-parallel Head (``sequence`` set), the chunks run in the layout's chunk
+    order of the tokens (``order``: the token at each position, None for the identity):
+    ``index`` and ``mask`` are given in that order, inputs covering every token are read in
+    it, and ``HeadRunner`` puts the values back in token order."""
 
     backend: TakesHead
     call: Call
@@ -269,9 +341,11 @@ class HeadRun:
     index: Tensor | None  # [N] or [N, k] int64
     mask: Tensor | None  # [N] bool
     num_tokens: int
-    rows: int  # tokens per chunk, the same on every rank
+    rows: int  # tokens per chunk (the largest chunk), the same on every rank
     scalar: bool  # reduction sum/mean: gradients during forward, scaled in backward
     states: list = dataclasses.field(default_factory=list)  # per chunk, per-token results only
+    sequence: SequenceLayout | None = None  # a sequence-parallel Head's layout (TP > 1)
+    order: Tensor | None = None  # [N] int64: the token at each position of the chunk order
 
     @property
     def needs_grad(self) -> bool:
@@ -283,27 +357,55 @@ class HeadRun:
         return tuple(i.is_head for i in self.inputs)
 
     def chunks(self):
+        if self.sequence is not None:
+            starts = self.sequence.starts()
+            yield from zip(starts[:-1], starts[1:])
+            return
         for lo in range(0, self.num_tokens, self.rows):
             yield lo, min(lo + self.rows, self.num_tokens)
 
     def chunk_call(self, rows: int) -> Call:
         return dataclasses.replace(self.call, request=dataclasses.replace(self.call.request, num_tokens=rows))
 
+    def _rows(self, t: Tensor, lo: int, hi: int) -> Tensor:
+        """Rows ``[lo, hi)`` of the chunk order of ``t``, a tensor over every token."""
+        return t[lo:hi] if self.order is None else t.index_select(0, self.order[lo:hi])
+
+    def _put(self, out: Tensor, lo: int, hi: int, rows: Tensor) -> None:
+        """Write ``rows``, positions ``[lo, hi)`` of the chunk order, into ``out``."""
+        if self.order is None:
+            out[lo:hi].copy_(rows)
+        else:
+            out.index_copy_(0, self.order[lo:hi], rows)
+
+    def begin(self) -> None:
+        """Start a pass over the chunks: the chunk gathers of sequence-parallel Heads."""
+        assert self.sequence is not None or not any(x.sequence_parallel for x in self.inputs)
+        for x in self.inputs:
+            if x.sequence_parallel:
+                assert self.sequence is not None and x.hidden is not None
+                x.gather = HiddenChunks(x.hidden, self.sequence, self.call.group)
+
     def chunk_logits(self, lo: int, hi: int) -> tuple[Tensor, ...]:
         """Each input's logits for tokens ``[lo, hi)``: Heads computed into their buffer."""
         out = []
         for x in self.inputs:
             if not x.is_head:
-                out.append(x.logits_rows()[lo:hi])
+                out.append(self._rows(x.logits_rows(), lo, hi))
                 continue
             hidden, weight, bias = x.head_parts()
             if x.buffer is None:
                 x.buffer = torch.empty((self.rows, weight.shape[0]), dtype=weight.dtype, device=weight.device)
             z = x.buffer[: hi - lo]
-            if bias is None:
-                torch.mm(hidden[lo:hi], weight.t(), out=z)
+            if x.gather is not None:
+                h = x.gather.rows(x.gather.chunk_at(lo))
             else:
-                torch.addmm(bias, hidden[lo:hi], weight.t(), out=z)
+                h = self._rows(hidden, lo, hi)
+            x.rows_now = h
+            if bias is None:
+                torch.mm(h, weight.t(), out=z)
+            else:
+                torch.addmm(bias, h, weight.t(), out=z)
             out.append(z)
         return tuple(out)
 
@@ -312,6 +414,16 @@ class HeadRun:
 
     def mask_at(self, lo: int, hi: int) -> Tensor | None:
         return None if self.mask is None else self.mask[lo:hi]
+
+    def to_chunk_order(self, t: Tensor) -> Tensor:
+        """A tensor over every token (per-token values, their gradients) in chunk order."""
+        return t if self.order is None else t.index_select(0, self.order)
+
+    def to_token_order(self, t: Tensor) -> Tensor:
+        """Per-token values computed in chunk order, back in token order."""
+        if self.order is None:
+            return t
+        return torch.empty_like(t).index_copy_(0, self.order, t)
 
     # -- gradients -------------------------------------------------------------------------
     def start_grads(self) -> None:
@@ -324,7 +436,8 @@ class HeadRun:
                 continue
             hidden, weight, bias = x.head_parts()
             acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-            # dh and dW are written by the first chunk (lo = 0)
+            # dh and dW are written by the first chunk (lo = 0); a sequence-parallel Head's dh
+            # (this rank's rows) by the chunks' reduce-scatters
             x.grads = [
                 torch.empty_like(hidden) if nh else None,
                 torch.empty_like(weight) if nw else None,
@@ -340,33 +453,52 @@ class HeadRun:
             assert dz is not None  # the backend gives dlogits for every input that needs a gradient
             dh, dw, db, dl = x.grads
             if dl is not None:
-                dl[lo:hi].copy_(dz)
+                self._put(dl, lo, hi, dz)
                 continue
-            hidden, weight, _ = x.head_parts()  # an input needing a gradient with no dlogits is a Head
-            if dh is not None:
-                torch.mm(dz, weight, out=dh[lo:hi])
+            _, weight, _ = x.head_parts()  # an input needing a gradient with no dlogits is a Head
+            h = x.rows_now
+            assert h is not None  # chunk_logits ran for this chunk
             if dw is not None and lo == 0:
-                torch.mm(dz.t(), hidden[lo:hi], out=dw)
+                torch.mm(dz.t(), h, out=dw)
             elif dw is not None:
-                dw.addmm_(dz.t(), hidden[lo:hi])
+                dw.addmm_(dz.t(), h)
             if db is not None:
                 db.add_(dz.sum(dim=0, dtype=db.dtype))
+            # dh last: a sequence-parallel Head's previous reduce-scatter ran during the above
+            if dh is not None:
+                if x.gather is not None:  # this rank's rows of the sum over the vocabulary shards
+                    c = x.gather.chunk_at(lo)
+                    partial = torch.mm(dz, weight, out=x.gather.grad_rows(c))
+                    x.gather.scatter(c, partial, dh)
+                elif self.order is None:
+                    torch.mm(dz, weight, out=dh[lo:hi])
+                else:
+                    self._put(dh, lo, hi, dz @ weight)
 
     def finish_grads(self) -> list[Tensor | None]:
         """The gradients, one per flat tensor (hidden, weight, bias per Head; logits per
-        logits input), hidden gradients all-reduced over the group where asked."""
+        logits input), hidden gradients all-reduced over the group where asked (a
+        sequence-parallel Head's: reduce-scattered chunk by chunk, waited for here)."""
         out = []
         for x in self.inputs:
             dh, dw, db, dl = x.grads
             x.grads = [None, None, None, None]
             if x.is_head:
-                if dh is not None and x.reduce_hidden_grad:
+                # a sequence-parallel Head's dh: complete, reduce-scattered by the chunk pass
+                if dh is not None and x.reduce_hidden_grad and not x.sequence_parallel:
                     all_reduce(dh, self.call.group, "sum")
                 # the bias has the weight's dtype (checked with the Head)
                 out += [dh, dw, None if db is None else db.to(x.primary.dtype)]
             else:
                 out.append(dl)
         return out
+
+    def end(self) -> None:
+        """End a pass over the chunks: wait for what is in flight, drop the gather buffers."""
+        for x in self.inputs:
+            if x.gather is not None:
+                x.gather.release()
+            x.gather = x.rows_now = None
 
     def release_buffers(self) -> None:
         """Free the logits buffers' memory; the states keep referring to the (empty) storage."""
@@ -390,7 +522,13 @@ class HeadDriver:
     (fp32, fp64 for fp64 inputs; ``[N]`` or ``[N, k]``) and, when ``run.scalar`` and
     ``run.needs_grad``, leaves the gradients for an upstream gradient of ones in the inputs'
     accumulators (after ``run.start_grads()``). ``backward`` (per-token results only) does
-    the same for the upstream gradient ``grad``. The caller all-reduces hidden gradients."""
+    the same for the upstream gradient ``grad``. The caller all-reduces hidden gradients.
+
+    A driver of a backend declaring ``HeadSupport(sequence_parallel=True)`` also gets calls
+    with a sequence-parallel Head (``run.sequence`` set): it runs over ``run.chunks()`` after
+    ``run.begin()``, and before ``run.end()``, with ``run.chunk_logits`` and
+    ``run.accumulate``, which gather the hidden rows and scatter their gradient, and returns
+    the values in the chunk order (the order of ``run.index`` and ``run.mask``)."""
 
     def forward(self, run: HeadRun) -> Tensor:
         raise NotImplementedError
@@ -407,6 +545,7 @@ class ChunkedDriver(HeadDriver):
         grad_now = run.scalar and run.needs_grad
         if grad_now:
             run.start_grads()
+        run.begin()
         try:
             for lo, hi in run.chunks():
                 call = run.chunk_call(hi - lo)
@@ -417,7 +556,12 @@ class ChunkedDriver(HeadDriver):
                     run.accumulate(lo, hi, run.backend.head_backward(call, state, torch.ones_like(vals), run.scratch))
                 elif run.needs_grad:
                     run.states.append(state)
+            if grad_now:
+                for x in run.inputs:  # the scatters finish before the gathers' buffers go
+                    if x.gather is not None:
+                        x.gather.finish()
         finally:
+            run.end()
             if run.states:
                 run.release_buffers()
             else:
@@ -428,6 +572,7 @@ class ChunkedDriver(HeadDriver):
     def backward(self, run: HeadRun, grad: Tensor) -> None:
         run.start_grads()
         run.restore_buffers()
+        run.begin()
         try:
             for (lo, hi), state in zip(run.chunks(), run.states):
                 run.chunk_logits(lo, hi)
@@ -436,7 +581,11 @@ class ChunkedDriver(HeadDriver):
                     hi,
                     run.backend.head_backward(run.chunk_call(hi - lo), state, grad[lo:hi].contiguous(), run.scratch),
                 )
+            for x in run.inputs:
+                if x.gather is not None:
+                    x.gather.finish()
         finally:
+            run.end()
             run.release_buffers()
 
 
@@ -456,7 +605,7 @@ class HeadRunner:
 
     def forward(self, flat: tuple[Tensor | None, ...]) -> tuple[Tensor, tuple[Tensor | None, ...]]:
         run = self.run
-        values = self.driver.forward(run)
+        values = run.to_token_order(self.driver.forward(run))
         if not run.scalar:
             return values, flat
         self.grads = run.finish_grads() if run.needs_grad else None
@@ -480,7 +629,7 @@ class HeadRunner:
                 # 0-dim fp32 tensor sends bf16 gradients through torch's unvectorized casting kernel)
                 torch._foreach_mul_([g for g in grads if g is not None], scale)
         else:
-            self.driver.backward(run, grad)
+            self.driver.backward(run, run.to_chunk_order(grad))
             grads = run.finish_grads()
         # rows back to the inputs' shapes ([N, H] -> [..., H], [N, V_local] -> [..., V_local])
         return tuple(None if g is None else g.view(shape) for g, shape in zip(grads, self.shapes))
@@ -494,32 +643,47 @@ def run_heads(
     mask: Tensor | None,
     scalar: bool,
     rows: int,
+    sequence: SequenceLayout | None = None,
 ) -> Tensor:
     """Values ``[N]`` (``[N, k]``) of ``call`` whose ``inputs`` are each a Head or logits
     ``[..., V_local]``; ``rows`` tokens per chunk (the same on every rank); ``scalar``: the
-    result is reduced to one number (gradients during forward)."""
-    n = call.request.num_tokens
+    result is reduced to one number (gradients during forward); ``sequence``: the layout of
+    the sequence-parallel Heads among ``inputs`` (at TP > 1)."""
+    run = _head_run(backend, call, inputs, index, mask, scalar, rows, sequence)
     flat: list[Tensor | None] = []
+    for x in inputs:
+        flat += [x.hidden, x.weight, x.bias] if isinstance(x, Head) else [x]
+    driver = backend.head_driver(call) or CHUNKED
+    shapes = [None if t is None else t.shape for t in flat]
+    return OpFunction.apply(HeadRunner(run, driver, shapes), *flat)
+
+
+def _head_run(backend, call, inputs, index, mask, scalar, rows, sequence) -> HeadRun:
+    n = call.request.num_tokens
     run_inputs = []
     for x in inputs:
         if not isinstance(x, Head):
-            flat.append(x)
             z = x.reshape(n, x.shape[-1])
             if not meets_layout(z, backend.input_layout):  # chunks are row slices of it: 2-D
                 z = z.contiguous()
             run_inputs.append(ChunkInput(logits=z, needs=(False, False, False, _needs(x))))
-        else:
-            flat += [x.hidden, x.weight, x.bias]
-            run_inputs.append(
-                ChunkInput(
-                    hidden=x.hidden.reshape(n, x.hidden.shape[-1]),
-                    weight=x.weight,
-                    bias=x.bias,
-                    reduce_hidden_grad=x.reduce_hidden_grad,
-                    needs=(_needs(x.hidden), _needs(x.weight), _needs(x.bias), False),
-                )
+            continue
+        spread = x.sequence_parallel and sequence is not None
+        run_inputs.append(
+            ChunkInput(
+                hidden=x.hidden.reshape(math.prod(x.hidden.shape[:-1]) if spread else n, x.hidden.shape[-1]),
+                weight=x.weight,
+                bias=x.bias,
+                reduce_hidden_grad=x.reduce_hidden_grad,
+                needs=(_needs(x.hidden), _needs(x.weight), _needs(x.bias), False),
+                sequence_parallel=spread,
             )
-    run = HeadRun(
+        )
+    order = None if sequence is None else sequence.order(run_inputs[0].primary.device)
+    if order is not None:  # the chunks run in the layout's order of the tokens
+        index = None if index is None else index.index_select(0, order)
+        mask = None if mask is None else mask.index_select(0, order)
+    return HeadRun(
         backend=backend,
         call=call,
         inputs=run_inputs,
@@ -528,10 +692,23 @@ def run_heads(
         num_tokens=n,
         rows=rows,
         scalar=scalar,
+        sequence=sequence,
+        order=order,
     )
-    driver = backend.head_driver(call) or CHUNKED
-    shapes = [None if t is None else t.shape for t in flat]
-    return OpFunction.apply(HeadRunner(run, driver, shapes), *flat)
+
+
+def run_ids(backend: Any, call: Call, x: Head, rows: int, sequence: SequenceLayout | None) -> Tensor:
+    """The ids an op returning them (argmax) gives for a Head, chunk by chunk (the chunk
+    count is the same on every rank: ``rows`` and ``sequence`` derive from what they share)."""
+    run = _head_run(backend, call, (x,), None, None, False, rows, sequence)
+    out = [torch.zeros(0, dtype=torch.int64, device=x.weight.device)]
+    run.begin()
+    try:
+        for lo, hi in run.chunks():
+            out.append(backend.forward(run.chunk_call(hi - lo), run.chunk_logits(lo, hi), None, None)[0])
+    finally:
+        run.end()
+    return run.to_token_order(torch.cat(out))
 
 
 def rows_per_chunk(num_tokens: int, max_v_local: int, heads: Sequence[Any]) -> int:
@@ -540,6 +717,14 @@ def rows_per_chunk(num_tokens: int, max_v_local: int, heads: Sequence[Any]) -> i
     found = [h for h in heads if isinstance(h, Head)]
     requested = [h.chunk_rows for h in found if h.chunk_rows is not None]
     return chunk_rows(num_tokens, max_v_local, found[0].weight.element_size(), min(requested) if requested else None)
+
+
+def sequence_layout(rows: tuple[int, ...], rank: int, max_v_local: int, heads: Sequence[Any]) -> SequenceLayout:
+    """The chunks of a call with a sequence-parallel Head whose ranks hold ``rows`` tokens
+    each: every rank gives each chunk ``per_rank`` of its rows, so that a chunk is at most as
+    many tokens as ``rows_per_chunk`` allows (and one buffer serves every chunk)."""
+    n, world = sum(rows), len(rows)
+    return SequenceLayout(rows=rows, rank=rank, per_rank=max(1, rows_per_chunk(n, max_v_local, heads) // world))
 
 
 __all__ = [

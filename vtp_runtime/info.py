@@ -70,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="scalar",
         default=None,
-        choices=("scalar", "per-token"),
-        help="inputs are vtp.Head (--explain): scalar = reduction sum/mean (default), per-token = reduction none",
+        choices=("scalar", "per-token", "sequence-parallel"),
+        help="inputs are vtp.Head (--explain): scalar = reduction sum/mean (default), per-token = reduction none, "
+        "sequence-parallel = Head(sequence_parallel=True) with reduction sum/mean (at --tp > 1)",
     )
 
 
@@ -141,7 +142,8 @@ def simulated_request(
     head: str | None = None,
 ) -> Request:
     """The Request every rank of a ``tp``-way call would build, without a process group.
-    ``head``: None (logits), "scalar" (vtp.Head inputs, sum/mean) or "per-token" (Head, "none")."""
+    ``head``: None (logits), "scalar" (vtp.Head inputs, sum/mean), "per-token" (Head, "none") or
+    "sequence-parallel" (``Head(sequence_parallel=True)``, sum/mean; at ``tp`` > 1)."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(OPS)}")
     if vocab < 1 or tp < 1 or tokens < 0:
@@ -159,6 +161,7 @@ def simulated_request(
         features=frozenset(features),
         head_inputs=head is not None,
         head_per_token=head == "per-token",
+        head_sequence_parallel=head == "sequence-parallel" and tp > 1,
     )
 
 
@@ -192,6 +195,7 @@ def collect() -> dict[str, Any]:
                     "even_shards_only": cap.even_shards_only,
                     "head_inputs": head is not None,
                     "head_per_token": head is not None and head.per_token,
+                    "head_sequence_parallel": head is not None and head.sequence_parallel,
                     "compiled": compiles(b, op),
                 }
             )
@@ -261,6 +265,7 @@ def render_plain(data: dict[str, Any]) -> str:
     lines.append(f"  {'backend':<20} {'prio':>4}  " + "  ".join(f"{op:<13}" for op in ops))
     for name, b in data["backends"].items():
         lines.append(f"  {name:<20} {b['priority']:>4}  " + "  ".join(f"{_cell(b['ops'][op]):<13}" for op in ops))
+    lines += _head_lines(data)
     blocks = []
     for name, b in data["backends"].items():
         why = sorted({r for e in b["ops"].values() if e["implemented"] for r in e["reasons"]})
@@ -271,6 +276,23 @@ def render_plain(data: dict[str, Any]) -> str:
         lines.append("why not:")
         lines += blocks
     return "\n".join(lines)
+
+
+def _head_lines(data: dict[str, Any]) -> list[str]:
+    """Which ops each backend takes vtp.Head inputs for, and how."""
+    lines = []
+    for name, b in data["backends"].items():
+        groups: dict[str, list[str]] = {}
+        for op, e in b["ops"].items():
+            if e.get("head_inputs"):
+                how = ["per-token" if e["head_per_token"] else "sum/mean only"]
+                how += ["sequence-parallel"] if e["head_sequence_parallel"] else []
+                groups.setdefault(", ".join(how), []).append(op)
+        if groups:
+            lines.append(f"  {name + ':':<20} " + "; ".join(f"{', '.join(ops)} ({how})" for how, ops in groups.items()))
+    if not lines:
+        return []
+    return ["vtp.Head inputs (per-token: reduction='none'; sequence-parallel: Head(sequence_parallel=True)):", *lines]
 
 
 def render_rich(data: dict[str, Any], console) -> None:
@@ -310,6 +332,8 @@ def render_rich(data: dict[str, Any], console) -> None:
     for name, b in data["backends"].items():
         t.add_row(name, str(b["priority"]), *(colour[_cell(b["ops"][op])] for op in OPS))
     console.print(t)
+    for line in _head_lines(data):
+        console.print(line, markup=False, highlight=False)
     for name, b in data["backends"].items():
         why = sorted({r for e in b["ops"].values() if e["implemented"] for r in e["reasons"]})
         if why:
@@ -333,6 +357,7 @@ def explain_data(ex: dispatch.Explanation) -> dict[str, Any]:
             "features": sorted(r.features),
             "head_inputs": r.head_inputs,
             "head_per_token": r.head_per_token,
+            "head_sequence_parallel": r.head_sequence_parallel,
         },
         "selected": ex.backend,
         "forced": ex.forced,

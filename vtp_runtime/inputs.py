@@ -13,7 +13,8 @@ replicate: the local batch is what this rank computes. The result is wrapped bac
 DTensor on the same mesh, placed as ``loss_parallel()`` places ``F.cross_entropy``'s
 result: ``Replicate()`` on the vocabulary's mesh dimension (every TP rank holds the same
 loss); per token (``reduction="none"``) it keeps the batch sharding; reduced, it is
-``Partial("sum")`` over batch-sharded mesh dimensions (each rank holds its batch's part).
+``Partial("sum")`` over batch-sharded mesh dimensions (each rank holds its batch's part),
+except on the one whose group is ``sp_group``: summed there already, and ``Replicate()``.
 ``to_local`` and ``from_local`` are differentiable, so the gradient of a DTensor input is a
 DTensor with the input's placement.
 
@@ -21,7 +22,9 @@ A ``Head`` whose weight (and bias) is a DTensor sharded over the vocabulary (``S
 on one mesh dimension, replicated on the others) stands for logits of shape
 ``hidden.shape[:-1] + (V,)`` placed the same way, the batch placed as a hidden DTensor
 places it (a plain hidden: replicated, on a 1-D mesh only); it becomes the Head of the
-local tensors.
+local tensors. A hidden DTensor placed ``Shard(0)`` on the vocabulary's mesh dimension
+(Megatron's sequence parallelism: the tokens split over the TP ranks) makes it a
+sequence-parallel Head.
 """
 
 from __future__ import annotations
@@ -273,13 +276,38 @@ def _normalize(
         options["normalizer"] = normalizer.to_local()
 
     reduced = options.get("reduction", "none") != "none"
-    if reduced and lay.batch_sharded and options.get("reduction") == "mean" and options.get("normalizer") is None:
+    sequence_dim = _sequence_dim(lay, options.get("sp_group"))
+    partial = [i for i in _batch_dims(lay) if i != sequence_dim]  # what a reduced result leaves pending
+    if reduced and partial and options.get("reduction") == "mean" and options.get("normalizer") is None:
         raise ValueError(
             f"reduction='mean' on logits whose batch is sharded across the mesh (placements "
             f"{lay.placements}) would average per-rank means; use reduction='sum' with "
             f"normalizer= the global count of tokens (e.g. num_items_in_batch), or reduction='none'"
+            + ("" if sequence_dim is not None else ", or pass sp_group= the group of the mesh dimension sharding them")
         )
-    return tuple(local), options, _wrapper(lay, lead, reduced, names)
+    return tuple(local), options, _wrapper(lay, lead, reduced, names, sequence_dim)
+
+
+def _batch_dims(lay: _Layout) -> list[int]:
+    """The mesh dimensions that shard the logits' tokens."""
+    return [i for i, p in enumerate(lay.placements) if p.is_shard() and i != lay.vocab_mesh_dim]
+
+
+def _sequence_dim(lay: _Layout, sp_group: Any) -> int | None:
+    """The mesh dimension whose process group is ``sp_group`` (None without one), which must
+    shard the logits' tokens: a reduced result is then summed over it and replicated there."""
+    if sp_group is None:
+        return None
+    if not (torch.distributed.is_available() and isinstance(sp_group, torch.distributed.ProcessGroup)):
+        return None  # the option's own check says what is wrong
+    for i in _batch_dims(lay):
+        if _same_group(lay.mesh.get_group(i), sp_group):
+            return i
+    raise ValueError(
+        f"sp_group is not the process group of a mesh dimension that shards the logits' tokens (placements "
+        f"{lay.placements}); pass the group of that dimension (mesh.get_group(dim)), or leave sp_group out to "
+        f"get a sum pending over it (Partial)"
+    )
 
 
 def _see_group(dt, vocab_dim: int, seen: dict[str, Any]) -> None:
@@ -392,11 +420,18 @@ def _head_layout(head: Head, names: _Torch, seen: dict | None = None) -> _Layout
         or _placements(head.bias, names) != _placements(w, names)
     ):
         raise ValueError("Head.bias must be a DTensor placed like Head.weight (Shard(0) on the same mesh dimension)")
+    sequence = _sequence_dims(head, names)
+    if head.sequence_parallel and not sequence:
+        raise ValueError(
+            "Head(sequence_parallel=True) with a DTensor weight takes hidden as a DTensor placed Shard(0) on the "
+            "weight's vocabulary mesh dimension (its tokens split over the TP ranks); the placement says so, "
+            "sequence_parallel may then be left out"
+        )
     placements = []
     for i, p in enumerate(_placements(w, names)):
         q = hidden[i] if hidden is not None else names.Replicate()
-        if p.is_shard() and p.dim == 0 and q.is_replicate():
-            placements.append(names.Shard(ndim - 1))
+        if p.is_shard() and p.dim == 0 and (q.is_replicate() or i in sequence):
+            placements.append(names.Shard(ndim - 1))  # a sequence-parallel hidden: every rank's tokens
         elif p.is_replicate() and not (q.is_shard() and q.dim == ndim - 1):
             placements.append(q)
         else:
@@ -408,20 +443,38 @@ def _head_layout(head: Head, names: _Torch, seen: dict | None = None) -> _Layout
     return _layout_for(w.device_mesh, tuple(placements), tuple(h.shape[:-1]) + (w.shape[0],), names, seen)
 
 
+def _sequence_dims(head: Head, names: _Torch) -> list[int]:
+    """The mesh dimensions where a Head's hidden DTensor is sharded on its first (token)
+    dimension and its weight on the vocabulary: Megatron's sequence parallelism."""
+    h: Any = head.hidden
+    w: Any = head.weight
+    if not isinstance(h, names.DTensor) or h.dim() < 2 or h.device_mesh != w.device_mesh:
+        return []
+    return [
+        i
+        for i, (p, q) in enumerate(zip(_placements(w, names), _placements(h, names)))
+        if p.is_shard() and p.dim == 0 and q.is_shard() and q.dim == 0
+    ]
+
+
 def _local_head(head: Head, names: _Torch) -> Head:
     """The Head of this rank's local tensors. Where the hidden DTensor shards the batch, the
     replicated weight and bias get a pending sum (``Partial``) as gradient: each batch shard
-    holds its part, as torch's own DTensor matmul gives it."""
+    holds its part, as torch's own DTensor matmul gives it. A hidden sharded over the tokens
+    on the vocabulary's mesh dimension makes a sequence-parallel Head, whose weight gradient
+    covers every token there."""
     h: Any = head.hidden
     weight: Any = head.weight
     batch = _placements(h, names) if isinstance(h, names.DTensor) else ()
+    sequence = _sequence_dims(head, names)
     weight_grad = tuple(
-        names.Partial() if i < len(batch) and batch[i].is_shard() else p for i, p in enumerate(weight.placements)
+        names.Partial() if i < len(batch) and batch[i].is_shard() and i not in sequence else p
+        for i, p in enumerate(weight.placements)
     )
     h = _to_local(h) if batch else h
     w = _to_local(weight, weight_grad)
     b = None if head.bias is None else _to_local(head.bias, weight_grad)
-    return Head(h, w, b, head.reduce_hidden_grad, chunk_rows=head.chunk_rows)
+    return Head(h, w, b, head.reduce_hidden_grad, chunk_rows=head.chunk_rows, sequence_parallel=bool(sequence))
 
 
 def _local_part(name: str, t, lay: _Layout, names: _Torch):
@@ -466,13 +519,15 @@ def _check_layout_options(lay: _Layout, options: dict[str, Any]) -> None:
         raise ValueError(f"global_vocab_size={given!r} but the logits DTensor's vocabulary has V={lay.vocab_size}")
 
 
-def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch) -> Wrap:
+def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch, sequence_dim: int | None = None) -> Wrap:
     """Wraps this rank's result into a DTensor; ``lead`` is the global shape of the logits
-    without the vocabulary."""
+    without the vocabulary; ``sequence_dim``: the mesh dimension of ``sp_group``, over which
+    a reduced result is summed already."""
     DTensor, Replicate, Partial = names.DTensor, names.Replicate, names.Partial
-    if reduced:  # a scalar: each batch shard holds its part of the sum
+    if reduced:  # a scalar: each batch shard holds its part of the sum (summed over sp_group)
         placements = tuple(
-            Partial() if p.is_shard() and i != lay.vocab_mesh_dim else Replicate() for i, p in enumerate(lay.placements)
+            Partial() if p.is_shard() and i not in (lay.vocab_mesh_dim, sequence_dim) else Replicate()
+            for i, p in enumerate(lay.placements)
         )
     else:  # the logits' batch sharding; replicated over the vocabulary's mesh dimension
         placements = tuple(Replicate() if i == lay.vocab_mesh_dim else p for i, p in enumerate(lay.placements))

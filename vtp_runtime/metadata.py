@@ -25,7 +25,7 @@ from .comm import all_gather_stack, group_rank, group_size, is_group
 from .errors import ShardError, add_note
 from .ops import DTYPES, OPS, dtype_name
 
-MAGIC = 0x7674_7003  # "vtp" + protocol version: ranks on different vtp_runtime versions disagree here
+MAGIC = 0x7674_7004  # "vtp" + protocol version: ranks on different vtp_runtime versions disagree here
 MAX_BACKEND_SLOTS = 24
 
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "npu")
@@ -49,6 +49,8 @@ FIELDS = (
     "check_index",
     "check_mask",
     "check_normalizer",
+    "sequence_first",  # a sequence-parallel Head's tokens on this rank: hidden.shape[0] ...
+    "sequence_rows",  # ... and its rows (-1 for both without one)
 )
 F = {name: i for i, name in enumerate(FIELDS)}
 META_SIZE = len(FIELDS) + MAX_BACKEND_SLOTS
@@ -117,6 +119,8 @@ class LocalCall:
     available: tuple[int, ...]  # backend_key of each backend whose probe passes here
     forced_by: str = ""
     checksums: torch.Tensor | None = None  # from checksums(), under VTP_CHECK=1
+    sequence_first: int = -1  # a sequence-parallel Head: this rank's hidden.shape[0] (-1: none)
+    sequence_rows: int = -1  # ... and its token rows
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,8 @@ class Shards:
     even_shards: bool  # rank order with equal sizes: vocab_start = rank * V_local
     available: frozenset[int]  # backend keys available on every rank
     available_per_rank: tuple[frozenset[int], ...]
+    # a sequence-parallel Head: per rank (hidden.shape[0], token rows); num_tokens is their sum
+    sequence: tuple[tuple[int, int], ...] | None = None
 
 
 def single_rank_shards(v_local: int, vocab_start: int | None, global_vocab_size: int | None, num_tokens: int) -> Shards:
@@ -172,7 +178,9 @@ def encode(local: LocalCall) -> list[int]:
     row[F["vocab_end"]] = -1 if local.vocab_end is None else local.vocab_end
     row[F["global_vocab_size"]] = -1 if local.global_vocab_size is None else local.global_vocab_size
     row[F["num_tokens"]] = local.num_tokens
-    for name in ("vocab_start", "vocab_end", "global_vocab_size", "num_tokens"):
+    row[F["sequence_first"]] = local.sequence_first
+    row[F["sequence_rows"]] = local.sequence_rows
+    for name in ("vocab_start", "vocab_end", "global_vocab_size", "num_tokens", "sequence_first", "sequence_rows"):
         if row[F[name]] not in _INT64:
             raise ValueError(
                 f"{name}={getattr(local, name)} is out of range: vocabulary ids and token counts must be below 2**63"
@@ -210,6 +218,18 @@ def _metadata_device(group, device: torch.device | None) -> torch.device:
     if "xccl" in backend:
         return torch.device("xpu", torch.xpu.current_device())
     return torch.device("cpu")
+
+
+def host_transport(group) -> bool:
+    """Whether ``group`` gathers small metadata on the host (a CPU transport: gloo,
+    ``cpu:gloo,cuda:nccl``), so that reading the gathered table waits for no device."""
+    return _metadata_device(group, None).type == "cpu"
+
+
+def gather_device(group, device: torch.device | None) -> torch.device:
+    """Where ``group`` gathers metadata: the host where it has a CPU transport, else
+    ``device`` (or the device the group communicates on)."""
+    return _metadata_device(group, device)
 
 
 def pack(local: LocalCall, group, device: torch.device) -> torch.Tensor:
@@ -265,6 +285,11 @@ def _check_checksums(table) -> None:
         )
 
 
+def ranks_text(ranks) -> str:
+    """``rank 1`` or ``ranks 0, 3``."""
+    return _ranks(ranks)
+
+
 def _ranks(ranks) -> str:
     ranks = list(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
@@ -305,7 +330,7 @@ def _fields(text: str) -> dict[str, str]:
     return dict(part.partition("=")[::2] for part in text.split("|") if part)
 
 
-def _differences(texts: list[str]) -> dict[str, str]:
+def differences(texts: list[str]) -> dict[str, str]:
     """``{name: "rank 0 = a, rank 1 = b"}`` for each name whose value differs between the ranks."""
     per_rank = [_fields(t) for t in texts]
     out = {}
@@ -336,7 +361,8 @@ def validate(
     _disagree(table, "magic", "vtp_runtime metadata version (install the same vtp_runtime on every rank)", show=hex)
     _failures(table, failure, rank, group, device)
     _disagree(table, "op", "the op", show=lambda v: list(OPS)[v])
-    _disagree(table, "num_tokens", "the number of tokens")
+    if len({row[F["sequence_rows"]] >= 0 for row in table}) == 1:  # else the options say which Heads differ
+        _disagree(table, "num_tokens", "the number of tokens")
     _disagree(
         table,
         "dtype",
@@ -346,7 +372,7 @@ def validate(
     _disagree(table, "device_type", "the device type", show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
     if len({row[F["options"]] for row in table}) > 1 or len({row[F["forced"]] for row in table}) > 1:
         assert local is not None  # a rank without its LocalCall failed, and _failures raised
-        diff = _differences(gather_texts(_detail_text(local), group, device))
+        diff = differences(gather_texts(_detail_text(local), group, device))
         forced = diff.pop(FORCED, None)
         what = (
             f"op options: {'; '.join(f'{k}: {v}' for k, v in diff.items())}"
@@ -358,6 +384,17 @@ def validate(
         )
     _check_checksums(table)
     _disagree(table, "global_vocab_size", "global_vocab_size")
+    num_tokens, sequence = table[0][F["num_tokens"]], None
+    if table[0][F["sequence_rows"]] >= 0:  # a sequence-parallel Head on every rank (the options say)
+        sequence = tuple((row[F["sequence_first"]], row[F["sequence_rows"]]) for row in table)
+        total = sum(rows for _, rows in sequence)
+        if num_tokens >= 0 and num_tokens != total:
+            raise ShardError(
+                f"the labels, index, mask or other input cover {num_tokens} tokens, but the hidden shards of the "
+                f"sequence_parallel Head add up to {total} (tokens per rank: {[rows for _, rows in sequence]}); "
+                f"they must cover every rank's tokens, in rank order"
+            )
+        num_tokens = total
 
     sizes = tuple(row[F["v_local"]] for row in table)
     explicit = [row[F["vocab_start"]] >= 0 for row in table]
@@ -398,10 +435,11 @@ def validate(
         vocab_end=starts[rank] + sizes[rank],
         vocab_size=vocab_size,
         sizes=sizes,
-        num_tokens=table[0][F["num_tokens"]],
+        num_tokens=num_tokens,
         even_shards=even,
         available=frozenset.intersection(*per_rank),
         available_per_rank=per_rank,
+        sequence=sequence,
     )
 
 

@@ -39,7 +39,9 @@ class VocabParallelHead(nn.Module):
     ``vtp.Head`` for any op; ``.logits(hidden)`` materializes the local (or, with
     ``gather=True``, the full) logits, e.g. for generation. ``hidden`` must be identical on
     every rank of ``tp_group``; its gradient is complete on every rank unless
-    ``reduce_hidden_grad=False``. The state dict holds the local shard and its vocabulary
+    ``reduce_hidden_grad=False``. With ``sequence_parallel=True`` (Megatron's sequence
+    parallelism) ``hidden`` is this rank's shard of the tokens instead, and its gradient this
+    rank's rows (see ``vtp.Head``). The state dict holds the local shard and its vocabulary
     bounds, checked on load.
     """
 
@@ -52,6 +54,7 @@ class VocabParallelHead(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         reduce_hidden_grad: bool = True,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         if not (isinstance(hidden_size, int) and hidden_size > 0 and isinstance(vocab_size, int) and vocab_size > 0):
@@ -60,7 +63,7 @@ class VocabParallelHead(nn.Module):
         self.tp_group = tp_group
         self.tp_size, self.rank = group_size(tp_group), group_rank(tp_group)
         self.vocab_start, self.vocab_end = shard_bounds(vocab_size, self.tp_size, self.rank)
-        self.reduce_hidden_grad = reduce_hidden_grad
+        self.reduce_hidden_grad, self.sequence_parallel = reduce_hidden_grad, sequence_parallel
         v_local = self.vocab_end - self.vocab_start
         self.weight = nn.Parameter(torch.empty(v_local, hidden_size, dtype=dtype, device=device))
         if bias:
@@ -79,7 +82,12 @@ class VocabParallelHead(nn.Module):
 
     @classmethod
     def from_full(
-        cls, weight: Tensor, bias: Tensor | None = None, tp_group: Any = None, reduce_hidden_grad: bool = True
+        cls,
+        weight: Tensor,
+        bias: Tensor | None = None,
+        tp_group: Any = None,
+        reduce_hidden_grad: bool = True,
+        sequence_parallel: bool = False,
     ) -> VocabParallelHead:
         """This rank's shard of the full ``[V, H]`` ``weight`` (and ``[V]`` ``bias``), copied,
         in ``weight``'s dtype and device. Every rank passes the same full tensors."""
@@ -96,6 +104,7 @@ class VocabParallelHead(nn.Module):
             dtype=weight.dtype,
             device="meta",
             reduce_hidden_grad=reduce_hidden_grad,
+            sequence_parallel=sequence_parallel,
         )
         start, end = module.vocab_start, module.vocab_end
         module.weight = nn.Parameter(weight.detach()[start:end].clone())
@@ -105,7 +114,7 @@ class VocabParallelHead(nn.Module):
 
     def head(self, hidden: Tensor) -> Head:
         """``vtp.Head(hidden, weight, bias)``: pass it to any op instead of logits."""
-        return Head(hidden, self.weight, self.bias, self.reduce_hidden_grad)
+        return Head(hidden, self.weight, self.bias, self.reduce_hidden_grad, sequence_parallel=self.sequence_parallel)
 
     forward = head
 

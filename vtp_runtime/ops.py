@@ -83,6 +83,13 @@ def _is_bool(v: Any) -> bool:
     return isinstance(v, bool)
 
 
+def _group_or_none(v: Any) -> bool:
+    if v is None:
+        return True
+    dist = torch.distributed
+    return dist.is_available() and isinstance(v, dist.ProcessGroup)
+
+
 def _normalizer(v: Any) -> bool:
     if isinstance(v, torch.Tensor):  # e.g. HF Trainer's num_items_in_batch; never read on the host
         return v.numel() == 1 and not v.is_complex()
@@ -123,6 +130,18 @@ class Option:
 # Options every op takes; the core handles them, backends see the layout they lead to.
 COMMON = (
     Option("tp_group", None, compared=False),
+    # the ranks holding other tokens of the batch (Ulysses, context parallel): sum/mean reduce
+    # over them. Not part of the TP fingerprint or a plan's signature, like tp_group: its
+    # ranks sit in other TP groups, whose plan caches are their own, so they agree through
+    # a check of their own (vtp_runtime.sequence)
+    Option(
+        "sp_group",
+        None,
+        rule="a torch.distributed ProcessGroup or None",
+        valid=_group_or_none,
+        error=TypeError,
+        compared=False,
+    ),
     Option("temperature", 1.0, float, "a finite number > 0", _finite_positive, backend=True, feature="temperature"),
     Option("reduction", "none", str, "one of 'none', 'sum', 'mean'", lambda v: v in ("none", "sum", "mean")),
     Option(

@@ -2,7 +2,9 @@
 
 Backends return ``[N]`` values (``[N, k]`` for top-k log-probs, ``[N, k + 1]`` with the
 entropy); the core gives them the logits' leading shape and applies ``reduction`` and
-``normalizer``, in plain tensor code that ``torch.compile`` traces.
+``normalizer``, in plain tensor code that ``torch.compile`` traces. With an ``sp_group``
+(ranks holding other tokens of the batch: DeepSpeed Ulysses, context parallel) a sum or mean
+is summed over that group's ranks in one all-reduce of a few numbers, replicated there.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from .comm import all_reduce, group_size
 
 Tensor = torch.Tensor
 
@@ -28,9 +32,8 @@ def finish(
         lp = lp.reshape(*lead, lp.shape[1]) if topk else lp.reshape(lead)
         # an entropy counts (for "mean") where some entry of its token's index is not ignored
         kept = (index != ignore_index).any(1) if topk else index != ignore_index
-        return reduce(lp, options, index, None, ignore_index), reduce(
-            h.reshape(lead), options, None, kept, ignore_index
-        )
+        lp, h = _reduced([(lp, index, None), (h.reshape(lead), None, kept)], options, ignore_index)
+        return lp, h
     if len(lead) != 1:  # lead is () for 1-D logits: one token
         assert index is not None or not topk
         values = values.view(lead + ((index.shape[-1],) if topk and index is not None else ()))
@@ -39,27 +42,87 @@ def finish(
 
 def reduce(values: Tensor, options, index: Tensor | None, mask: Tensor | None, ignore_index: int) -> Tensor:
     """Per-token ``values`` reduced as ``options["reduction"]`` and ``normalizer`` say: "mean"
-    over unmasked tokens (index entries for top-k log-probs), 0 when all are masked."""
+    over unmasked tokens (index entries for top-k log-probs), 0 when all are masked. With an
+    ``sp_group`` a sum or mean covers the tokens of every rank of that group (see
+    ``SequenceSum``)."""
+    return _reduced([(values, index, mask)], options, ignore_index)[0]
+
+
+def _reduced(parts, options, ignore_index: int) -> list[Tensor]:
+    """``reduce`` of several outputs of one call: one collective over ``sp_group`` for all."""
     reduction, normalizer = options.get("reduction", "none"), options.get("normalizer")
+    group = options.get("sp_group")
+    spread = reduction != "none" and group_size(group) > 1
+    if not spread and normalizer is None:  # the common case, in as few ops as it takes
+        if reduction == "none":
+            return [values for values, _, _ in parts]
+        if reduction == "sum":
+            return [values.sum() for values, _, _ in parts]
+        return [_mean(values, index, mask, ignore_index) for values, index, mask in parts]
+    totals = [values if reduction == "none" else values.sum() for values, _, _ in parts]
+    counts = (
+        [_count(values, index, mask, ignore_index) for values, index, mask in parts]
+        if reduction == "mean" and normalizer is None
+        else []
+    )
+    if spread:
+        totals, counts = sequence_sum(totals, counts, group)
     if normalizer is not None:
-        total = values if reduction == "none" else values.sum()
         if isinstance(normalizer, Tensor):
-            normalizer = normalizer.to(device=total.device, dtype=total.dtype).reshape(())
+            normalizer = normalizer.to(device=totals[0].device, dtype=totals[0].dtype).reshape(())
             # not read on the host (no sync): a count that is not finite and > 0 gives NaN
             normalizer = torch.where((normalizer > 0) & (normalizer < math.inf), normalizer, math.nan)
-        return total / normalizer
-    if reduction == "none":
-        return values
-    if reduction == "sum":
-        return values.sum()
-    if index is not None:
-        count = (index != ignore_index).sum()
-    elif mask is not None:
-        count = mask.sum()
-    else:  # every token counts: one op (an empty call gives 0, a sum over nothing)
+        return [total / normalizer for total in totals]
+    if not counts:
+        return totals
+    return [total / count.clamp(min=1).to(total.dtype) for total, count in zip(totals, counts)]
+
+
+def _mean(values: Tensor, index: Tensor | None, mask: Tensor | None, ignore_index: int) -> Tensor:
+    """The mean over unmasked tokens on this rank alone; 0 when all are masked."""
+    if index is None and mask is None:  # every token counts: one op (nothing: 0, a sum over nothing)
         return values.mean() if values.numel() else values.sum()
-    # an int64 count divides a float total in the total's dtype; 0 when all are masked
-    return values.sum() / count.clamp(min=1)
+    # an int64 count divides a float total in the total's dtype
+    return values.sum() / _count(values, index, mask, ignore_index).clamp(min=1)
+
+
+def _count(values: Tensor, index: Tensor | None, mask: Tensor | None, ignore_index: int) -> Tensor:
+    """The tokens (index entries for top-k log-probs) a "mean" divides by."""
+    if index is not None:
+        return (index != ignore_index).sum()
+    if mask is not None:
+        return mask.sum()
+    # a fill on the device: torch.tensor(n, device=cuda) would wait for the stream
+    return torch.full((), values.numel(), device=values.device)
+
+
+class SequenceSum(torch.autograd.Function):
+    """The sum over the ranks of ``sp_group`` of a vector of per-rank partial sums,
+    replicated on every rank; backward is the identity.
+
+    Every rank backprops the replicated global loss once, and each rank's partial sum enters
+    that loss with weight 1: the gradient of the global loss with respect to this rank's
+    partial sum is the upstream gradient itself. (An all-reduce in backward as well would
+    count every rank's gradient ``sp_size`` times.)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, parts: Tensor, group: Any) -> Tensor:
+        return all_reduce(parts.clone(), group, "sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def sequence_sum(totals: list[Tensor], counts: list[Tensor], group: Any) -> tuple[list[Tensor], list[Tensor]]:
+    """``totals`` and ``counts`` each summed over ``group``, in one all-reduce of a float64
+    vector (exact counts past 2**24 tokens, and the totals summed in float64); the totals back
+    in their dtype, differentiable (``SequenceSum``)."""
+    parts = torch.stack([t.reshape(()).to(torch.float64) for t in (*totals, *counts)])
+    summed = SequenceSum.apply(parts, group)
+    n = len(totals)
+    return [summed[i].to(t.dtype) for i, t in enumerate(totals)], list(summed[n:].unbind(0))
 
 
 def head_reduction(options: Mapping[str, Any]) -> str:

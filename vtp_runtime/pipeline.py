@@ -12,20 +12,22 @@
 With a TP group, any failure on this rank before the metadata gather -- of any type, in
 any step before it, the input forms included -- travels through the gather as a flag
 instead of being raised before it (which would leave the other ranks waiting in the gather
-forever); then every rank raises, this one its own exception. Inside a ``torch.compile``'d
-graph steps 2 and 3 run inside two custom ops (``library``), steps 1 and 4 in the graph.
+forever); then every rank raises, this one its own exception. With an ``sp_group``, the
+ranks of that group agree after step 2 (``sequence.agree``): a failure of step 2 (raised
+on every rank of its TP group) reaches the other TP groups' ranks there, and step 4 sums a
+reduced result over the group. Inside a ``torch.compile``'d graph steps 2 and 3 run inside
+two custom ops (``library``), steps 1 and 4 in the graph.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from . import autograd, checks, dispatch, head, inputs, library, metadata, plans
+from . import autograd, checks, dispatch, head, inputs, library, metadata, plans, sequence
 from .backend import TakesHead
 from .checks import Check
 from .comm import group_rank, group_size, is_group
@@ -42,19 +44,43 @@ def run(
     *,
     check: Check | None = None,
     failure: Exception | None = None,
+    agree: str = "",
 ) -> Any:
     """``loss(op, *tensors, **options)``. ``check``: per-call data checks of a composite op
     (``vtp_runtime.topk``), run before any collective, on every call; ``failure``: an error
-    the caller met on this rank before the call, raised on every rank through the gather."""
+    the caller met on this rank before the call, raised on every rank through the gather;
+    ``agree``: what else the ranks of ``sp_group`` must agree on (a composite op's own
+    options, as ``name=value|...``)."""
     if torch.compiler.is_compiling():  # traced by dynamo: one opaque custom op per call
+        if options.get("sp_group") is not None:  # the SP agreement reads the host: a graph break
+            return _eager(op, tensors, options, check=check, failure=failure, agree=agree)
         return library.traced_loss(op, tensors, options, check)
     tensors, options, wrap, normalized = inputs.normalize(op, tensors, options)
     failure = failure or normalized
-    made = plans.plan_for(op, tensors, options, check=check, failure=failure)
+    sp = options.get("sp_group")
+    if not sequence.active(sp):
+        made = plans.plan_for(op, tensors, options, check=check, failure=failure)
+    else:  # every rank of sp_group reaches the agreement, whatever its TP step gave
+        found: plans.Plan | None = None
+        try:
+            found = plans.plan_for(op, tensors, options, check=check, failure=failure)
+        except Exception as exc:
+            failure = exc
+        text = None if found is None else sequence.call_text(found.fingerprint, options, agree)
+        # per-call data checks (a TopK teacher's) read the host anyway, and fail on some ranks
+        # only: their outcome is gathered on every call
+        sequence.agree(
+            sp, text, options.get("normalizer"), failure, checks.device_of(tensors), every_call=check is not None
+        )
+        assert found is not None  # agree raised otherwise
+        made = found
     out = execute(made, tensors, options)
     if wrap is None:
         return out
     return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
+
+
+_eager = torch.compiler.disable(run)  # a call with sp_group inside a compiled function runs eagerly
 
 
 def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
@@ -73,29 +99,32 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
     elif made.head_rows is not None:
         assert isinstance(made.backend, TakesHead)  # dispatch gave Head inputs to a backend taking them
         scalar = head_reduction(given) != "none"
-        values = head.run_heads(made.backend, call, inputs_, index, mask, scalar, made.head_rows)
+        values = head.run_heads(made.backend, call, inputs_, index, mask, scalar, made.head_rows, made.sequence)
     else:
         values = autograd.run_logits(made.backend, call, inputs_, index, mask)
     return finish(values, made.lead, made.topk, index, mask, given)
 
 
 def _ids(made: plans.Plan, call: Any, x: Any) -> Tensor:
-    """The ids an op returning them gives for logits ``x``, or for a Head chunk by chunk (the
-    chunk count is the same on every rank: ``made.head_rows`` derives from what they share)."""
+    """The ids an op returning them gives for logits ``x``, or for a Head chunk by chunk."""
     n, layout = made.num_tokens, made.backend.input_layout
     if not isinstance(x, Head):
         if n == 0:
             return torch.zeros(0, dtype=torch.int64, device=x.device)
         return made.backend.forward(call, (autograd.rows(x, n, layout),), None, None)[0]
-    hidden = x.hidden.reshape(n, x.hidden.shape[-1])
     assert made.head_rows is not None  # planned with a Head
-    out = [torch.zeros(0, dtype=torch.int64, device=hidden.device)]
-    for lo in range(0, n, made.head_rows):
-        hi = min(lo + made.head_rows, n)
-        chunk = dataclasses.replace(call, request=dataclasses.replace(call.request, num_tokens=hi - lo))
-        z = torch.nn.functional.linear(hidden[lo:hi], x.weight, x.bias)
-        out.append(made.backend.forward(chunk, (z,), None, None)[0])
-    return torch.cat(out)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64, device=x.weight.device)
+    return head.run_ids(made.backend, call, x, made.head_rows, made.sequence)
+
+
+def fail(exc: Exception, options: Mapping[str, Any], device: torch.device | None) -> NoReturn:
+    """Raise ``exc``, met on this rank before a call, on every rank of the call's
+    ``tp_group`` (through its metadata gather) and then of its ``sp_group``."""
+    try:
+        metadata.fail(exc, options.get("tp_group"), device)
+    except Exception as raised:
+        sequence.fail(raised, options.get("sp_group"), device)
 
 
 def _values_shape(made: plans.Plan, index: Tensor | None) -> tuple[int, ...]:

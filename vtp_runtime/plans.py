@@ -45,8 +45,9 @@ from .backend import Backend, Call, Request
 from .checks import Check
 from .comm import group_size, is_group
 from .head import Head
-from .ops import OPS, OpSpec, backend_options
+from .ops import OPS, OpSpec, backend_options, dtype_name
 from .registry import REGISTRY
+from .sequence import SequenceLayout
 from .weak import IdentityMap
 
 Tensor = torch.Tensor
@@ -92,6 +93,9 @@ class Plan:
     lead: tuple[int, ...]  # the logits' leading (token) dims
     head_rows: int | None  # tokens per chunk where some input is a Head, else None
     metadata: Metadata | None  # None: a single rank, nothing to agree on
+    # what the ranks of an sp_group compare (checks.fingerprint, without per-call values)
+    fingerprint: str = ""
+    sequence: SequenceLayout | None = None  # a sequence-parallel Head's chunks (TP > 1)
 
     @property
     def num_tokens(self) -> int:
@@ -235,14 +239,14 @@ def signature(
                     key += (part.shape, part.dtype, part.device, part.requires_grad)
                 else:
                     return None
-            key += (t.reduce_hidden_grad, t.chunk_rows)
+            key += (t.reduce_hidden_grad, t.chunk_rows, t.sequence_parallel)
         else:
             return None
     options = spec.options
     for name in sorted(given):
         value = given[name]
-        if name == "tp_group":
-            continue  # the group selects the cache
+        if name in ("tp_group", "sp_group"):
+            continue  # the TP group selects the cache; the SP group's ranks agree apart (sequence.py)
         if name not in options:
             return None  # an unknown option: the full path says so
         if type(value) is Tensor:
@@ -384,6 +388,17 @@ def _make_plan(loc: checks.Local, shards: metadata.Shards, meta: Metadata | None
     options = backend_options(loc.spec, loc.options)
     if "temperature" in options:
         options["temperature"] = float(options["temperature"])
+    lead, sequence, head_rows = loc.lead, None, None
+    if shards.sequence is not None and shards.tp_size > 1:
+        assert loc.heads is not None  # a sequence layout comes with a sequence-parallel Head
+        sequence = head.sequence_layout(
+            tuple(rows for _, rows in shards.sequence), shards.rank, max(shards.sizes), loc.heads
+        )
+        head_rows = max(1, sequence.max_chunk)
+        if not loc.covered:  # no input covered every rank's tokens: their shards make the first dim
+            lead = (sum(first for first, _ in shards.sequence), *loc.lead[1:])
+    elif loc.heads is not None:
+        head_rows = head.rows_per_chunk(shards.num_tokens, max(shards.sizes), loc.heads)
     return Plan(
         spec=loc.spec,
         backend=backend,
@@ -394,7 +409,10 @@ def _make_plan(loc: checks.Local, shards: metadata.Shards, meta: Metadata | None
         backend_options=options,
         needs_grad=loc.needs_grad,
         topk=loc.topk,
-        lead=loc.lead,
-        head_rows=None if loc.heads is None else head.rows_per_chunk(shards.num_tokens, max(shards.sizes), loc.heads),
+        lead=lead,
+        head_rows=head_rows,
         metadata=meta,
+        fingerprint=checks.fingerprint(loc, compiled, per_call=False)
+        + f"|dtype={dtype_name(request.dtype)}|device type={request.device_type}",
+        sequence=sequence,
     )

@@ -41,7 +41,7 @@ _KL = get_spec("kl")
 # the options kl takes with a TopK teacher, besides tail (reverse is one of kl's own)
 _OPTIONS = {name: o.default for name, o in _KL.options.items()}
 # those passed on to the student's logprobs call
-_LOGPROBS_OPTIONS = ("tp_group", "temperature", "vocab_start", "vocab_end", "global_vocab_size", "backend")
+_LOGPROBS_OPTIONS = ("tp_group", "sp_group", "temperature", "vocab_start", "vocab_end", "global_vocab_size", "backend")
 # TopK log-probs whose probabilities sum above this, on a token, are not log-probabilities
 # (raw logits passed by mistake, say); the margin is far above the rounding of any dtype's
 # log-probs
@@ -99,7 +99,7 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
     except Exception as exc:  # the other ranks may be in the log-probs' metadata gather already
         failure = exc
     if failure is not None:
-        metadata.fail(failure, group, checks.device_of((student_logits,)))
+        pipeline.fail(failure, {**options, **opts, "tp_group": group}, checks.device_of((student_logits,)))
     assert index is not None and logprobs is not None
     ii = opts["ignore_index"]
     keep = _token_mask(opts, index, ii)
@@ -115,6 +115,7 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
         (student, student_index),
         {"ignore_index": ii, **{k: opts[k] for k in _LOGPROBS_OPTIONS}},
         check=(lambda: _raise_bad(bad, index, logprobs, ii)) if readable else None,
+        agree=_agreed(opts, tail),
     )
     lp_t = logprobs.to(lp_s.dtype)
     a, b = (lp_s, lp_t) if opts["reverse"] else (lp_t, lp_s)  # KL(A || B) over the k ids
@@ -145,6 +146,15 @@ def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **optio
 
 
 # -- pieces --------------------------------------------------------------------------------
+
+
+def _agreed(opts: dict[str, Any], tail: bool) -> str:
+    """What the ranks of an sp_group must agree on beyond the student's log-probs call."""
+    shown = (f"{k}={opts[k]!r}" for k in ("reverse", "reduction") if k in opts)
+    kinds = (f"{k}={opts.get(k) is not None}" for k in ("mask", "labels"))
+    normalizer = opts.get("normalizer")  # the student's call has none: the TopK result's
+    number = "<tensor>" if isinstance(normalizer, Tensor) else repr(normalizer)
+    return "|".join((f"TopK teacher, tail={tail!r}", *shown, *kinds, f"TopK normalizer={number}"))
 
 
 def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str, Any]:

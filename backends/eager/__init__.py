@@ -145,7 +145,7 @@ class EagerBackend(TakesHead, Compiles):
         op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
         for op, spec in OPS.items()
     }
-    head_ops = {op: HeadSupport() for op in (*LOSSES, "argmax")}
+    head_ops = {op: HeadSupport(sequence_parallel=True) for op in (*LOSSES, "argmax")}
     compiled_ops = frozenset(LOSSES)
 
     def forward(self, call, inputs, index, mask):

@@ -30,7 +30,8 @@ Liger computes the head's gradients in its forward pass for an upstream gradient
   Liger as ``ignore_index`` (it would read out of bounds) and their values and gradients
   set to NaN here.
 - TP > 1 (even shards): the generic token-chunk driver of ``vtp_runtime.head`` with the
-  vocabulary-parallel CE above on each chunk (its fp32 softmax buffer is per chunk).
+  vocabulary-parallel CE above on each chunk (its fp32 softmax buffer is per chunk); a
+  sequence-parallel Head too (the driver gathers each chunk's hidden rows).
 - ``reduction="none"`` with a Head is refused (``HeadSupport(per_token=False)``).
 
 ``kl`` and ``jsd`` — Liger's JSD primitive (``jsd_loss_and_grad``, the kernel behind
@@ -129,8 +130,10 @@ class LigerBackend(TakesHead):
         "kl": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "reverse", "temperature"})),
         "jsd": OpCapability(**_CAP, tp_sizes=frozenset({1}), features=frozenset({"mask", "temperature"})),
     }
-    # Liger computes the head's gradients in its forward pass: sum/mean results only
-    head_ops = {"cross_entropy": HeadSupport(per_token=False)}
+    # Liger computes the head's gradients in its forward pass: sum/mean results only. A
+    # sequence-parallel Head at TP > 1 runs through the core's token-chunk driver (which
+    # gathers its chunks), as every TP > 1 Head call here does
+    head_ops = {"cross_entropy": HeadSupport(per_token=False, sequence_parallel=True)}
 
     def probe(self, device_type: str) -> list[str]:
         version = liger_version()

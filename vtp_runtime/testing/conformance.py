@@ -17,8 +17,8 @@ Cases are derived from what the backend **declares** (its ``ops`` and their
 - Head inputs (the ``TakesHead`` protocol, ``head_ops``): where claimed, ``match`` cases through
   ``vtp.Head`` (``head_cases.run_head_case``: values and hidden/weight/bias gradients against
   float64 on ``h @ W.T + b``, several token chunks, each shard layout, Head and logits
-  mixed, per-token results where ``HeadSupport.per_token``); where not, a forced call with a Head
-  must be refused.
+  mixed, per-token results where ``HeadSupport.per_token``, a sequence-parallel Head where
+  ``HeadSupport.sequence_parallel``); where not, a forced call with such a Head must be refused.
 
 In a plugin's tests (pytest)::
 
@@ -265,6 +265,18 @@ def conformance_cases(
                 "refused",
                 "does not claim per-token results with head inputs",
             )
+    # sequence-parallel Heads last, so that adding them moves no other case's seed
+    for world, base, cap in later:
+        head = head_support(b, base.op)
+        if world == 1 or head is None:
+            continue
+        layout = "even" if cap.even_shards_only else "uneven"
+        options = (("reduction", "none" if head.per_token else "mean"),)
+        case = _as_head(base, layout=layout, options=options, shape=(9,), sequence="empty", chunk_rows=4)
+        if head.sequence_parallel:
+            add(world, case, "match", "sequence-parallel head inputs, a rank holding no tokens")
+        else:
+            add(world, case, "refused", "does not claim sequence-parallel head inputs")
     return out
 
 

@@ -5,8 +5,10 @@ reference on ``logits = hidden @ W.T + b`` computed in float64 (``reference.py``
 ``cases.reference``).
 
 Every rank checks its own hidden gradient -- the full one (``dlogits @ W`` over the whole
-vocabulary) by default, this rank's partial sum with ``reduce_hidden_grad=False`` -- and its
-own weight and bias shard gradients. The chunk size is small so that calls run several
+vocabulary) by default, this rank's partial sum with ``reduce_hidden_grad=False``, this
+rank's rows of the full one for a sequence-parallel Head (``sequence``: each rank passes its
+shard of the tokens, split along the first token dimension) -- and its own weight and bias
+shard gradients. The chunk size is small so that calls run several
 token chunks (and so several rounds of cross-rank statistics).
 """
 
@@ -51,6 +53,11 @@ class HeadCase(Case):
     head_grads: str = "hwb"
     reduce_hidden_grad: bool = True
     chunk_rows: int | None = 5
+    # Head(sequence_parallel=True): how the first token dimension is split over the ranks
+    # ("even", "uneven", "empty": rank 1 holds none), "" for a hidden replicated on every rank;
+    # sequence_inputs says which Head inputs are sequence-parallel (the others replicated)
+    sequence: str = ""
+    sequence_inputs: tuple[bool, bool] = (True, True)
 
     @property
     def id(self) -> str:
@@ -63,6 +70,9 @@ class HeadCase(Case):
             "" if self.head_grads == "hwb" else f"g-{self.head_grads or 'none'}",
             "" if self.reduce_hidden_grad else "partial",
             f"rows{self.chunk_rows}",
+            f"sp-{self.sequence}" + ("" if self.sequence_inputs == (True, True) else f"-{self.sequence_inputs}")
+            if self.sequence
+            else "",
         ]
         return "-".join(p for p in [super().id, *extra] if p)
 
@@ -87,6 +97,26 @@ def _head_tensors(case: HeadCase, vocab: int, n_inputs: int):
                 bias[: max(1, vocab // 5)] = -math.inf
             bias = bias.to(dtype).double()
         out.append((hidden.to(dtype).double(), weight.to(dtype).double(), bias))
+    return out
+
+
+def token_split(layout: str, tokens: int, world: int, seed: int) -> list[int]:
+    """Tokens per rank of a sequence-parallel Head: ``even`` (the remainder to the first
+    ranks), ``uneven`` (random cuts, no rank empty where the tokens allow) or ``empty``
+    (rank 1 holds none, the others uneven)."""
+    if layout == "even":
+        return [tokens // world + (r < tokens % world) for r in range(world)]
+    g = torch.Generator().manual_seed(seed + 7)
+    holders = [r for r in range(world) if not (layout == "empty" and r == 1)]
+    k = len(holders)
+    if tokens >= k:
+        cuts = sorted((torch.randperm(tokens - 1, generator=g)[: k - 1] + 1).tolist()) if k > 1 else []
+    else:
+        cuts = sorted(torch.randint(0, tokens + 1, (k - 1,), generator=g).tolist())
+    parts = [b - a for a, b in zip([0, *cuts], [*cuts, tokens])]
+    out = [0] * world
+    for r, n in zip(holders, parts):
+        out[r] = n
     return out
 
 
@@ -116,6 +146,12 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         best = flat_logits[0].argmax(-1)
         index = best.view(case.shape) if not case.topk else best.view(*case.shape, 1).expand(index.shape).clone()
 
+    # a sequence-parallel Head: this rank's tokens [first, first + rows[rank]) of the first dim
+    spread = bool(case.sequence) and len(case.shape) > 0
+    rows = token_split(case.sequence, case.shape[0], world, case.seed) if spread else []
+    first = sum(rows[:rank])
+    tokens = slice(first, first + rows[rank]) if spread else slice(None)
+
     # this rank's arguments: a Head of local shards, or the local logits shard
     args: list[Any] = []
     leaves: list[torch.Tensor] = []
@@ -128,8 +164,9 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
             leaves.append(z)
             continue
         h, w, b = parts[i]
+        sp = spread and case.sequence_inputs[i]
         local = [
-            h.to(dtype).to(dev),
+            (h[tokens] if sp else h).to(dtype).to(dev),
             w[start:end].to(dtype).to(dev),
             None if b is None else b[start:end].to(dtype).to(dev),
         ]
@@ -138,7 +175,12 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
                 t.requires_grad_(need and letter in case.head_grads)
         args.append(
             vtp.Head(
-                local[0], local[1], local[2], reduce_hidden_grad=case.reduce_hidden_grad, chunk_rows=case.chunk_rows
+                local[0],
+                local[1],
+                local[2],
+                reduce_hidden_grad=case.reduce_hidden_grad,
+                chunk_rows=case.chunk_rows,
+                sequence_parallel=sp,
             )
         )
         leaves += [t for t in local if t is not None]
@@ -188,7 +230,11 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         h, w, b = parts[i]
         head = args[i]
         dh = dl @ w if case.reduce_hidden_grad else dl[:, start:end] @ w[start:end]
-        checks.append((f"grad[{i}] hidden", head.hidden, dh.reshape(head.hidden.shape), finite))
+        own_rows = finite
+        if head.sequence_parallel:  # this rank's rows of the complete hidden gradient
+            dh = dh.reshape(*case.shape, case.hidden)[tokens]
+            own_rows = finite.reshape(case.shape)[tokens].reshape(-1)
+        checks.append((f"grad[{i}] hidden", head.hidden, dh.reshape(head.hidden.shape), own_rows))
         if bool(finite.all()):
             checks.append((f"grad[{i}] weight", head.weight, dl[:, start:end].T @ h.reshape(n, case.hidden), None))
             if b is not None:

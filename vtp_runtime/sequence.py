@@ -1,0 +1,400 @@
+"""Sequence parallelism: ranks that hold different tokens of one batch.
+
+Two forms, both exact against the concatenated batch:
+
+- ``sp_group=`` (DeepSpeed Ulysses, context parallel): the ranks of ``sp_group`` hold
+  different tokens. ``vtp_runtime.outputs`` sums a ``"sum"``/``"mean"`` result over them
+  (one all-reduce of a few float64 numbers); this module makes the ranks of ``sp_group``
+  agree on the call first (``agree``).
+- ``Head(..., sequence_parallel=True)`` (Megatron SP): the ranks of ``tp_group`` hold
+  contiguous token shards of the hidden states. ``SequenceLayout`` says which rows of which
+  rank each token chunk holds; ``HiddenChunks`` all-gathers them chunk by chunk (the next
+  chunk's gather in flight while this one computes) and reduce-scatters each chunk's
+  hidden gradient back to the ranks that own its rows.
+
+**Agreement over sp_group.** The ranks of ``sp_group`` sit in different TP groups, and each
+TP group has its own plan cache (``vtp_runtime.plans``): whether a call's plan is found
+differs between them (their token shards differ, and so their signatures), so no collective
+over ``sp_group`` may depend on it. ``agree`` therefore runs after the TP plan, whatever it
+found, and carries a failure of the TP step (every rank of a TP group raises together) to
+the other TP groups: the ranks of ``sp_group`` gather a row of a few int64 -- an error flag,
+a hash of the call's options (``checks.fingerprint``), the normalizer -- and raise the same
+error on every rank when any rank failed or the hashes differ, naming each rank's value
+(texts are exchanged on that error path only). When it gathers follows the metadata modes:
+on every call where ``sp_group`` has a CPU transport (gloo, ``cpu:gloo,cuda:nccl``: no
+device sync), or under ``VTP_CHECK=1``; on a device-only group (plain NCCL) on the first
+call of each distinct row only (a per-group cache, the same on every rank while they agree),
+later calls trusting the ranks to agree as planned TP calls do.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from . import env, metadata
+from .comm import all_gather_stack, group_rank, group_size, is_group
+from .errors import ShardError, add_note
+from .weak import IdentityMap
+
+Tensor = torch.Tensor
+
+MAGIC = 0x7674_7053  # "vtpS": the row of the agreement over sp_group
+MAX_ROWS = 2048  # per generation, per group; two generations are kept
+
+
+def active(group: Any) -> bool:
+    """Whether ``group`` is an ``sp_group`` with more than one rank."""
+    return is_group(group) and group_size(group) > 1
+
+
+class _Seen:
+    """The calls a device-only ``sp_group`` has agreed on (two generations, by count)."""
+
+    def __init__(self) -> None:
+        self.rows: set[tuple[int, ...]] = set()
+        self.previous: set[tuple[int, ...]] = set()
+
+    def __contains__(self, row: tuple[int, ...]) -> bool:
+        if row in self.rows:
+            return True
+        if row in self.previous:
+            self.add(row)
+            return True
+        return False
+
+    def add(self, row: tuple[int, ...]) -> None:
+        if len(self.rows) >= MAX_ROWS:
+            self.previous, self.rows = self.rows, set()
+        self.rows.add(row)
+
+
+_SEEN: IdentityMap[_Seen] = IdentityMap()
+
+
+def seen_calls(group: Any) -> int:
+    """How many agreed calls are kept for ``group`` (device-only groups only)."""
+    found = _SEEN.get(group)
+    return 0 if found is None else len(found.rows | found.previous)
+
+
+def call_text(fingerprint: str, options: Any, extra: str = "") -> str:
+    """What the ranks of ``sp_group`` must agree on, as ``name=value|...``: the plan's
+    fingerprint of the call (``checks.fingerprint`` without per-call values), the kind of
+    normalizer, and ``extra`` (a composite op's own options). A number normalizer's value is
+    compared apart (``agree``): it changes from step to step."""
+    normalizer = options.get("normalizer")
+    kind = "None" if normalizer is None else "<tensor>" if isinstance(normalizer, Tensor) else "<number>"
+    return f"{fingerprint}|normalizer={kind}{'|' + extra if extra else ''}"
+
+
+def _number(value: Any) -> float | None:
+    """A number normalizer as a float (numpy scalars too); None for none, or a tensor (never
+    read on the host)."""
+    if value is None or isinstance(value, (Tensor, bool)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _bits(value: Any) -> int:
+    """A number normalizer as the int64 of its float64 bits (0 where it is not a number)."""
+    number = _number(value)
+    return 0 if number is None else struct.unpack("<q", struct.pack("<d", number))[0] or 1
+
+
+def agree(
+    group: Any,
+    text: str | None,
+    normalizer: Any,
+    failure: BaseException | None,
+    device: torch.device | None,
+    every_call: bool = False,
+) -> None:
+    """Make the ranks of ``sp_group`` agree on a call, or raise on every one of them.
+
+    ``text``: this rank's ``call_text`` (None when it failed); ``normalizer``: this call's;
+    ``failure``: this rank's exception from before (the TP step's, raised on every rank of its
+    TP group alike), raised here once the others know of it; ``every_call``: gather on every
+    call whatever the group's transport (a call whose per-call checks may fail on some ranks
+    only). Returns only when no rank failed and every rank's text and normalizer agree."""
+    failed = failure is not None or text is None
+    row = (MAGIC, 1, 0, 0) if failed else (MAGIC, 0, metadata.stable_hash(str(text)), _bits(normalizer))
+    mode = env.check_mode() or ("gather" if metadata.host_transport(group) else "once")  # as plans.metadata_mode
+    if every_call and mode == "once":
+        mode = "gather"
+    seen = _SEEN.setdefault(group, _Seen) if mode == "once" else None
+    key = row[:3]  # a number normalizer that changes every step is not gathered for again
+    if seen is not None and not failed and key in seen:
+        return
+    where = metadata.gather_device(group, device)
+    table = all_gather_stack(torch.tensor(row, dtype=torch.int64, device=where), group).cpu().tolist()
+    _check(table, text, normalizer, failure, group, where)
+    if seen is not None:
+        seen.add(key)
+
+
+def _check(table, text: str | None, normalizer: Any, failure: BaseException | None, group, device) -> None:
+    rank = group_rank(group)
+    failed = [r for r, row in enumerate(table) if row[1]]
+    if failed:
+        texts = metadata.gather_texts("" if failure is None else f"{type(failure).__name__}: {failure}", group, device)
+        if failure is not None:
+            others = [r for r in failed if r != rank]
+            if others:
+                note = "; ".join(f"rank {r}: {texts[r]}" for r in others)
+                add_note(failure, f"the call failed on other ranks of sp_group too: {note}")
+            raise failure
+        raise ShardError(
+            f"the call failed on {metadata.ranks_text(failed)} of sp_group (there, or on a rank of its "
+            f"tp_group), so every rank of sp_group raises; fix it there:\n"
+            + "\n".join(f"  rank {r}: {texts[r]}" for r in failed)
+        )
+    if len({tuple(row) for row in table}) > 1:
+        assert text is not None  # a rank without a text failed, and raised above
+        number = _number(normalizer)
+        shown = text.replace("normalizer=<number>", f"normalizer={number!r}")
+        diff = metadata.differences(metadata.gather_texts(shown, group, device))
+        what = "; ".join(f"{k}: {v}" for k, v in diff.items()) or "the call"
+        raise ShardError(
+            f"the ranks of sp_group disagree on op options: {what}; every rank of sp_group must make the "
+            f"same call (only their tokens differ)"
+        )
+
+
+def fail(exc: BaseException, group: Any, device: torch.device | None) -> NoReturn:
+    """Raise ``exc``, met on this rank before a call, on every rank of ``sp_group``."""
+    if active(group):
+        agree(group, None, None, exc, device)
+    raise exc
+
+
+# -- the Megatron SP head: token chunks gathered from the ranks of tp_group ----------------
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which hidden rows a sequence-parallel ``Head`` gathers for each token chunk.
+
+    Rank ``r`` of ``tp_group`` holds ``rows[r]`` contiguous tokens, in rank order, so the
+    global tokens are their concatenation. Chunk ``c`` takes each rank's local rows
+    ``[c * per_rank, (c + 1) * per_rank)`` (fewer, or none, where its shard ends): every rank
+    contributes a block of the same size to the chunk's all-gather (even shards: no padding)
+    and gets a block of the same size back from its reduce-scatter. A chunk's tokens are
+    therefore not contiguous in the global order, but a fixed permutation of it (``order``);
+    with one chunk, or one rank, it is the identity. Everything here derives from the
+    gathered metadata, so it is the same on every rank.
+    """
+
+    rows: tuple[int, ...]  # tokens per rank
+    rank: int
+    per_rank: int  # each rank's rows per chunk
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.rows)
+
+    @property
+    def chunks(self) -> int:
+        most: int = max(self.rows, default=0)
+        return -(-most // self.per_rank)
+
+    @property
+    def max_chunk(self) -> int:
+        """Tokens of the largest chunk (the first)."""
+        return sum(min(n, self.per_rank) for n in self.rows)
+
+    def counts(self, c: int) -> tuple[int, ...]:
+        """Rows each rank holds in chunk ``c``."""
+        lo = c * self.per_rank
+        return tuple(max(0, min(n - lo, self.per_rank)) for n in self.rows)
+
+    def offsets(self) -> tuple[int, ...]:
+        return tuple(sum(self.rows[:r]) for r in range(len(self.rows)))
+
+    def starts(self) -> list[int]:
+        """Where each chunk starts in the chunk order of the tokens (and its end last)."""
+        out = [0]
+        for c in range(self.chunks):
+            out.append(out[-1] + sum(self.counts(c)))
+        return out
+
+    def identity(self) -> bool:
+        return self.chunks <= 1 or self.tp_size == 1
+
+    def order(self, device: torch.device) -> Tensor | None:
+        """``[N]`` int64: the global token at each position of the chunk order (None: the
+        identity). Built on the device from ``arange``s: no host-to-device copy."""
+        if self.identity():
+            return None
+        offsets = self.offsets()
+        parts = []
+        for c in range(self.chunks):
+            lo = c * self.per_rank
+            for off, n in zip(offsets, self.counts(c)):
+                if n:
+                    parts.append(torch.arange(off + lo, off + lo + n, device=device))
+        return torch.cat(parts)
+
+
+def _scatters_by_all_reduce(group: Any, device: torch.device) -> bool:
+    """Whether the reduce-scatters of ``group`` on ``device`` run on gloo, which implements
+    them as an all-reduce of a copy of the input: then an all-reduce in place is the same
+    traffic without the copy."""
+    backend = str(dist.get_backend(group)).lower()
+    return backend == "gloo" or (device.type == "cpu" and "gloo" in backend)
+
+
+def _gather_fn():
+    # torch >= 2.13 names them *_single (the old names are deprecated); 2.11 has only the old
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class HiddenChunks:
+    """The hidden rows of each chunk of a sequence-parallel Head, gathered from the ranks of
+    ``group``, and the reduce-scatter of each chunk's hidden gradient back to them.
+
+    Collectives, per chunk: one all-gather of ``[tp, m, H]`` (``m`` the largest block of the
+    chunk; with even shards ``m = per_rank`` and no padding), issued asynchronously one chunk
+    ahead, so that chunk ``c + 1``'s gather runs while chunk ``c``'s matmuls do (on NCCL its
+    stream waits for the compute stream when issued and the compute stream for it at
+    ``wait``: no host sync; gloo runs it on its own threads); and, where the hidden gradient
+    is needed, one reduce-scatter of ``[tp, m, H]`` (asynchronous as well, waited for in
+    ``finish``; torch's gloo runs it as an all-reduce, twice the bytes). Their number and
+    sizes derive from the layout only, never from V_local. Memory: two gather buffers of
+    ``[tp * per_rank, H]``, and one compaction buffer where blocks are padded; never the
+    ``[N, H]`` of every rank's tokens. A chunk's partial hidden gradient is written over its
+    hidden rows (``grad_rows``: the chunk's weight gradient is computed first), and the
+    gather two chunks later writes that buffer only after the reduce-scatter has read it:
+    on NCCL and XCCL the collectives of a group run in issue order, on one stream; on gloo,
+    whose reduce-scatter is an all-reduce of a copy of its input, the gradient is
+    all-reduced in place instead (no copy) and waited for before the buffer is gathered into
+    again.
+    """
+
+    def __init__(self, hidden: Tensor, layout: SequenceLayout, group: Any) -> None:
+        self.hidden, self.layout, self.group = hidden, layout, group
+        self.world, self.width = layout.tp_size, hidden.shape[-1]
+        self._starts = layout.starts()
+        self._gathered: list[Tensor | None] = [None, None]
+        self._in_flight: dict[int, tuple[Any, Tensor, Tensor]] = {}  # chunk -> (work, output, input)
+        self._compact: Tensor | None = None
+        self._current: tuple[int, Tensor] | None = None  # the chunk rows() gave last
+        self._in_place = _scatters_by_all_reduce(group, hidden.device)
+        self._scatters: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []  # work, input, output, place
+
+    def chunk_at(self, lo: int) -> int:
+        """The chunk that starts at position ``lo`` of the chunk order."""
+        return self._starts.index(lo)
+
+    def _buffer(self, buffers: list[Tensor | None], slot: int) -> Tensor:
+        if buffers[slot] is None:
+            buffers[slot] = self.hidden.new_empty(self.world * self.layout.per_rank, self.width)
+        buf = buffers[slot]
+        assert buf is not None
+        return buf
+
+    def _padded(self, c: int) -> bool:
+        counts = self.layout.counts(c)
+        return len(set(counts)) > 1
+
+    # -- the hidden rows ------------------------------------------------------------------
+    def _start(self, c: int) -> None:
+        if c >= self.layout.chunks or c in self._in_flight:
+            return
+        if self._in_place:  # an all-reduce in place may still be reading this buffer
+            self._wait()
+        counts = self.layout.counts(c)
+        m, mine, lo = max(counts), counts[self.layout.rank], c * self.layout.per_rank
+        send = self.hidden[lo : lo + mine]
+        if mine < m:  # every rank sends a block of the chunk's largest size
+            send = torch.cat([send, send.new_zeros(m - mine, self.width)])
+        out = self._buffer(self._gathered, c % 2)[: self.world * m]
+        work = _gather_fn()(out, send.contiguous(), group=self.group, async_op=True)
+        self._in_flight[c] = (work, out, send)
+
+    def rows(self, c: int) -> Tensor:
+        """The hidden rows of chunk ``c``, ``[tokens of the chunk, H]`` in chunk order (rank
+        0's block first), valid until ``rows(c + 1)``; starts the gather of chunk ``c + 1``."""
+        self._start(c)
+        work, out, _ = self._in_flight.pop(c)
+        work.wait()
+        self._start(c + 1)
+        if not self._padded(c):
+            self._current = (c, out)
+            return out
+        counts = self.layout.counts(c)
+        blocks = out.view(self.world, max(counts), self.width)
+        if self._compact is None:
+            self._compact = self.hidden.new_empty(self.layout.max_chunk, self.width)
+        compact = self._compact[: sum(counts)]
+        torch.cat([blocks[r, :k] for r, k in enumerate(counts) if k], out=compact)
+        self._current = (c, compact)
+        return compact
+
+    # -- the hidden gradient --------------------------------------------------------------
+    def grad_rows(self, c: int) -> Tensor:
+        """A ``[tokens of chunk c, H]`` buffer for chunk ``c``'s partial hidden gradient (this
+        rank's vocabulary shard's part), to be handed to ``scatter``: the chunk's hidden rows
+        themselves, which nothing reads after the chunk's weight gradient."""
+        assert self._current is not None and self._current[0] == c  # rows(c) gave the chunk's rows
+        self._wait(keep=1)  # keep the scatters in flight few: their padded outputs wait for a copy
+        return self._current[1]
+
+    def scatter(self, c: int, partial: Tensor, out: Tensor) -> None:
+        """Sum chunk ``c``'s ``partial`` hidden gradient over the ranks and write this rank's
+        rows of it into ``out``, this rank's ``[rows, H]`` hidden gradient (when ``finish``
+        returns)."""
+        counts = self.layout.counts(c)
+        m, mine, lo = max(counts), counts[self.layout.rank], c * self.layout.per_rank
+        send = partial
+        if self._padded(c):  # blocks of m rows, zero past each rank's rows
+            send = partial.new_zeros(self.world * m, self.width)
+            blocks, at = send.view(self.world, m, self.width), 0
+            for r, k in enumerate(counts):
+                blocks[r, :k].copy_(partial[at : at + k])
+                at += k
+        place = out[lo : lo + mine]
+        if self._in_place:  # this rank's block of the sum, copied into place when it is done
+            work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._scatters.append((work, send, send.view(self.world, m, self.width)[self.layout.rank], place))
+            return
+        target = place if mine == m else partial.new_empty(m, self.width)
+        work = _scatter_fn()(target, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._scatters.append((work, send, target, None if target is place else place))
+
+    def _wait(self, keep: int = 0) -> None:
+        while len(self._scatters) > keep:
+            work, _, target, place = self._scatters.pop(0)
+            work.wait()
+            if place is not None:  # this rank's rows, where the collective did not write them
+                place.copy_(target[: place.shape[0]])
+
+    def finish(self) -> None:
+        """Wait for every reduce-scatter: the hidden gradient is complete after it."""
+        self._wait()
+
+    def release(self) -> None:
+        """Wait for what is in flight and drop every buffer."""
+        self._wait()
+        for work, _, _ in self._in_flight.values():
+            work.wait()
+        self._in_flight.clear()
+        self._gathered, self._compact, self._current = [None, None], None, None
+
+
+__all__ = ["SequenceLayout", "HiddenChunks", "agree", "active", "call_text", "fail", "seen_calls"]
