@@ -9,6 +9,9 @@
 #   head    the fused head at N=8192 against the materialized path and its peers
 #   soak    benchmarks/soak.py: 10,000 steps on two ranks sharing the GPU
 #   step    the end-to-end training step, transformers' Llama with each way of computing the loss
+#   topkp   the top-k and top-p sampling arms again (with their peers)
+#   sp      benchmarks/sequence_parallel.py: the sequence-parallel head against the gather by hand
+#           (its GPU tests are among the tests step's)
 #   tune    launch configurations at N=1024, TP=4 (and N=8192) for every op
 #   tp1gpu  the TP-on-one-GPU tests (every backend at TP 2 and 3, gloo ranks sharing the GPU)
 . "$(dirname "$0")/gpu_setup.sh"
@@ -48,4 +51,12 @@ fi
 if [[ $STEPS == *tp1gpu* ]]; then
   timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 200 tests/test_tp_one_device.py -k V151936 2>&1 \
     | tee "$OUT/tp1gpu.log" | grep -E "passed|failed|^E |FAILED" | head -20
+fi
+if [[ $STEPS == *topkp* ]]; then
+  timeout 120 vtp-runtime bench --ops sample_top_k,sample_top_p --tp 1,2,4 \
+    --json "$OUT/topkp.json" 2>"$OUT/topkp.err" | tee "$OUT/topkp.log" | tail -34
+fi
+if [[ $STEPS == *sp* ]]; then
+  timeout 150 python3 benchmarks/sequence_parallel.py --json "$OUT/sp_gloo.json" 2>"$OUT/sp_gloo.err" \
+    | tee "$OUT/sp_gloo.log" | tail -12
 fi
