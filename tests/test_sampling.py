@@ -413,3 +413,26 @@ def test_argmax_of_a_head(ranks, backend):
     the dense argmax of hidden @ W.T + b on every rank."""
     for got, want in ranks(2, head_argmax_job, backend, timeout=120):
         assert torch.equal(got, want)
+
+
+def sequence_parallel_argmax_job(rank, world, group):
+    """argmax of a sequence-parallel Head: refused with its reason on every rank, then a
+    normal call."""
+    hidden = torch.randn(3, 6)  # this rank's token shard
+    weight = torch.randn(11, 6)
+    try:
+        vtp.argmax(vtp.Head(hidden, weight, sequence_parallel=True), tp_group=group)
+    except Exception as exc:  # the test compares what each rank raised
+        got = f"{type(exc).__name__}: {exc}"
+    else:
+        got = "no error"
+    return got, vtp.argmax(torch.randn(3, 11, generator=torch.Generator().manual_seed(3)), tp_group=group)
+
+
+def test_argmax_refuses_a_sequence_parallel_head(ranks):
+    """argmax takes a Head chunk by chunk over this rank's hidden rows; a sequence-parallel
+    Head (each rank a shard of the tokens) it refuses rather than answering for a shard."""
+    results = ranks(2, sequence_parallel_argmax_job, timeout=120)
+    for got, _ in results:
+        assert "sequence-parallel head inputs not supported" in got, got
+    assert torch.equal(results[0][1], results[1][1])

@@ -145,7 +145,8 @@ class EagerBackend(TakesHead, Compiles):
         op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(spec.features))
         for op, spec in OPS.items()
     }
-    head_ops = {op: HeadSupport(sequence_parallel=True) for op in (*LOSSES, "argmax")}
+    # argmax's Head runs chunk by chunk on this rank's hidden rows: not sequence-parallel
+    head_ops = {**{op: HeadSupport(sequence_parallel=True) for op in LOSSES}, "argmax": HeadSupport()}
     compiled_ops = frozenset(LOSSES)
 
     def forward(self, call, inputs, index, mask):

@@ -199,7 +199,8 @@ class TritonBackend(TakesHead, Compiles):
     input_layout = "unit_vocab_stride_3d"
     ops = capabilities(frozenset({"cuda", "cpu"}))
     # sample from logits only (its noise is keyed by the row of the whole call, not of a chunk)
-    head_ops = {op: HeadSupport(sequence_parallel=True) for op in (*LOSSES, "argmax")}
+    # argmax's Head runs chunk by chunk on this rank's hidden rows: not sequence-parallel
+    head_ops = {**{op: HeadSupport(sequence_parallel=True) for op in LOSSES}, "argmax": HeadSupport()}
     compiled_ops = frozenset(LOSSES)
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
