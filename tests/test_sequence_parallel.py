@@ -733,7 +733,8 @@ def test_info_and_explain_show_the_capability(capsys):
     assert data["backends"]["eager"]["ops"]["jsd"]["head_sequence_parallel"]
     assert data["backends"]["triton"]["ops"]["cross_entropy"]["head_sequence_parallel"]
     text = info.render_plain(data)
-    line = "eager:               cross_entropy, logprobs, entropy, kl, jsd, argmax (per-token, sequence-parallel)"
+    line = ("eager:               cross_entropy, logprobs, entropy, kl, jsd (per-token, sequence-parallel);"
+            " argmax (per-token)")
     assert line in text
     with registered(_Plugin(), name="no-sequence"):
         r = info.simulated_request("cross_entropy", torch.float32, 1000, 2, head="sequence-parallel")
