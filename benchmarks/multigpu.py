@@ -26,8 +26,11 @@ import statistics
 import sys
 import time
 
-for _var, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                     ("NVSHMEM_DISABLE_NVLS", "1")):
+for _var, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
     os.environ[_var] = _value
 
 import torch  # noqa: E402
@@ -37,9 +40,12 @@ def runnable_backends(device):
     """Backends registered here that declare ``device`` for some op and whose probe passes."""
     from vtp_runtime.registry import REGISTRY
 
-    return [name for name, b in REGISTRY.backends().items()
-            if any(c.device_types is None or device in c.device_types for c in b.ops.values())
-            and not b.probe_reasons(device)]
+    return [
+        name
+        for name, b in REGISTRY.backends().items()
+        if any(c.device_types is None or device in c.device_types for c in b.ops.values())
+        and not b.probe_reasons(device)
+    ]
 
 
 def correctness(rank, world, group, device, vocab, shape):
@@ -49,12 +55,28 @@ def correctness(rank, world, group, device, vocab, shape):
 
     results = []
     for backend in runnable_backends(device):
-        for op, opts in [("cross_entropy", (("label_smoothing", 0.1),)), ("logprobs", ()), ("entropy", ()),
-                         ("kl", (("reverse", True),)), ("jsd", (("beta", 0.3),)), ("jsd", (("beta", 0.0),))]:
+        for op, opts in [
+            ("cross_entropy", (("label_smoothing", 0.1),)),
+            ("logprobs", ()),
+            ("entropy", ()),
+            ("kl", (("reverse", True),)),
+            ("jsd", (("beta", 0.3),)),
+            ("jsd", (("beta", 0.0),)),
+        ]:
             for dtype in ("float32", "bfloat16"):
                 for layout in ("even", "uneven", "empty"):
-                    case = Case(op, dtype=dtype, layout=layout, options=opts, vocab=vocab, shape=shape,
-                                backend=backend, device=device, masked="labels", grads=(True, False))
+                    case = Case(
+                        op,
+                        dtype=dtype,
+                        layout=layout,
+                        options=opts,
+                        vocab=vocab,
+                        shape=shape,
+                        backend=backend,
+                        device=device,
+                        masked="labels",
+                        grads=(True, False),
+                    )
                     try:
                         run_case(rank, world, group, case)
                         verdict = "pass"
@@ -95,18 +117,22 @@ def benchmark(rank, world, group, device, vocab, tokens_list, reps):
         y = torch.randint(rank * v_local, (rank + 1) * v_local, (n,), device=dev)
         arms = {}
         for backend in runnable_backends(device):
-            arms[f"jsd/{backend}"] = lambda b=backend: vtp.jsd(s, t, beta=0.5, tp_group=group, backend=b,
-                                                                reduction="sum").backward()
+            arms[f"jsd/{backend}"] = lambda b=backend: vtp.jsd(
+                s, t, beta=0.5, tp_group=group, backend=b, reduction="sum"
+            ).backward()
             arms[f"cross_entropy/{backend}"] = lambda b=backend: vtp.cross_entropy(
-                s, y, tp_group=group, backend=b, reduction="sum").backward()
+                s, y, tp_group=group, backend=b, reduction="sum"
+            ).backward()
 
         def dense_jsd():  # gather both logits, then a TRL-style JSD on the full vocabulary
             full_s = torch.cat(list(all_gather_stack(s.detach(), group).unbind(0)), dim=-1).requires_grad_(True)
             full_t = torch.cat(list(all_gather_stack(t, group).unbind(0)), dim=-1)
             ls, lt = torch.log_softmax(full_s.float(), -1), torch.log_softmax(full_t.float(), -1)
             lm = torch.logsumexp(torch.stack([ls, lt]) + torch.log(torch.tensor(0.5, device=dev)), 0)
-            loss = 0.5 * (torch.nn.functional.kl_div(lm, lt, log_target=True, reduction="sum")
-                          + torch.nn.functional.kl_div(lm, ls, log_target=True, reduction="sum"))
+            loss = 0.5 * (
+                torch.nn.functional.kl_div(lm, lt, log_target=True, reduction="sum")
+                + torch.nn.functional.kl_div(lm, ls, log_target=True, reduction="sum")
+            )
             loss.backward()
 
         def dense_ce():
@@ -128,8 +154,16 @@ def benchmark(rank, world, group, device, vocab, tokens_list, reps):
             stats = torch.tensor([ms, peak], dtype=torch.float64, device=dev)
             if group is not None:
                 torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
-            rows.append({"arm": name, "tp": world, "tokens": n, "v_local": v_local,
-                         "max_ms": stats[0].item(), "max_peak_gib": stats[1].item()})
+            rows.append(
+                {
+                    "arm": name,
+                    "tp": world,
+                    "tokens": n,
+                    "v_local": v_local,
+                    "max_ms": stats[0].item(),
+                    "max_peak_gib": stats[1].item(),
+                }
+            )
     return rows
 
 
@@ -163,11 +197,12 @@ def main(argv=None) -> int:
             print(f"  {backend:10s} {case:60s} {verdict}")
         save()
         print(f"[3/3] benchmark at TP={args.tp}", flush=True)
-        out["bench"] = pool.run(benchmark, device, 151936 if not args.cpu else vocab, tokens, reps,
-                                timeout=1800)[0]
+        out["bench"] = pool.run(benchmark, device, 151936 if not args.cpu else vocab, tokens, reps, timeout=1800)[0]
         for r in out["bench"]:
-            print(f"  {r['arm']:28s} N={r['tokens']:5d} V_local={r['v_local']:6d} "
-                  f"{r['max_ms']:9.3f} ms  {r['max_peak_gib']:6.2f} GiB (max over ranks)")
+            print(
+                f"  {r['arm']:28s} N={r['tokens']:5d} V_local={r['v_local']:6d} "
+                f"{r['max_ms']:9.3f} ms  {r['max_peak_gib']:6.2f} GiB (max over ranks)"
+            )
         save()
     finally:
         pool.close()

@@ -45,8 +45,10 @@ class Noop(Backend):
 
     name = "noop_profile"
     priority = -100
-    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset({"teacher_grad"}))
-           for op in ("cross_entropy", "jsd")}
+    ops = {
+        op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset({"teacher_grad"}))
+        for op in ("cross_entropy", "jsd")
+    }
 
     def forward(self, call, inputs, index, mask):
         return self.values, NoopState(inputs[0])
@@ -113,17 +115,22 @@ def main() -> None:
         return lambda: vtp.jsd(s, t, beta=0.5, backend=b)
 
     backends = ("triton", "eager", "noop_profile") if dev.type == "cuda" else ("eager", "noop_profile")
-    print(f"N={args.tokens} V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1; "
-          f"CPU µs per call: thread (device idle at each call) / process / loop (back to back)")
+    print(
+        f"N={args.tokens} V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1; "
+        f"CPU µs per call: thread (device idle at each call) / process / loop (back to back)"
+    )
     for backend in backends:
         for name, make in (("cross_entropy", ce), ("jsd", jsd)):
             fwd = per_call_us(make(backend), args.reps, dev)
             both = per_call_us(lambda f=make(backend): f().sum().backward(), args.reps, dev)
-            print(f"{backend:13s} {name:14s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
-                  f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}")
+            print(
+                f"{backend:13s} {name:14s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
+                f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}"
+            )
     base = per_call_us(lambda: s.float().sum().backward(), args.reps, dev)
-    print(f"{'torch':13s} {'s.float().sum().backward()':29s} {base[0]:7.1f} / {base[1]:7.1f} / {base[2]:7.1f} "
-          f"(for scale)")
+    print(
+        f"{'torch':13s} {'s.float().sum().backward()':29s} {base[0]:7.1f} / {base[1]:7.1f} / {base[2]:7.1f} (for scale)"
+    )
     prof = cProfile.Profile()
     f = ce(backends[0])
     _sync(dev)

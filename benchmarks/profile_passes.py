@@ -50,8 +50,13 @@ def kernel_times(step, reps=10):
 
 
 def main():
-    nbytes_pass = {"stats2_kernel": 2, "jsd_div_kernel": 2, "backward2_kernel": 3, "stats1_kernel": 1,
-                   "backward1_kernel": 2}
+    nbytes_pass = {
+        "stats2_kernel": 2,
+        "jsd_div_kernel": 2,
+        "backward2_kernel": 3,
+        "stats1_kernel": 1,
+        "backward1_kernel": 2,
+    }
     for name, cfg in VARIANTS.items():
         tb.CUDA_CONFIG = cfg
         for op, n, tp in SHAPES:
@@ -73,6 +78,7 @@ def main():
     def loop():
         for _ in range(300):
             vtp.loss("jsd", z, t, backend="triton").sum().backward()
+
     loop()
     torch.cuda.synchronize()
     pr = cProfile.Profile()

@@ -21,8 +21,9 @@ VARIANTS = {
     "default": tb.CUDA_CONFIG,
     "stats8k_w16": dataclasses.replace(tb.CUDA_CONFIG, block_stats=8192, warps_stats=16),
     "tiles4k_w8": dataclasses.replace(tb.CUDA_CONFIG, block_div=4096, block_bwd=4096),
-    "tiles1k_w4": dataclasses.replace(tb.CUDA_CONFIG, block_stats=2048, warps_stats=4, block_div=1024, warps_div=4,
-                                      block_bwd=1024, warps_bwd=4),
+    "tiles1k_w4": dataclasses.replace(
+        tb.CUDA_CONFIG, block_stats=2048, warps_stats=4, block_div=1024, warps_div=4, block_bwd=1024, warps_bwd=4
+    ),
     "more_programs": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096, bwd_target_programs=16384),
 }
 
@@ -44,8 +45,11 @@ def main():
             z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
             ms = time_ms(vtp_arm("triton", op, z, other, beta=0.5))
             nbytes = model_bytes(op, n, v, 2)
-            print(f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
-                  f"{100 * nbytes / ms / 1e6 / copy:4.0f}%", flush=True)
+            print(
+                f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
+                f"{100 * nbytes / ms / 1e6 / copy:4.0f}%",
+                flush=True,
+            )
             del z, other
 
 

@@ -37,12 +37,17 @@ def test_eager_conforms(ranks, cc):
 
 # -- cases follow the declaration ----------------------------------------------------------
 
+
 def test_cases_follow_the_declaration():
     ids = {str(c): c for c in EXAMPLE_CASES}
     assert len(ids) == len(EXAMPLE_CASES), "case ids must be unique"
     refused = {c.why for c in EXAMPLE_CASES if c.expect == "refused"}
-    assert {"does not implement cross_entropy", "does not implement logprobs", "does not implement jsd",
-            "does not claim float16"} <= refused
+    assert {
+        "does not implement cross_entropy",
+        "does not implement logprobs",
+        "does not implement jsd",
+        "does not claim float16",
+    } <= refused
     matched = [c for c in EXAMPLE_CASES if c.expect == "match"]
     assert {c.world for c in matched} == {1, 2}
     assert {c.case.layout for c in matched if c.world == 2} >= {"uneven", "explicit", "empty"}
@@ -53,8 +58,11 @@ def test_cases_follow_the_declaration():
 
     class Narrow(EagerBackend):
         name = "narrow"
-        ops = {"cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, tp_sizes=frozenset({1}),
-                                             even_shards_only=True, empty_shards=False)}
+        ops = {
+            "cross_entropy": OpCapability(
+                device_types=None, dtypes=ALL_DTYPES, tp_sizes=frozenset({1}), even_shards_only=True, empty_shards=False
+            )
+        }
 
     whys = {(c.world, c.why) for c in kit.conformance_cases(Narrow()) if c.expect == "refused"}
     assert {(1, "does not claim label_smoothing"), (2, "does not claim TP size 2")} <= whys
@@ -63,6 +71,7 @@ def test_cases_follow_the_declaration():
 
 # -- broken backends the kit must catch ----------------------------------------------------
 # Each registers in the rank processes through plugin="tests.test_conformance:<OBJECT>".
+
 
 class _Plugin:
     def __init__(self, cls):
@@ -74,8 +83,11 @@ class _Plugin:
 
 
 def _entropy_only(name, features=("mask", "temperature")):
-    return {"name": name, "priority": -50,
-            "ops": {"entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(features))}}
+    return {
+        "name": name,
+        "priority": -50,
+        "ops": {"entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset(features))},
+    }
 
 
 class WrongValue(EagerBackend):
@@ -88,6 +100,7 @@ class WrongValue(EagerBackend):
 
 class WrongTemperatureGrad(EagerBackend):
     """Right at T = 1; forgets the 1/T factor of the gradient."""
+
     locals().update(_entropy_only("kit_wrong_temperature_grad"))
 
     def backward(self, call, state, grad):
@@ -97,6 +110,7 @@ class WrongTemperatureGrad(EagerBackend):
 
 class NoAllReduce(EagerBackend):
     """Right on one rank; forgets to combine statistics across ranks."""
+
     locals().update(_entropy_only("kit_no_all_reduce"))
 
     def forward(self, call, inputs, index, mask):
@@ -105,6 +119,7 @@ class NoAllReduce(EagerBackend):
 
 class OverwritesSaved(EagerBackend):
     """Right the first time; its backward overwrites what it saved (as Liger's kernels do)."""
+
     locals().update(_entropy_only("kit_overwrites_saved"))
 
     def backward(self, call, state, grad):
@@ -115,6 +130,7 @@ class OverwritesSaved(EagerBackend):
 
 class ClaimsLess(EagerBackend):
     """Declares no mask support, but its reasons() accept anything."""
+
     locals().update(_entropy_only("kit_claims_less", features=("temperature",)))
 
     def capability_reasons(self, request):
@@ -122,25 +138,43 @@ class ClaimsLess(EagerBackend):
 
 
 WRONG_VALUE, WRONG_TEMPERATURE_GRAD, NO_ALL_REDUCE, OVERWRITES_SAVED, CLAIMS_LESS = map(
-    _Plugin, (WrongValue, WrongTemperatureGrad, NoAllReduce, OverwritesSaved, ClaimsLess))
+    _Plugin, (WrongValue, WrongTemperatureGrad, NoAllReduce, OverwritesSaved, ClaimsLess)
+)
 
 
 def _pick(plugin: str, cls, world: int, pred):
-    cases = [c for c in kit.conformance_cases(cls(), world_sizes=(world,), plugin=f"tests.test_conformance:{plugin}")
-             if pred(c)]
+    cases = [
+        c
+        for c in kit.conformance_cases(cls(), world_sizes=(world,), plugin=f"tests.test_conformance:{plugin}")
+        if pred(c)
+    ]
     assert cases, "no such case"
     return cases[0]
 
 
-@pytest.mark.parametrize("plugin,cls,world,pred,message", [
-    ("WRONG_VALUE", WrongValue, 1, lambda c: c.why == "even shards", "value: .* elements off"),
-    ("WRONG_TEMPERATURE_GRAD", WrongTemperatureGrad, 1, lambda c: c.why == "claims temperature",
-     r"grad\[0\]: .* elements off"),
-    ("NO_ALL_REDUCE", NoAllReduce, 2, lambda c: c.why == "uneven shards", "value: .* elements off"),
-    ("OVERWRITES_SAVED", OverwritesSaved, 1, lambda c: c.why == "even shards", "second backward differs"),
-    ("CLAIMS_LESS", ClaimsLess, 1, lambda c: c.why == "does not claim mask",
-     "does not claim mask, yet a forced call ran it"),
-], ids=["value", "temperature-grad", "no-all-reduce", "overwrites-saved", "claims-less"])
+@pytest.mark.parametrize(
+    "plugin,cls,world,pred,message",
+    [
+        ("WRONG_VALUE", WrongValue, 1, lambda c: c.why == "even shards", "value: .* elements off"),
+        (
+            "WRONG_TEMPERATURE_GRAD",
+            WrongTemperatureGrad,
+            1,
+            lambda c: c.why == "claims temperature",
+            r"grad\[0\]: .* elements off",
+        ),
+        ("NO_ALL_REDUCE", NoAllReduce, 2, lambda c: c.why == "uneven shards", "value: .* elements off"),
+        ("OVERWRITES_SAVED", OverwritesSaved, 1, lambda c: c.why == "even shards", "second backward differs"),
+        (
+            "CLAIMS_LESS",
+            ClaimsLess,
+            1,
+            lambda c: c.why == "does not claim mask",
+            "does not claim mask, yet a forced call ran it",
+        ),
+    ],
+    ids=["value", "temperature-grad", "no-all-reduce", "overwrites-saved", "claims-less"],
+)
 def test_kit_catches(ranks, plugin, cls, world, pred, message):
     cc = _pick(plugin, cls, world, pred)
     with pytest.raises(AssertionError, match=message):
@@ -149,16 +183,20 @@ def test_kit_catches(ranks, plugin, cls, world, pred, message):
 
 def test_kit_passes_where_the_bug_does_not_show(ranks):
     """Each broken backend is right outside its bug, so the failures above are the bug's."""
-    kit.check(_pick("WRONG_TEMPERATURE_GRAD", WrongTemperatureGrad, 1, lambda c: c.why == "even shards"),
-              runner=ranks, timeout=60)
+    kit.check(
+        _pick("WRONG_TEMPERATURE_GRAD", WrongTemperatureGrad, 1, lambda c: c.why == "even shards"),
+        runner=ranks,
+        timeout=60,
+    )
     kit.check(_pick("NO_ALL_REDUCE", NoAllReduce, 1, lambda c: c.why == "even shards"), runner=ranks, timeout=60)
     kit.check(_pick("CLAIMS_LESS", ClaimsLess, 1, lambda c: c.why == "claims temperature"), runner=ranks, timeout=60)
 
 
 def test_check_backend_reports_every_failure(ranks):
     with pytest.raises(AssertionError, match=r"conformance case\(s\) failed") as info:
-        kit.check_backend(NoAllReduce(), world_sizes=(1, 2), plugin="tests.test_conformance:NO_ALL_REDUCE",
-                          runner=ranks, timeout=60)
+        kit.check_backend(
+            NoAllReduce(), world_sizes=(1, 2), plugin="tests.test_conformance:NO_ALL_REDUCE", runner=ranks, timeout=60
+        )
     text = str(info.value)
     assert "tp2-match-entropy" in text and "tp1-match" not in text
 
@@ -176,8 +214,7 @@ def test_probe_failure_skips(monkeypatch):
     with pytest.raises(pytest.skip.Exception, match="needs libfoo"):
         kit.check(match)
     ran = []
-    results = kit.check_backend(Absent(), runner=lambda world, fn, cc, timeout: ran.append(cc) or [],
-                                world_sizes=(1,))
+    results = kit.check_backend(Absent(), runner=lambda world, fn, cc, timeout: ran.append(cc) or [], world_sizes=(1,))
     assert results[str(match)] == "skipped: needs libfoo"
     assert ran and all(c.expect == "refused" for c in ran)  # refusals are still checked
 

@@ -26,21 +26,34 @@ DIV = Case("jsd", layout="even", backend="liger", vocab=24, shape=(2, 3), grads=
 
 
 CE_CASES = [
-    CE, CE.with_(dtype="bfloat16"), CE.with_(dtype="float16", masked="labels"),
-    CE.with_(edge="neg_inf"), CE.with_(edge="offset"), CE.with_(edge="bad_index"),
-    CE.with_(edge="all_neg_inf_masked", masked="labels"), CE.with_(edge="all_neg_inf"),
-    CE.with_(strided=True), CE.with_(options=(("reduction", "mean"),), masked="labels"),
-    CE.with_(options=(("ignore_index", 5),), masked="labels"), CE.with_(grads=(False, False)),
+    CE,
+    CE.with_(dtype="bfloat16"),
+    CE.with_(dtype="float16", masked="labels"),
+    CE.with_(edge="neg_inf"),
+    CE.with_(edge="offset"),
+    CE.with_(edge="bad_index"),
+    CE.with_(edge="all_neg_inf_masked", masked="labels"),
+    CE.with_(edge="all_neg_inf"),
+    CE.with_(strided=True),
+    CE.with_(options=(("reduction", "mean"),), masked="labels"),
+    CE.with_(options=(("ignore_index", 5),), masked="labels"),
+    CE.with_(grads=(False, False)),
 ]
 DIV_CASES = [
     *(DIV.with_(options=(("beta", b),)) for b in (0.0, 0.3, 0.5, 1.0)),
-    DIV.with_(op="kl"), DIV.with_(op="kl", options=(("reverse", True),)),
-    DIV.with_(dtype="bfloat16", masked="mask"), DIV.with_(dtype="float16", masked="labels", strided=True),
+    DIV.with_(op="kl"),
+    DIV.with_(op="kl", options=(("reverse", True),)),
+    DIV.with_(dtype="bfloat16", masked="mask"),
+    DIV.with_(dtype="float16", masked="labels", strided=True),
     DIV.with_(options=(("temperature", 2.0), ("beta", 0.7))),
     DIV.with_(op="kl", options=(("temperature", 0.5), ("reverse", True)), masked="mask"),
-    DIV.with_(options=(("reduction", "mean"),), masked="mask"), DIV.with_(grads=(False, False)),
-    *(DIV.with_(options=(("beta", b),), edge=e) for b in (0.0, 0.3, 1.0)
-      for e in ("neg_inf", "disjoint", "offset", "all_neg_inf", "all_neg_inf_masked")),
+    DIV.with_(options=(("reduction", "mean"),), masked="mask"),
+    DIV.with_(grads=(False, False)),
+    *(
+        DIV.with_(options=(("beta", b),), edge=e)
+        for b in (0.0, 0.3, 1.0)
+        for e in ("neg_inf", "disjoint", "offset", "all_neg_inf", "all_neg_inf_masked")
+    ),
 ]
 
 
@@ -49,9 +62,15 @@ def test_tp1_matches_reference(case):
     run_case(0, 1, None, case)  # a second backward through its cross entropy raises (SecondBackwardError)
 
 
-TP2_CASES = [CE, CE.with_(dtype="bfloat16", masked="labels"), CE.with_(edge="neg_inf"),
-             CE.with_(edge="bad_index", masked="labels"), CE.with_(edge="offset"), CE.with_(strided=True),
-             CE.with_(edge="all_neg_inf")]
+TP2_CASES = [
+    CE,
+    CE.with_(dtype="bfloat16", masked="labels"),
+    CE.with_(edge="neg_inf"),
+    CE.with_(edge="bad_index", masked="labels"),
+    CE.with_(edge="offset"),
+    CE.with_(strided=True),
+    CE.with_(edge="all_neg_inf"),
+]
 
 
 @pytest.mark.parametrize("case", TP2_CASES, ids=lambda c: c.id)
@@ -60,6 +79,7 @@ def test_tp2_cross_entropy_matches_reference(ranks, case):
 
 
 # -- refusals --------------------------------------------------------------------------------
+
 
 def _forced_error(rank, world, group, layout):
     sizes = {"uneven": [7, 9], "permuted": [8, 8], "empty": [16, 0]}[layout]
@@ -91,7 +111,7 @@ def _auto_uneven(rank, world, group):
     g = torch.Generator().manual_seed(3)
     full = torch.randn(4, 16, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 16, (4,), generator=g)
-    z = full[:, starts[rank]:starts[rank] + sizes[rank]].float()
+    z = full[:, starts[rank] : starts[rank] + sizes[rank]].float()
     ex = vtp.explain("cross_entropy", z, labels, tp_group=group, gather=True)
     out = vtp.cross_entropy(z, labels, tp_group=group)
     ref, _ = values_and_grads("cross_entropy", (full,), labels)
@@ -119,16 +139,19 @@ def test_jsd_refused_at_tp2(ranks):
     assert msgs[0] == msgs[1] and "TP size 2 not supported (supports [1])" in msgs[0]
 
 
-@pytest.mark.parametrize("op,kwargs,reason", [
-    ("cross_entropy", {"z_loss": 1e-4}, "does not support z_loss"),
-    ("cross_entropy", {"label_smoothing": 0.1}, "does not support label_smoothing"),
-    ("cross_entropy", {"temperature": 2.0}, "does not support temperature"),
-    ("cross_entropy", {"dtype": torch.float64}, "dtype float64 not supported"),
-    ("jsd", {"teacher_grad": True}, "does not support teacher_grad"),
-    ("kl", {"teacher_grad": True}, "does not support teacher_grad"),
-    ("logprobs", {}, "does not implement op 'logprobs'"),
-    ("entropy", {}, "does not implement op 'entropy'"),
-])
+@pytest.mark.parametrize(
+    "op,kwargs,reason",
+    [
+        ("cross_entropy", {"z_loss": 1e-4}, "does not support z_loss"),
+        ("cross_entropy", {"label_smoothing": 0.1}, "does not support label_smoothing"),
+        ("cross_entropy", {"temperature": 2.0}, "does not support temperature"),
+        ("cross_entropy", {"dtype": torch.float64}, "dtype float64 not supported"),
+        ("jsd", {"teacher_grad": True}, "does not support teacher_grad"),
+        ("kl", {"teacher_grad": True}, "does not support teacher_grad"),
+        ("logprobs", {}, "does not implement op 'logprobs'"),
+        ("entropy", {}, "does not implement op 'entropy'"),
+    ],
+)
 def test_capability_refusals(op, kwargs, reason):
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", torch.float32)
@@ -158,6 +181,7 @@ def test_selected_when_it_can_run():
 
 # -- the second-backward guard --------------------------------------------------------------
 
+
 def _ce_inputs(dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     z = (torch.randn(5, 16, generator=g) * 3).to(dtype).requires_grad_(True)
@@ -172,8 +196,7 @@ def test_second_backward_through_retained_graph_raises(dtype):
     before = z.detach().clone()
     loss = vtp.cross_entropy(z, labels, backend="liger", reduction="mean")
     (first,) = torch.autograd.grad(loss, z, retain_graph=True)
-    _, (ref,) = values_and_grads("cross_entropy", (z.detach(),), labels,
-                                 torch.full((5,), 1 / 4, dtype=torch.float64))
+    _, (ref,) = values_and_grads("cross_entropy", (z.detach(),), labels, torch.full((5,), 1 / 4, dtype=torch.float64))
     torch.testing.assert_close(first.double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 2e-4, atol=1e-3)
     kept = first.clone()
     with pytest.raises(SecondBackwardError, match="backward already ran once"):
@@ -232,6 +255,7 @@ def test_why_label_smoothing_is_refused():
 
 # -- probe ---------------------------------------------------------------------------------
 
+
 def test_probe_reasons(monkeypatch):
     backend = liger_backend.LigerBackend()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -240,7 +264,8 @@ def test_probe_reasons(monkeypatch):
     assert backend.probe("cpu") == ["cpu tensors need TRITON_INTERPRET=1 (Triton's interpreter; for tests)"]
     assert backend.probe("xpu") == []  # the capabilities refuse xpu, with their own reason
     assert "device type 'xpu' not supported (supports cpu, cuda)" in backend.capability_reasons(
-        Request("jsd", "xpu", torch.float32, 1, 8, 3, True, False))
+        Request("jsd", "xpu", torch.float32, 1, 8, 3, True, False)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert backend.probe("cuda") == ["no CUDA device (torch.cuda.is_available() is False)"]
     monkeypatch.setattr(liger_backend, "liger_version", lambda: None)
@@ -258,12 +283,16 @@ def test_registered_as_builtin():
 def test_importing_the_backend_does_not_import_liger():
     import subprocess
     import sys
-    code = ("import sys, vtp_runtime.backends.liger as m; "
-            "assert not any(k.startswith('liger_kernel') for k in sys.modules), 'imported'")
+
+    code = (
+        "import sys, vtp_runtime.backends.liger as m; "
+        "assert not any(k.startswith('liger_kernel') for k in sys.modules), 'imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # -- the conformance kit: every declared capability matches float64, the rest is refused ----
+
 
 @conformance.parametrize("liger")
 def test_conformance(conformance_case):

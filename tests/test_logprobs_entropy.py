@@ -22,10 +22,26 @@ ON = (("return_entropy", True),)
 # TP 4 on triton: uneven and empty shards, a [N] and an [N, k] index, masked entries, temperature
 TRITON_TP4 = [
     Case("logprobs", layout="uneven", shape=(2, 3), options=ON, backend="triton", seed=1),
-    Case("logprobs", layout="empty", shape=(2, 3), topk=3, masked="labels", backend="triton", seed=2,
-         options=ON + (("temperature", 0.7), ("reduction", "mean"))),
-    Case("logprobs", layout="explicit", shape=(2, 3), topk=2, dtype="bfloat16", backend="triton", seed=3,
-         options=ON + (("reduction", "sum"), ("normalizer", 5))),
+    Case(
+        "logprobs",
+        layout="empty",
+        shape=(2, 3),
+        topk=3,
+        masked="labels",
+        backend="triton",
+        seed=2,
+        options=ON + (("temperature", 0.7), ("reduction", "mean")),
+    ),
+    Case(
+        "logprobs",
+        layout="explicit",
+        shape=(2, 3),
+        topk=2,
+        dtype="bfloat16",
+        backend="triton",
+        seed=3,
+        options=ON + (("reduction", "sum"), ("normalizer", 5)),
+    ),
 ]
 TRITON_TP2 = [c.with_(layout={"explicit": "uneven"}.get(c.layout, c.layout)) for c in TRITON_TP4]
 
@@ -134,6 +150,7 @@ def _dtensor_pair(rank, world, group):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from tests.test_dtensor import _mesh
+
     mesh = _mesh(world, (world,))
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, 3, 10, generator=gen) * 2

@@ -53,7 +53,9 @@ def test_a_call_uses_exactly_the_features_it_turns_on(op):
 def test_defaults_turn_nothing_on():
     """Options at their default values use no feature, even when passed explicitly."""
     for op, spec in OPS.items():
-        defaults = {o.name: o.default for o in spec.own if o.default is not None and o.name not in ("reduction", "temperature")}
+        defaults = {
+            o.name: o.default for o in spec.own if o.default is not None and o.name not in ("reduction", "temperature")
+        }
         if op == "sample":
             defaults["seed"] = 0
         assert vtp.explain(op, *_tensors(op), temperature=1.0, **defaults).request.features == frozenset()

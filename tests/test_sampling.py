@@ -181,7 +181,9 @@ def test_one_and_three_dimensional_logits(backend):
     assert one.shape == () and one == vtp.sample(x[0, :1], seed=3, backend=backend)[0]
     assert vtp.argmax(x[1, 2], backend=backend) == x[1, 2].argmax()
     view = x[:, :2]  # rows with no single stride
-    assert torch.equal(vtp.sample(view, seed=9, backend=backend), vtp.sample(view.contiguous(), seed=9, backend=backend))
+    assert torch.equal(
+        vtp.sample(view, seed=9, backend=backend), vtp.sample(view.contiguous(), seed=9, backend=backend)
+    )
 
 
 def test_dtypes():
@@ -335,8 +337,9 @@ def dtensor_job(rank, world, group):
 
     mesh = DeviceMesh("cpu", list(range(world)))
     x = _logits(2 * 5, 9, seed=9).view(2, 5, 9)  # V=9 on 2 ranks: torch's chunks 5 + 4
-    dt = DTensor.from_local(x[..., rank * 5 : (rank + 1) * 5], mesh, [Shard(2)], run_check=False, shape=x.shape,
-                            stride=x.stride())
+    dt = DTensor.from_local(
+        x[..., rank * 5 : (rank + 1) * 5], mesh, [Shard(2)], run_check=False, shape=x.shape, stride=x.stride()
+    )
     ids = vtp.sample(dt, seed=3, top_k=4, backend="eager")
     top = vtp.argmax(dt)
     assert isinstance(ids, DTensor) and ids.placements == (Replicate(),) and ids.shape == (2, 5)

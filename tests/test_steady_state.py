@@ -77,8 +77,8 @@ def _call(kind: int, n: int, rank: int, world: int, group, seed: int, sizes=None
     t = torch.randn(n, v, generator=g, dtype=torch.float64)
     y = torch.randint(0, v, (n,), generator=g)
     start = sum(sizes[:rank])
-    zl = z[:, start:start + sizes[rank]].clone().requires_grad_()
-    tl = t[:, start:start + sizes[rank]]
+    zl = z[:, start : start + sizes[rank]].clone().requires_grad_()
+    tl = t[:, start : start + sizes[rank]]
     common = dict(tp_group=group if world > 1 else None, backend="eager")
     zr = z.clone().requires_grad_()
     if kind == 0:
@@ -92,7 +92,7 @@ def _call(kind: int, n: int, rank: int, world: int, group, seed: int, sizes=None
         want = reference("entropy", (zr,), mask=y % 3 != 0)
     (grad,) = torch.autograd.grad(out.sum(), zl)
     (want_grad,) = torch.autograd.grad(want.sum(), zr)
-    return max(_err(out, want), _err(grad, want_grad[:, start:start + sizes[rank]]))
+    return max(_err(out, want), _err(grad, want_grad[:, start : start + sizes[rank]]))
 
 
 def _err(a, b) -> float:

@@ -33,14 +33,24 @@ SMALL_VOCABS = {151936: 61, 128256: 47, 50257: 37}  # the CPU twin: odd sizes, u
 
 # representative option sets per op; each case takes the next vocabulary, shard layout and dtype
 OPTION_SETS = {
-    "cross_entropy": [{}, {"options": (("label_smoothing", 0.1), ("z_loss", 1e-4))}, {"masked": "labels"},
-                      {"options": (("temperature", 0.7), ("reduction", "mean")), "masked": "labels", "strided": True}],
+    "cross_entropy": [
+        {},
+        {"options": (("label_smoothing", 0.1), ("z_loss", 1e-4))},
+        {"masked": "labels"},
+        {"options": (("temperature", 0.7), ("reduction", "mean")), "masked": "labels", "strided": True},
+    ],
     "logprobs": [{}, {"topk": 4, "masked": "labels"}, {"options": (("temperature", 1.3),), "strided": True}],
     "entropy": [{}, {"masked": "mask", "options": (("temperature", 0.5),)}, {"view": "permuted"}],
-    "kl": [{}, {"options": (("reverse", True),), "masked": "mask", "grads": (True, True)},
-           {"options": (("temperature", 2.0),), "view": "transposed"}],
-    "jsd": [{"options": (("beta", 0.5),)}, {"options": (("beta", 0.1), ("temperature", 2.0)), "grads": (True, True)},
-            {"options": (("beta", 0.0),), "masked": "labels", "strided": True}],
+    "kl": [
+        {},
+        {"options": (("reverse", True),), "masked": "mask", "grads": (True, True)},
+        {"options": (("temperature", 2.0),), "view": "transposed"},
+    ],
+    "jsd": [
+        {"options": (("beta", 0.5),)},
+        {"options": (("beta", 0.1), ("temperature", 2.0)), "grads": (True, True)},
+        {"options": (("beta", 0.0),), "masked": "labels", "strided": True},
+    ],
 }
 LAYOUTS = ("uneven", "empty", "explicit")
 DTYPES = ("bfloat16", "float32")
@@ -86,8 +96,17 @@ def tp_cases(device: str) -> list[tuple[int, Case]]:
                         shape = (4, 33) if strided else (4, 32)  # 128 tokens
                     else:
                         vocab, shape = SMALL_VOCABS[vocab], (2, 4) if strided else (2, 3)
-                    case = Case(op, dtype=DTYPES[i % len(DTYPES)], shape=shape, vocab=vocab, layout=layout,
-                                backend=backend, device=device, seed=100 + i, **fields)
+                    case = Case(
+                        op,
+                        dtype=DTYPES[i % len(DTYPES)],
+                        shape=shape,
+                        vocab=vocab,
+                        layout=layout,
+                        backend=backend,
+                        device=device,
+                        seed=100 + i,
+                        **fields,
+                    )
                     i += 1
                     if _features(case) <= cap.features:
                         out.append((world, case))

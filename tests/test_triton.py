@@ -23,26 +23,43 @@ SHAPE = (2, 3)  # 6 tokens: the interpreter's cost grows with rows x splits x ti
 
 OPTION_SETS = {
     "cross_entropy": [
-        {}, {"options": (("label_smoothing", 0.1),)}, {"options": (("z_loss", 1e-3),)},
+        {},
+        {"options": (("label_smoothing", 0.1),)},
+        {"options": (("z_loss", 1e-3),)},
         {"options": (("label_smoothing", 0.2), ("z_loss", 1e-2), ("temperature", 0.7)), "masked": "labels"},
         {"options": (("ignore_index", 3),), "masked": "labels"},
         {"options": (("reduction", "mean"),), "masked": "labels"},
     ],
     "logprobs": [
-        {}, {"topk": 3}, {"options": (("temperature", 1.5),)}, {"masked": "labels", "topk": 2},
+        {},
+        {"topk": 3},
+        {"options": (("temperature", 1.5),)},
+        {"masked": "labels", "topk": 2},
         {"options": (("return_entropy", True),)},
-        {"options": (("return_entropy", True), ("temperature", 0.7), ("reduction", "mean")), "masked": "labels",
-         "topk": 3},
+        {
+            "options": (("return_entropy", True), ("temperature", 0.7), ("reduction", "mean")),
+            "masked": "labels",
+            "topk": 3,
+        },
     ],
     "entropy": [
-        {}, {"options": (("temperature", 0.5),)}, {"masked": "mask"}, {"masked": "labels"},
+        {},
+        {"options": (("temperature", 0.5),)},
+        {"masked": "mask"},
+        {"masked": "labels"},
     ],
     "kl": [
-        {}, {"options": (("reverse", True),)}, {"options": (("temperature", 2.0),)}, {"masked": "mask"},
-        {"grads": (True, False)}, {"grads": (False, True), "options": (("reverse", True),)},
+        {},
+        {"options": (("reverse", True),)},
+        {"options": (("temperature", 2.0),)},
+        {"masked": "mask"},
+        {"grads": (True, False)},
+        {"grads": (False, True), "options": (("reverse", True),)},
     ],
     "jsd": [
-        {"options": (("beta", 0.5),)}, {"options": (("beta", 0.0),)}, {"options": (("beta", 1.0),)},
+        {"options": (("beta", 0.5),)},
+        {"options": (("beta", 0.0),)},
+        {"options": (("beta", 1.0),)},
         {"options": (("beta", 0.3), ("temperature", 2.0)), "grads": (True, False)},
         {"options": (("beta", 0.7),), "masked": "mask", "grads": (False, True)},
         {"options": (("beta", 0.1), ("reduction", "mean")), "masked": "labels"},
@@ -63,26 +80,49 @@ def _cases(dtypes, layouts):
 
 TP1 = _cases(("float32", "bfloat16", "float16"), ("even",))
 TP2 = _cases(("float32", "bfloat16"), ("uneven", "empty", "explicit", "even"))
-EDGES = [Case(op, edge=edge, backend=T, shape=SHAPE, **fields)
-         for op, fields in [("cross_entropy", {"options": (("label_smoothing", 0.1),)}), ("logprobs", {"topk": 2}),
-                            ("logprobs", {"topk": 2, "options": (("return_entropy", True),)}),
-                            ("entropy", {}), ("kl", {}), ("jsd", {"options": (("beta", 0.3),)})]
-         for edge in ("neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked")
-         if not (edge == "disjoint" and op not in ("kl", "jsd"))]
-EDGES += [Case(op, edge="bad_index", backend=T, shape=SHAPE, **f)
-          for op, f in [("cross_entropy", {}), ("logprobs", {"topk": 3}),
-                        ("logprobs", {"topk": 3, "options": (("return_entropy", True),)})]]
+EDGES = [
+    Case(op, edge=edge, backend=T, shape=SHAPE, **fields)
+    for op, fields in [
+        ("cross_entropy", {"options": (("label_smoothing", 0.1),)}),
+        ("logprobs", {"topk": 2}),
+        ("logprobs", {"topk": 2, "options": (("return_entropy", True),)}),
+        ("entropy", {}),
+        ("kl", {}),
+        ("jsd", {"options": (("beta", 0.3),)}),
+    ]
+    for edge in ("neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked")
+    if not (edge == "disjoint" and op not in ("kl", "jsd"))
+]
+EDGES += [
+    Case(op, edge="bad_index", backend=T, shape=SHAPE, **f)
+    for op, f in [
+        ("cross_entropy", {}),
+        ("logprobs", {"topk": 3}),
+        ("logprobs", {"topk": 3, "options": (("return_entropy", True),)}),
+    ]
+]
 EDGES += [Case(op, shape=(0,), backend=T) for op in ("cross_entropy", "logprobs", "entropy", "kl", "jsd")]
 EDGES += [Case("logprobs", shape=(0,), backend=T, options=(("return_entropy", True),))]
-EDGES += [Case(op, shape=(2, 4), strided=True, masked=m, backend=T, **f)
-          for op, m, f in [("cross_entropy", "labels", {}), ("logprobs", "", {}),
-                           ("logprobs", "labels", {"options": (("return_entropy", True),)}), ("entropy", "mask", {}),
-                           ("kl", "", {}), ("jsd", "mask", {})]]
+EDGES += [
+    Case(op, shape=(2, 4), strided=True, masked=m, backend=T, **f)
+    for op, m, f in [
+        ("cross_entropy", "labels", {}),
+        ("logprobs", "", {}),
+        ("logprobs", "labels", {"options": (("return_entropy", True),)}),
+        ("entropy", "mask", {}),
+        ("kl", "", {}),
+        ("jsd", "mask", {}),
+    ]
+]
 # TP 2: the edges where shards matter (a -inf slice, offsets, disjoint support, strided views)
-EDGES_TP2 = [c.with_(layout="empty" if c.edge == "neg_inf" else "uneven") for c in EDGES
-             if (c.edge in ("neg_inf", "offset") and c.op in ("cross_entropy", "jsd"))
-             or (c.edge in ("disjoint", "all_neg_inf") and c.op in ("kl", "jsd"))
-             or (c.strided and c.op in ("cross_entropy", "jsd")) or (c.shape == (0,) and c.op == "jsd")]
+EDGES_TP2 = [
+    c.with_(layout="empty" if c.edge == "neg_inf" else "uneven")
+    for c in EDGES
+    if (c.edge in ("neg_inf", "offset") and c.op in ("cross_entropy", "jsd"))
+    or (c.edge in ("disjoint", "all_neg_inf") and c.op in ("kl", "jsd"))
+    or (c.strided and c.op in ("cross_entropy", "jsd"))
+    or (c.shape == (0,) and c.op == "jsd")
+]
 
 
 @pytest.mark.parametrize("case", TP1, ids=lambda c: c.id)
@@ -98,9 +138,19 @@ def test_edges_tp1(case):
 # Rows that are neither split nor sharded are finished by the program that reads them (one
 # launch: stats1/stats2 with FINISH, jsd_row_kernel). A backend whose configuration never
 # splits a row takes that path for every call at TP 1, on the same test matrix and edges.
-ROW_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32, warps_bwd=1,
-                          target_programs=1, max_splits=1, bwd_target_programs=16, block_rows=16,
-                          warps_finish=1)
+ROW_CONFIG = LaunchConfig(
+    block_stats=16,
+    warps_stats=1,
+    block_div=16,
+    warps_div=1,
+    block_bwd=32,
+    warps_bwd=1,
+    target_programs=1,
+    max_splits=1,
+    bwd_target_programs=16,
+    block_rows=16,
+    warps_finish=1,
+)
 
 
 class _WholeRows(TritonBackend):
@@ -117,6 +167,7 @@ class _WholeRowsPlugin:
 @pytest.fixture(scope="module")
 def whole_rows():
     from vtp_runtime.registry import hookimpl, register
+
     hookimpl(_WholeRowsPlugin.vtp_runtime_register_backends)
     register(_WholeRowsPlugin(), name="triton_whole_rows")
     yield _WholeRows.name
@@ -131,9 +182,16 @@ def test_whole_rows_tp1(whole_rows, case):
 def test_whole_rows_is_one_launch_per_forward(whole_rows, monkeypatch):
     """The single-launch path is the one taken: no finishing or divergence kernel runs."""
     from vtp_runtime.backends.triton import kernels
+
     launched = []
-    for name in ("stats1_kernel", "finish1_kernel", "stats2_kernel", "jsd_div_kernel", "finish2_kernel",
-                 "jsd_row_kernel"):
+    for name in (
+        "stats1_kernel",
+        "finish1_kernel",
+        "stats2_kernel",
+        "jsd_div_kernel",
+        "finish2_kernel",
+        "jsd_row_kernel",
+    ):
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, _Recorder(kernel, name, launched))
     z, t = torch.randn(3, 40), torch.randn(3, 40)
@@ -141,8 +199,14 @@ def test_whole_rows_is_one_launch_per_forward(whole_rows, monkeypatch):
     vtp.kl(z, t, backend=whole_rows)
     vtp.jsd(z, t, beta=0.3, backend=whole_rows)
     vtp.jsd(z, t, beta=0.3, backend=T)  # the split path, for contrast
-    assert launched == ["stats1_kernel", "stats2_kernel", "jsd_row_kernel",
-                        "stats2_kernel", "jsd_div_kernel", "finish2_kernel"]
+    assert launched == [
+        "stats1_kernel",
+        "stats2_kernel",
+        "jsd_row_kernel",
+        "stats2_kernel",
+        "jsd_div_kernel",
+        "finish2_kernel",
+    ]
 
 
 class _Recorder:
@@ -212,9 +276,20 @@ def test_launch_config_is_a_parameter():
         name = "triton_config_test"
         priority = -5
 
-    cfg = LaunchConfig(block_stats=64, block_div=32, block_bwd=64, target_programs=4, max_splits=2,
-                       bwd_target_programs=4, block_rows=8, warps_stats=1, warps_div=1, warps_bwd=1,
-                       warps_finish=1, fast_log2=False)
+    cfg = LaunchConfig(
+        block_stats=64,
+        block_div=32,
+        block_bwd=64,
+        target_programs=4,
+        max_splits=2,
+        bwd_target_programs=4,
+        block_rows=8,
+        warps_stats=1,
+        warps_div=1,
+        warps_bwd=1,
+        warps_finish=1,
+        fast_log2=False,
+    )
     assert cfg != INTERPRETER_CONFIG
 
     def plugin_hook(register):
@@ -222,6 +297,7 @@ def test_launch_config_is_a_parameter():
 
     plugin = type("P", (), {"vtp_runtime_register_backends": staticmethod(plugin_hook)})
     from vtp_runtime.registry import hookimpl, register
+
     hookimpl(plugin.vtp_runtime_register_backends)
     register(plugin(), name="triton_config_test")
     try:
@@ -230,12 +306,16 @@ def test_launch_config_is_a_parameter():
         a = vtp.jsd(z, t, beta=0.3, backend="triton_config_test")
         b = vtp.jsd(z, t, beta=0.3, backend=T)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        ga, = torch.autograd.grad(a.sum(), z)
-        gb, = torch.autograd.grad(b.sum(), z)
+        (ga,) = torch.autograd.grad(a.sum(), z)
+        (gb,) = torch.autograd.grad(b.sum(), z)
         torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
         y = torch.randint(0, 150, (5,))  # the one-input kernels too
-        torch.testing.assert_close(vtp.cross_entropy(z, y, backend="triton_config_test"),
-                                   vtp.cross_entropy(z, y, backend=T), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            vtp.cross_entropy(z, y, backend="triton_config_test"),
+            vtp.cross_entropy(z, y, backend=T),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     finally:
         REGISTRY.unregister("triton_config_test")
 

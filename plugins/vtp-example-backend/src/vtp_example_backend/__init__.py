@@ -40,6 +40,7 @@ Tensor = torch.Tensor
 
 # -- helpers -------------------------------------------------------------------------------
 
+
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -83,6 +84,7 @@ def _masked(values: Tensor, mask: Tensor | None) -> Tensor:
 # Every field is a tensor (or None for an optional one): the core saves them with autograd's
 # save_for_backward, which also catches an input modified in place before backward.
 
+
 @dataclass
 class EntropyState(SavedState):
     logits: Tensor  # [N, V_local], the input itself (no copy)
@@ -101,6 +103,7 @@ class KLState(SavedState):
 
 
 # -- entropy -------------------------------------------------------------------------------
+
 
 def _entropy_forward(call, z: Tensor, mask):
     n, v = z.shape
@@ -142,6 +145,7 @@ def _entropy_backward(call, state: EntropyState, grad):
 
 
 # -- KL ------------------------------------------------------------------------------------
+
 
 def _kl_forward(call, student: Tensor, teacher: Tensor, mask, reverse: bool):
     """KL(A || B): forward A = teacher, B = student; reverse A = student, B = teacher."""
@@ -199,6 +203,7 @@ def _kl_backward(call, state: KLState, grad, reverse: bool):
 
 # -- the backend ---------------------------------------------------------------------------
 
+
 class BlockwiseBackend(Backend):
     """Entropy and KL by a one-pass streaming softmax over vocabulary blocks.
 
@@ -215,8 +220,10 @@ class BlockwiseBackend(Backend):
     # Below eager (0): an example must never win auto-selection by being installed.
     # Use it with VTP_BACKEND=example_blockwise, use_backend(...) or backend=...
     priority = -10
-    _CAP = dict(device_types=None,  # pure PyTorch: any device torch runs on
-                dtypes=frozenset({torch.float32, torch.bfloat16, torch.float64}))
+    _CAP = dict(
+        device_types=None,  # pure PyTorch: any device torch runs on
+        dtypes=frozenset({torch.float32, torch.bfloat16, torch.float64}),
+    )
     ops = {
         "entropy": OpCapability(**_CAP, features=frozenset({"mask", "temperature"})),
         "kl": OpCapability(**_CAP, features=frozenset({"mask", "temperature", "reverse", "teacher_grad"})),
