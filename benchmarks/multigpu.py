@@ -49,9 +49,8 @@ def runnable_backends(device):
 
 
 def correctness(rank, world, group, device, vocab, shape):
-    from vtp_runtime.testing.cases import Case, run_case
-
     import vtp_runtime as vtp
+    from vtp_runtime.testing.cases import Case, run_case
 
     results = []
     for backend in runnable_backends(device):
@@ -117,14 +116,15 @@ def benchmark(rank, world, group, device, vocab, tokens_list, reps):
         y = torch.randint(rank * v_local, (rank + 1) * v_local, (n,), device=dev)
         arms = {}
         for backend in runnable_backends(device):
-            arms[f"jsd/{backend}"] = lambda b=backend: vtp.jsd(
+            # each arm binds this step's tensors: they run within the step, but say so
+            arms[f"jsd/{backend}"] = lambda b=backend, s=s, t=t: vtp.jsd(
                 s, t, beta=0.5, tp_group=group, backend=b, reduction="sum"
             ).backward()
-            arms[f"cross_entropy/{backend}"] = lambda b=backend: vtp.cross_entropy(
+            arms[f"cross_entropy/{backend}"] = lambda b=backend, s=s, y=y: vtp.cross_entropy(
                 s, y, tp_group=group, backend=b, reduction="sum"
             ).backward()
 
-        def dense_jsd():  # gather both logits, then a TRL-style JSD on the full vocabulary
+        def dense_jsd(s=s, t=t):  # gather both logits, then a TRL-style JSD on the full vocabulary
             full_s = torch.cat(list(all_gather_stack(s.detach(), group).unbind(0)), dim=-1).requires_grad_(True)
             full_t = torch.cat(list(all_gather_stack(t, group).unbind(0)), dim=-1)
             ls, lt = torch.log_softmax(full_s.float(), -1), torch.log_softmax(full_t.float(), -1)
@@ -135,7 +135,7 @@ def benchmark(rank, world, group, device, vocab, tokens_list, reps):
             )
             loss.backward()
 
-        def dense_ce():
+        def dense_ce(s=s, y=y):
             full_s = torch.cat(list(all_gather_stack(s.detach(), group).unbind(0)), dim=-1).requires_grad_(True)
             torch.nn.functional.cross_entropy(full_s.float(), y, reduction="sum").backward()
 

@@ -121,8 +121,9 @@ def main() -> None:
     )
     for backend in backends:
         for name, make in (("cross_entropy", ce), ("jsd", jsd)):
-            fwd = per_call_us(make(backend), args.reps, dev)
-            both = per_call_us(lambda f=make(backend): f().sum().backward(), args.reps, dev)
+            call = make(backend)
+            fwd = per_call_us(call, args.reps, dev)
+            both = per_call_us(lambda call=call: call().sum().backward(), args.reps, dev)
             print(
                 f"{backend:13s} {name:14s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
                 f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}"

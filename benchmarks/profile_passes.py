@@ -64,7 +64,7 @@ def main():
             res = per_kernel(op, n, v)
             total = sum(us * c for us, c in res.values())
             parts = []
-            for k, (us, c) in sorted(res.items(), key=lambda kv: -kv[1][0]):
+            for k, (us, _) in sorted(res.items(), key=lambda kv: -kv[1][0]):
                 short = k.split("(")[0][:24]
                 mult = next((m for kk, m in nbytes_pass.items() if kk in k), None)
                 bw = f" {mult * n * v * 2 / us / 1e3:.0f}GB/s" if mult else ""

@@ -32,11 +32,16 @@ def time_ms(fn, reps=20):
     return time_loop(fn, warmup=3, reps=reps)
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device copy (read + write), the yardstick of the percentages; the
+    buffers are freed on return."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * 2**30 / (time_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
 def main():
-    copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    copy = 2 * 2**30 / (time_ms(lambda: copy_dst.copy_(copy_src)) * 1e-3) / 1e9
-    del copy_src, copy_dst
+    copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s")
     for name, cfg in VARIANTS.items():
         tb.CUDA_CONFIG = cfg

@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
-from vtp_runtime.tools.timing import time_stream
 from vtp_runtime.backends.triton.backend import TritonBackend, capabilities
 from vtp_runtime.backends.triton_xpu import XPU_CONFIG, TritonXPUBackend
-from vtp_runtime.registry import hookimpl, register
 from vtp_runtime.ops import dtype_name
+from vtp_runtime.registry import hookimpl, register
 from vtp_runtime.testing.reference import values_and_grads
+from vtp_runtime.tools.timing import time_stream
 
 VALUE_RTOL = 2e-5
 GRAD_RTOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -175,8 +175,8 @@ def main() -> int:
     if rank == 0:
         print(f"XPU_CONFIG = {XPU_CONFIG}")
     results, bad = [], 0
-    for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
+    for dtype_arg in args.dtypes:
+        dtype = getattr(torch, dtype_arg)
         for vocab in args.vocab:
             for n in args.tokens:
                 for op, options, tg, masked in CASES:
@@ -190,8 +190,8 @@ def main() -> int:
                     if rank == 0:
                         errs = " ".join(f"{k}={v:.2e}" for k, v in r.items() if k.endswith("_err"))
                         print(
-                            f"{'ok ' if r['ok'] else 'BAD'} {args.backend} tp={world} {op:13s} {dtype_name:8s} V={vocab:<6d} "
-                            f"N={n:<4d} {r['options']} masked={masked} {errs}"
+                            f"{'ok ' if r['ok'] else 'BAD'} {args.backend} tp={world} {op:13s} {dtype_arg:8s} "
+                            f"V={vocab:<6d} N={n:<4d} {r['options']} masked={masked} {errs}"
                         )
     timings = []
     for n in args.time_tokens if args.backend == "xpu_config_on_cuda" else ():

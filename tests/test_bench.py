@@ -281,8 +281,8 @@ def test_sampling_peers_draw_from_the_restricted_distributions():
     """The peer arms are what they stand for: transformers' top-k and top-p warpers' support."""
     import torch
 
-    from vtp_runtime.tools import bench_sample
     from vtp_runtime.testing import reference
+    from vtp_runtime.tools import bench_sample
 
     torch.manual_seed(0)
     x = torch.randn(4000, 60) * 2

@@ -492,10 +492,12 @@ def test_vocab_parallel_head_on_four_ranks(ranks):
     full_w = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
     hidden = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 10, (5,))
-    torch.nn.functional.cross_entropy(hidden @ full_w.T, labels, reduction="sum").backward()
+    want = torch.nn.functional.cross_entropy(hidden @ full_w.T, labels, reduction="sum")
+    want.backward()
     results = ranks(4, _module_on_ranks, timeout=60)
     assert [r[0] for r in results] == [(0, 3), (3, 6), (6, 9), (9, 10)]  # torch.chunk's split
     for (start, end), loss, dh, dw, full in results:
+        assert loss == pytest.approx(want.item(), rel=1e-12)
         torch.testing.assert_close(dh, hidden.grad)
         torch.testing.assert_close(dw, full_w.grad[start:end])
         torch.testing.assert_close(full, (hidden @ full_w.T).detach())

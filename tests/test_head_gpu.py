@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime.tools import bench_head
 from vtp_runtime.testing.reference import values_and_grads
+from vtp_runtime.tools import bench_head
 
 pytestmark = pytest.mark.gpu
 

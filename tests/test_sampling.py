@@ -265,7 +265,9 @@ def layout_job(rank, world, group, layout, backend, n=40, v=V, device="cpu", dty
     x = _layout_logits(n, v, device).to(dtype)
     out = {"argmax": _call(rank, group, x, layout, lambda z, **kw: vtp.argmax(z, backend=backend, **kw))}
     for i, options in enumerate(RANK_CASES):
-        out[i] = _call(rank, group, x, layout, lambda z, **kw: vtp.sample(z, seed=77, backend=backend, **options, **kw))
+        out[i] = _call(
+            rank, group, x, layout, lambda z, o=options, **kw: vtp.sample(z, seed=77, backend=backend, **o, **kw)
+        )
     return {k: t.cpu() for k, t in out.items()}
 
 

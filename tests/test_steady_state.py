@@ -210,7 +210,7 @@ def test_one_rank_error_after_planning_raises_on_every_rank(ranks, check):
     every rank, and the next call runs. (With VTP_CHECK=once it is not seen: the ranks would
     issue different collectives; see docs/guide.md, "No host sync".)"""
     results = ranks(2, _error_after_planning, check, timeout=120)
-    for raised, worst, prepared in results:
+    for raised, worst, _ in results:
         assert "disagree" in raised and "options" in raised
         assert worst < 1e-10
     # rank 0 made the planned call: with a host gather it ran no full preparation until the

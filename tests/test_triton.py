@@ -9,14 +9,14 @@ still cover several tiles per chunk and several chunks (splits) per row.
 import pytest
 import torch
 
-# numpy warns about the NaN/inf arithmetic the edge cases exercise on purpose
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
 import vtp_runtime as vtp
 from vtp_runtime.backends.triton import INTERPRETER_CONFIG, LaunchConfig, TritonBackend
 from vtp_runtime.registry import REGISTRY
 from vtp_runtime.testing import conformance
 from vtp_runtime.testing.cases import Case, run_case
+
+# numpy warns about the NaN/inf arithmetic the edge cases exercise on purpose
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 T = "triton"
 SHAPE = (2, 3)  # 6 tokens: the interpreter's cost grows with rows x splits x tiles

@@ -11,8 +11,9 @@ import torch
 
 from vtp_runtime import dispatch
 from vtp_runtime.backend import Request
+from vtp_runtime.metadata import Shards as Layout
+from vtp_runtime.metadata import backend_key
 from vtp_runtime.registry import REGISTRY, register
-from vtp_runtime.metadata import Shards as Layout, backend_key
 from vtp_runtime.testing.cases import Case, run_case
 
 pytest.importorskip("triton")
@@ -20,7 +21,6 @@ pytest.importorskip("triton")
 from vtp_runtime.backends import triton_xpu as xpu_mod  # noqa: E402
 from vtp_runtime.backends.triton.backend import CUDA_CONFIG, TritonBackend, capabilities  # noqa: E402
 from vtp_runtime.backends.triton_xpu import XPU_CONFIG, TritonXPUBackend  # noqa: E402
-
 
 # -- probe -----------------------------------------------------------------------------------
 
