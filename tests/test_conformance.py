@@ -1,9 +1,12 @@
-"""The conformance kit: it passes correct backends (eager, the example plugin) and catches
-each kind of broken one (wrong math, wrong gradient, a missing cross-rank term, a second
-backward that differs, a dishonest capability declaration)."""
+"""The conformance kit: its cases follow a backend's declaration, at each depth
+(``VTP_TEST_DEPTH``); it catches each kind of broken backend (wrong math, wrong gradient, a
+missing cross-rank term, a second backward that differs, a dishonest capability
+declaration), with its smoke selection too. Correct backends pass it in their own tests:
+the eager backend in tests/test_eager.py, the example plugin in its own suite."""
 
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from vtp_runtime.backend import ALL_DTYPES, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.registry import hookimpl
 from vtp_runtime.testing import conformance as kit
-from vtp_runtime.testing.cases import shard_sizes
+from vtp_runtime.testing.cases import DTYPES, shard_sizes
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins" / "vtp-example-backend" / "src"
 if str(EXAMPLE_SRC) not in sys.path:  # importable here and in the rank processes spawned later
@@ -21,18 +24,10 @@ if str(EXAMPLE_SRC) not in sys.path:  # importable here and in the rank processe
 
 from vtp_example_backend import BlockwiseBackend  # noqa: E402
 
-EAGER_CASES = kit.conformance_cases("eager")
-EXAMPLE_CASES = kit.conformance_cases(BlockwiseBackend(), plugin="vtp_example_backend")
-
-
-@pytest.mark.parametrize("cc", EAGER_CASES, ids=str)
-def test_eager_conforms(ranks, cc):
-    kit.check(cc, runner=ranks, timeout=60)
-
-
 # The example plugin's conformance cases run once, in its own suite
 # (plugins/vtp-example-backend/tests, also collected from the repository root); here only
 # how they are derived is checked.
+EXAMPLE_CASES = kit.conformance_cases(BlockwiseBackend(), plugin="vtp_example_backend", depth="fast")
 
 
 # -- cases follow the declaration ----------------------------------------------------------
@@ -67,6 +62,48 @@ def test_cases_follow_the_declaration():
     whys = {(c.world, c.why) for c in kit.conformance_cases(Narrow()) if c.expect == "refused"}
     assert {(1, "does not claim label_smoothing"), (2, "does not claim TP size 2")} <= whys
     assert not any(c.world == 2 and c.expect == "match" for c in kit.conformance_cases(Narrow()))
+
+
+def test_the_depth_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("VTP_TEST_DEPTH", raising=False)
+    assert (kit.current_depth(), kit.current_depth(slow=True)) == ("fast", "smoke")
+    monkeypatch.setenv("VTP_TEST_DEPTH", "full")
+    assert (kit.current_depth(), kit.current_depth(slow=True)) == ("full", "full")
+    assert {c.world for c in kit.conformance_cases(BlockwiseBackend())} == {1, 2, 3, 4}
+    monkeypatch.setenv("VTP_TEST_DEPTH", "deep")
+    with pytest.raises(ValueError, match="VTP_TEST_DEPTH='deep': use fast"):
+        kit.current_depth()
+
+
+def test_each_depth_widens_the_one_before():
+    cases = {depth: kit.conformance_cases("eager", depth=depth) for depth in kit.DEPTHS}
+    ids = {depth: {str(c) for c in cases[depth]} for depth in kit.DEPTHS}
+    assert ids["smoke"] < ids["fast"] < ids["full"]
+    assert {c.world for c in cases["fast"]} == {1, 2} and {c.world for c in cases["full"]} == {1, 2, 3, 4}
+
+    def edges_checked(depth, world):
+        """(dtype, shard layout) of the cases with edge values, at a TP size."""
+        return {(c.case.dtype, c.case.layout) for c in cases[depth] if c.world == world and c.case.edge}
+
+    assert edges_checked("fast", 2) == {("float32", "uneven")}  # other dtypes and layouts: base cases only
+    for world in (2, 3, 4):  # full: every dtype, and every shard layout, meets them
+        assert {d for d, _ in edges_checked("full", world)} == set(DTYPES)
+        assert {lay for _, lay in edges_checked("full", world)} == {"even", "uneven", "explicit", "empty"}
+
+
+def test_smoke_keeps_one_case_of_every_check():
+    """Of every check but the wide vocabulary, at each TP size: one case, and every op's
+    first one; the refusals all."""
+    for backend in ("eager", "triton", "liger"):
+        fast = kit.conformance_cases(backend, depth="fast")
+        smoke = kit.conformance_cases(backend, depth="smoke")
+        for world in (1, 2):
+            whys = {c.why for c in fast if c.world == world and c.why != kit.WIDE}
+            assert whys == {c.why for c in smoke if c.world == world}, backend
+            ops = {c.case.op for c in fast if c.world == world and c.expect == "match"}
+            assert ops == {c.case.op for c in smoke if c.world == world and c.expect == "match"}
+        assert [c for c in fast if c.expect == "refused"] == [c for c in smoke if c.expect == "refused"]
+        assert len(smoke) < len(fast)
 
 
 # -- broken backends the kit must catch ----------------------------------------------------
@@ -192,6 +229,23 @@ def test_kit_passes_where_the_bug_does_not_show(ranks):
     kit.check(_pick("CLAIMS_LESS", ClaimsLess, 1, lambda c: c.why == "claims temperature"), runner=ranks, timeout=60)
 
 
+BROKEN = [
+    ("WRONG_VALUE", WrongValue, "value: .* elements off"),
+    ("WRONG_TEMPERATURE_GRAD", WrongTemperatureGrad, r"grad\[0\]: .* elements off"),
+    ("NO_ALL_REDUCE", NoAllReduce, "tp2-match-entropy.*value: .* elements off"),
+    ("OVERWRITES_SAVED", OverwritesSaved, "second backward differs"),
+    ("CLAIMS_LESS", ClaimsLess, "does not claim mask, yet a forced call ran it"),
+]
+
+
+@pytest.mark.parametrize("plugin,cls,message", BROKEN, ids=[p.lower() for p, _, _ in BROKEN])
+def test_smoke_catches_every_broken_backend(ranks, plugin, cls, message):
+    """The selection a slow backend runs (Triton's interpreter in CI) still fails each bug."""
+    with pytest.raises(AssertionError, match=r"conformance case\(s\) failed") as info:
+        kit.check_backend(cls(), plugin=f"tests.test_conformance:{plugin}", runner=ranks, timeout=60, depth="smoke")
+    assert re.search(message, str(info.value), re.S), str(info.value)[:2000]
+
+
 def test_check_backend_reports_every_failure(ranks):
     with pytest.raises(AssertionError, match=r"conformance case\(s\) failed") as info:
         kit.check_backend(
@@ -224,8 +278,9 @@ def test_wide_case_crosses_example_blocks():
     rank, at every world size, with tokens to compute."""
     import vtp_example_backend
 
-    wide = [c for c in EXAMPLE_CASES if c.expect == "match" and c.why == "a vocabulary wider than a block"]
-    assert {c.world for c in wide} == {1, 2}
+    full = kit.conformance_cases(BlockwiseBackend(), plugin="vtp_example_backend", depth="full")
+    wide = [c for c in EXAMPLE_CASES + full if c.expect == "match" and c.why == kit.WIDE]
+    assert {c.world for c in wide} == {1, 2, 3, 4}
     for c in wide:
         sizes, _ = shard_sizes(c.case.layout, c.case.vocab, c.world, c.case.seed)
         assert max(sizes) > vtp_example_backend.BLOCK, (str(c), sizes)
@@ -234,8 +289,6 @@ def test_wide_case_crosses_example_blocks():
 
 def test_backend_authors_guide_runs():
     """Every Python example in docs/backend-authors.md runs, in order, in one namespace."""
-    import re
-
     doc = Path(__file__).resolve().parents[1] / "docs" / "backend-authors.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)
     assert len(blocks) >= 4

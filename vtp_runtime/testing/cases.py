@@ -366,7 +366,7 @@ def _reference_output(
     # the reference of the reduction, and the upstream gradient it sends to every token
     if reduction == "none":
         topk = flat_index is not None and flat_index.dim() == 2  # [N, k] values
-        per_token_grad = upstream.reshape(n, -1) if topk else upstream.reshape(n)
+        per_token_grad = upstream.reshape(flat_index.shape) if topk else upstream.reshape(n)  # [0, k] too
         ref_out = ref_vals
     else:
         ii = opts.get("ignore_index", -100)
