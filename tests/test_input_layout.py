@@ -77,14 +77,6 @@ def test_rows_copies_exactly_when_the_layout_is_not_met(layout, name):
         )
 
 
-def test_declared_layouts():
-    assert REGISTRY.get("eager").input_layout == "any"
-    assert REGISTRY.get("triton").input_layout == "unit_vocab_stride_3d"
-    assert REGISTRY.get("triton_xpu").input_layout == "unit_vocab_stride_3d"  # same kernels
-    if "liger" in REGISTRY.backends():
-        assert REGISTRY.get("liger").input_layout == "contiguous"
-
-
 def test_unknown_layout_is_refused_at_registration():
     class Odd(EagerBackend):
         name = "odd_layout"

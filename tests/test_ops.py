@@ -63,6 +63,5 @@ def test_defaults_turn_nothing_on():
 
 def test_sampling_ops_take_no_features():
     """argmax and sample: every backend that runs them runs every option they have."""
-    assert OPS["argmax"].features == OPS["sample"].features == ()
     request = vtp.explain("sample", *_tensors("sample"), seed=1, top_k=3, top_p=0.5, min_p=0.1, temperature=2.0).request
     assert request.features == frozenset()
