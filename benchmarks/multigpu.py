@@ -25,6 +25,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 for _var, _value in (
     ("NCCL_NVLS_ENABLE", "0"),
@@ -114,15 +116,17 @@ def benchmark(rank, world, group, device, vocab, tokens_list, reps):
         s = torch.randn(n, v_local, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
         t = torch.randn(n, v_local, device=dev, dtype=torch.bfloat16, generator=g)
         y = torch.randint(rank * v_local, (rank + 1) * v_local, (n,), device=dev)
-        arms = {}
+        arms: dict[str, Callable[[], Any]] = {}
         for backend in runnable_backends(device):
-            # each arm binds this step's tensors: they run within the step, but say so
-            arms[f"jsd/{backend}"] = lambda b=backend, s=s, t=t: vtp.jsd(
-                s, t, beta=0.5, tp_group=group, backend=b, reduction="sum"
-            ).backward()
-            arms[f"cross_entropy/{backend}"] = lambda b=backend, s=s, y=y: vtp.cross_entropy(
-                s, y, tp_group=group, backend=b, reduction="sum"
-            ).backward()
+            # each arm binds this step's tensors and backend: they run within the step, but say so
+            def jsd_arm(b: str = backend, s: torch.Tensor = s, t: torch.Tensor = t) -> None:
+                vtp.jsd(s, t, beta=0.5, tp_group=group, backend=b, reduction="sum").backward()
+
+            def ce_arm(b: str = backend, s: torch.Tensor = s, y: torch.Tensor = y) -> None:
+                vtp.cross_entropy(s, y, tp_group=group, backend=b, reduction="sum").backward()
+
+            arms[f"jsd/{backend}"] = jsd_arm
+            arms[f"cross_entropy/{backend}"] = ce_arm
 
         def dense_jsd(s=s, t=t):  # gather both logits, then a TRL-style JSD on the full vocabulary
             full_s = torch.cat(list(all_gather_stack(s.detach(), group).unbind(0)), dim=-1).requires_grad_(True)

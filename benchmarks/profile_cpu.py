@@ -43,6 +43,9 @@ class NoopState(SavedState):
 class Noop(Backend):
     """Returns preallocated outputs: what is left is the core's dispatch."""
 
+    values: torch.Tensor  # set once the sizes are known
+    grad: torch.Tensor
+
     name = "noop_profile"
     priority = -100
     ops = {
@@ -105,6 +108,7 @@ def main() -> None:
     y = torch.randint(0, vocab, (args.tokens,), device=dev)
     vtp.register(_Plugin(), name="profile-noop")
     noop = vtp.registry.REGISTRY.get("noop_profile")
+    assert isinstance(noop, Noop)
     noop.values = torch.zeros(args.tokens, device=dev)
     noop.grad = torch.zeros_like(s)
 

@@ -1,6 +1,7 @@
 """vtp_runtime/backend.py: the saved state a backend's forward hands to its backward."""
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from vtp_runtime.backend import ALL_DTYPES, OpCapability, SavedState
 from vtp_runtime.backends.eager import EagerBackend, EntropyState
 from vtp_runtime.registry import hookimpl, registered
 
-SEEN = []
+SEEN: list[tuple[str, Any]] = []
 
 
 class Recording(EagerBackend):

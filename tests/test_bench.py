@@ -194,8 +194,8 @@ def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == set(arms)
-    for arm in [a for a in ("liger", "hf_liger", "hf_liger_lce", "hf_liger_vtp") if a in arms]:
-        assert rows[arm]["note"].startswith("skipped:") and rows[arm]["ms"] is None
+    for skipped in [a for a in ("liger", "hf_liger", "hf_liger_lce", "hf_liger_vtp") if a in arms]:
+        assert rows[skipped]["note"].startswith("skipped:") and rows[skipped]["ms"] is None
     for arm in [a for a in ("torch_fp32", "vtp_head", "hf_torch", "hf_vtp_loss", "hf_vtp_fused") if a in arms]:
         r = rows[arm]
         assert not r["note"] and r["ms"] > 0 and r["peak_gib"] is None and r["batch"] == 2 and r["seq"] == 128
@@ -205,8 +205,8 @@ def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
     assert abs(rows["vtp_head"]["loss"] - rows["torch_fp32"]["loss"]) < 1e-2 * rows["torch_fp32"]["loss"]
     if "hf_torch" in rows:
         assert 4.0 < rows["hf_torch"]["loss"] < 9.0
-        for arm in ("hf_vtp_loss", "hf_vtp_fused"):  # one model and batch: the same bf16 loss
-            assert abs(rows[arm]["loss"] - rows["hf_torch"]["loss"]) < 1e-2 * rows["hf_torch"]["loss"], arm
+        for vtp_arm in ("hf_vtp_loss", "hf_vtp_fused"):  # one model and batch: the same bf16 loss
+            assert abs(rows[vtp_arm]["loss"] - rows["hf_torch"]["loss"]) < 1e-2 * rows["hf_torch"]["loss"], vtp_arm
 
 
 def test_step_benchmark_undoes_ligers_rebinding():
@@ -220,6 +220,7 @@ def test_step_benchmark_undoes_ligers_rebinding():
 
         pytest.skip("liger-kernel and transformers are needed")
     spec = importlib.util.spec_from_file_location("step_benchmark", ROOT / "benchmarks" / "step.py")
+    assert spec is not None and spec.loader is not None
     step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step)
     from transformers.models.llama import modeling_llama

@@ -6,6 +6,8 @@ implementations and the autograd registration are what the graph is built from; 
 code generation is left to the GPU tests. Compiling is slow: one step function covers
 every op, and each test compiles it once."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,7 +21,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # Triton's in
 B, S, V = 2, 3, 37
 SIZES = {1: [V], 2: [17, 20]}  # uneven shards at TP 2
 DTYPE = {"eager": torch.float64, "triton": torch.float32}
-TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
+TOL: dict[torch.dtype, dict[str, Any]] = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+}
 
 
 def step(z, t, y, k, m, w, group, backend):

@@ -268,7 +268,12 @@ def test_probe_failure_skips(monkeypatch):
     with pytest.raises(pytest.skip.Exception, match="needs libfoo"):
         kit.check(match)
     ran = []
-    results = kit.check_backend(Absent(), runner=lambda world, fn, cc, timeout: ran.append(cc) or [], world_sizes=(1,))
+
+    def runner(world, fn, cc, timeout):
+        ran.append(cc)
+        return []
+
+    results = kit.check_backend(Absent(), runner=runner, world_sizes=(1,))
     assert results[str(match)] == "skipped: needs libfoo"
     assert ran and all(c.expect == "refused" for c in ran)  # refusals are still checked
 

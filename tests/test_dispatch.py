@@ -45,7 +45,7 @@ class _Plugin:
 
 @pytest.fixture
 def fakes():
-    added = []
+    added: list[str] = []
 
     def add(*backends):
         vtp.register(_Plugin(*backends), name="test-fakes-" + "-".join(b.name for b in backends))

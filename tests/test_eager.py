@@ -4,6 +4,8 @@ every dtype on every layout and TP 3 and 4 as well), then what the kit does not 
 chunking, collectives that do not depend on the shard size, gradcheck, tensor normalizers,
 result dtypes, no teacher-gradient work for a frozen teacher, second-order refusal."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -22,13 +24,14 @@ def test_chunking_matches_unchunked(monkeypatch):
     import vtp_runtime.backends.eager as eager
 
     monkeypatch.setattr(eager, "CHUNK_ELEMENTS", 64)  # 64 // 37 -> one row per chunk
-    for op, fields in [
+    cases: list[tuple[str, dict[str, Any]]] = [
         ("cross_entropy", {"options": (("label_smoothing", 0.1),)}),
         ("jsd", {"masked": "mask"}),
         ("logprobs", {"topk": 2}),
         ("entropy", {}),
         ("kl", {}),
-    ]:
+    ]
+    for op, fields in cases:
         run_case(0, 1, None, Case(op, shape=(5, 3), **fields))
 
 
@@ -37,7 +40,12 @@ def test_collective_count_does_not_depend_on_vocab(monkeypatch):
     import vtp_runtime.backends.eager as eager
 
     calls = []
-    monkeypatch.setattr(eager, "all_reduce", lambda t, group, op="sum": calls.append(op) or t)
+
+    def all_reduce(t, group, op="sum"):
+        calls.append(op)
+        return t
+
+    monkeypatch.setattr(eager, "all_reduce", all_reduce)
     monkeypatch.setattr(eager, "CHUNK_ELEMENTS", 256)
     for op in ("cross_entropy", "logprobs", "entropy", "kl", "jsd"):
         counts = []
@@ -91,7 +99,7 @@ def test_outputs_are_fp32_for_low_precision_inputs():
     out = vtp.entropy(z, backend="eager")
     assert out.dtype == torch.float32
     out.sum().backward()
-    assert z.grad.dtype == torch.bfloat16
+    assert z.grad is not None and z.grad.dtype == torch.bfloat16
 
 
 def test_detached_teacher_gets_no_gradient_work():

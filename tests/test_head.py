@@ -5,6 +5,7 @@ writing over the chunk buffer, dispatch of head inputs, malformed heads, cross-r
 agreement, the hidden-gradient modes, chunking and memory, and ``VocabParallelHead``."""
 
 import math
+from typing import Any, cast
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import vtp_runtime as vtp
 from vtp_runtime import head as head_mod
 from vtp_runtime.backend import ALL_DTYPES, HeadSupport, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
+from vtp_runtime.backends.triton import TritonBackend
 from vtp_runtime.errors import BackendUnavailable, ShardError
 from vtp_runtime.nn import VocabParallelHead, shard_bounds
 from vtp_runtime.registry import REGISTRY, registered
@@ -25,6 +27,7 @@ def test_triton_writes_the_gradient_over_the_chunk_buffer(monkeypatch):
     gradient buffer of its own: the chunk's logits buffer receives it."""
     seen = []
     backend = REGISTRY.get("triton")
+    assert isinstance(backend, TritonBackend)
     original = type(backend).head_backward
 
     def spy(self, call, state, grad, scratch):
@@ -48,7 +51,7 @@ class _LogitsOnly(EagerBackend):
     name = "logits_only"
     priority = 100  # above every built-in: chosen for logits, never for a Head
     ops = {"cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES)}
-    head_ops = {}
+    head_ops: dict[str, HeadSupport] = {}
 
 
 class _NoPerToken(EagerBackend):
@@ -100,7 +103,7 @@ def test_head_per_token_is_a_separate_capability():
         (lambda h, w: vtp.Head(h.double(), w), TypeError, "must share one dtype"),
         (lambda h, w: vtp.Head(h, w.long()), TypeError, "floating"),
         (lambda h, w: vtp.Head(h, w, chunk_rows=0), ValueError, "chunk_rows"),
-        (lambda h, w: vtp.Head(h, w, reduce_hidden_grad=1), TypeError, "reduce_hidden_grad"),
+        (lambda h, w: vtp.Head(h, w, reduce_hidden_grad=cast(Any, 1)), TypeError, "reduce_hidden_grad"),
     ],
 )
 def test_malformed_heads_are_rejected(bad, err, match):
@@ -314,6 +317,7 @@ def test_vocab_parallel_head_on_four_ranks(ranks):
     want.backward()
     results = ranks(4, _module_on_ranks, timeout=60)
     assert [r[0] for r in results] == [(0, 3), (3, 6), (6, 9), (9, 10)]  # torch.chunk's split
+    assert full_w.grad is not None
     for (start, end), loss, dh, dw, full in results:
         assert loss == pytest.approx(want.item(), rel=1e-12)
         torch.testing.assert_close(dh, hidden.grad)

@@ -48,7 +48,7 @@ def _reference(op, hidden, weight, labels, upstream, teacher=None, rows=1024, **
     dw = torch.zeros_like(w64)
     for lo in range(0, h64.shape[0], rows):
         hi = min(lo + rows, h64.shape[0])
-        z = (h64[lo:hi] @ w64.T,)
+        z: tuple[torch.Tensor, ...] = (h64[lo:hi] @ w64.T,)
         if teacher is not None:
             z += (teacher[0][lo:hi].double() @ teacher[1].double().T,)
         index = None if labels is None else labels[lo:hi]
@@ -56,6 +56,7 @@ def _reference(op, hidden, weight, labels, upstream, teacher=None, rows=1024, **
             op, z, index, upstream[lo:hi], needs_grad=(True,) + (False,) * (len(z) - 1), **opts
         )
         vals.append(v)
+        assert dz is not None
         dh[lo:hi] = dz @ w64
         dw += dz.T @ h64[lo:hi]
         del z, dz

@@ -108,7 +108,7 @@ def test_liger_refuses_what_it_did_not_declare():
 @pytest.mark.parametrize("backend,copied", [("eager", False), ("triton", True)])
 def test_transposed_input_reaches_the_backend_as_declared(monkeypatch, backend, copied):
     cls = type(REGISTRY.get(backend))
-    seen = []
+    seen: list[tuple[int, tuple[int, ...]]] = []
     original = cls.forward
 
     def spy(self, call, inputs, index, mask):

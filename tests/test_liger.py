@@ -109,6 +109,7 @@ def test_capability_refusals(op, kwargs, reason):
     n = kwargs.pop("tokens", 3)
     teacher_grad = kwargs.pop("teacher_grad", False)
     z = torch.randn(n, 8, dtype=dtype, requires_grad=True)
+    tensors: tuple[torch.Tensor, ...]
     if op in ("cross_entropy", "logprobs"):
         tensors = (z, torch.randint(0, 8, (n,)))
     elif op == "entropy":

@@ -210,7 +210,9 @@ def _head_step(head, opt, hidden, labels, teacher, group=None):
 
 
 @pytest.mark.parametrize("n", [1024, 200])  # one launch per pass (rows not split) / split rows
-def _graph_against_eager(head, opt, eager_head, eager_opt, batches, group=None) -> list[float]:
+def _graph_against_eager(
+    head, opt, eager_head, eager_opt, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group=None
+) -> list[float]:
     """Capture forward + backward + SGD of ``head`` once, replay it on ``batches[1:]`` copied
     into the static inputs, and step ``eager_head`` (a copy) eagerly on the same batches:
     the losses and weights must agree. The graph's losses."""
@@ -220,7 +222,7 @@ def _graph_against_eager(head, opt, eager_head, eager_opt, batches, group=None) 
     with torch.cuda.stream(side):  # compiles the kernels and plans the calls (one eager step)
         _head_step(head, opt, hidden, labels, teacher, group)
     torch.cuda.current_stream().wait_stream(side)
-    eager_losses = [_head_step(eager_head, eager_opt, *batches[0], group).item()]
+    eager_losses = [_head_step(eager_head, eager_opt, *batches[0], group=group).item()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_loss = _head_step(head, opt, hidden, labels, teacher, group)
@@ -231,7 +233,7 @@ def _graph_against_eager(head, opt, eager_head, eager_opt, batches, group=None) 
             static.copy_(new)
         graph.replay()
         graph_losses.append(static_loss.item())
-        eager_losses.append(_head_step(eager_head, eager_opt, *batch, group).item())
+        eager_losses.append(_head_step(eager_head, eager_opt, *batch, group=group).item())
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses[1:]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(head.weight, eager_head.weight, rtol=1e-5, atol=1e-6)
     return graph_losses

@@ -1,5 +1,7 @@
 """vtp_runtime/ops.py: which features a call uses, as dispatch sees them through ``explain``."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ def _tensors(op, teacher_grad=False, topk=False):
 
 
 # one way to turn each feature on: (options, teacher requires grad, top-k index)
-TURN_ON = {
+TURN_ON: dict[str, tuple[dict[str, Any], bool, bool]] = {
     "label_smoothing": ({"label_smoothing": 0.1}, False, False),
     "z_loss": ({"z_loss": 1e-3}, False, False),
     "temperature": ({"temperature": 2.0}, False, False),

@@ -43,7 +43,7 @@ def site(tmp_path, monkeypatch):
     for var in ("VTP_PLUGINS", "VTP_DISABLE_PLUGIN_AUTOLOAD", "VTP_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(reg, "BUILTIN_MODULES", ("vtp_runtime.backends.eager",))
-    made = []
+    made: list[str] = []
 
     def make(dist: str, entry_points: dict[str, str], version: str = "1.0") -> dict[str, str]:
         info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
@@ -84,9 +84,10 @@ def test_lazy_builtins_and_a_plugin(site, monkeypatch):
     backends, warned = load(r)
     assert list(backends)[:2] == ["good_one", "eager"]  # canonical order: priority, then name
     assert warned == []
-    rec = r.owner("good_one")
+    rec, eager = r.owner("good_one"), r.owner("eager")
+    assert rec is not None and eager is not None
     assert (rec.name, rec.dist, rec.version, rec.status) == ("good", "vtp-good", "2.5", "loaded")
-    assert r.owner("eager").dist == "vtp-runtime"
+    assert eager.dist == "vtp-runtime"
 
 
 def test_each_failure_isolated_with_one_warning(site, monkeypatch):

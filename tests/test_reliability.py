@@ -6,6 +6,7 @@ no rank is stuck in, or one collective ahead of, the others."""
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -79,9 +80,8 @@ class _Plugin:
 def _one_rank_call(case: str, bad: bool, group, student, teacher, labels):
     """The call of ``case``: the faulty variant where ``bad``, the intended one elsewhere."""
     if case == "misspelled_option":
-        return vtp.cross_entropy(
-            student, labels, tp_group=group, **{("label_smothing" if bad else "label_smoothing"): 0.1}
-        )
+        option: dict[str, Any] = {("label_smothing" if bad else "label_smoothing"): 0.1}
+        return vtp.cross_entropy(student, labels, tp_group=group, **option)
     if case == "unknown_op":
         return vtp.loss("cross_entropyy" if bad else "cross_entropy", student, labels, tp_group=group)
     if case == "missing_teacher":
@@ -242,7 +242,7 @@ def equal_values_other_types(rank, world, group):
         _shard(student, rank, world), _shard(teacher, rank, world), labels=labels, reduction="sum", tp_group=group, **kw
     )
     want = reference("jsd", (student, teacher), temperature=2.0, beta=0.25, labels=labels).sum() / 3
-    t = torch.tensor(0.5) if rank == 0 else 0.5  # a 0-d CPU tensor option is read as its number
+    t: Any = torch.tensor(0.5) if rank == 0 else 0.5  # a 0-d CPU tensor option is read as its number
     ls = vtp.cross_entropy(_shard(student, rank, world), labels, label_smoothing=t, tp_group=group)
     want_ls = reference("cross_entropy", (student,), labels, label_smoothing=0.5)
     return max((got - want).abs().item(), (ls - want_ls).abs().max().item())
@@ -346,7 +346,7 @@ def test_1d_logits_are_one_token():
     z = torch.randn(7, dtype=torch.float64, requires_grad=True)
     vtp.cross_entropy(z, torch.tensor(3)).backward()
     want = torch.softmax(z.detach(), -1) - torch.nn.functional.one_hot(torch.tensor(3), 7)
-    assert (z.grad - want).abs().max() < 1e-12
+    assert z.grad is not None and (z.grad - want).abs().max() < 1e-12
 
 
 def test_1d_logits_are_one_token_sharded(ranks):

@@ -7,6 +7,7 @@ tokens against eager's for every option; ``VTP_TEST_DEPTH=full`` tests each opti
 well, as for eager."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_argmax_is_torch_argmax_with_ties_to_the_lowest_id(backend):
     assert got[1] == 5 and got[2] == 0 and got[3] == 7
 
 
-CASES = [
+CASES: list[dict[str, Any]] = [
     {},
     {"top_k": 4},
     {"top_p": 0.6},
@@ -277,7 +278,9 @@ def _layout_logits(n: int, v: int, device: str) -> torch.Tensor:
 def layout_job(rank, world, group, layout, backend, cases, n=40, v=V, device="cpu", dtype=torch.float32):
     """argmax and every case on this layout: the ids of every rank, to compare with one process."""
     x = _layout_logits(n, v, device).to(dtype)
-    out = {"argmax": _call(rank, group, x, layout, lambda z, **kw: vtp.argmax(z, backend=backend, **kw))}
+    out: dict[str | int, torch.Tensor] = {
+        "argmax": _call(rank, group, x, layout, lambda z, **kw: vtp.argmax(z, backend=backend, **kw))
+    }
     for i, options in enumerate(cases):
         out[i] = _call(
             rank, group, x, layout, lambda z, o=options, **kw: vtp.sample(z, seed=77, backend=backend, **o, **kw)

@@ -1,6 +1,8 @@
 """Cross-rank metadata: every disagreement raises the same error on every rank, naming the
 ranks, and no rank hangs. Each case runs on gloo ranks with a timeout."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -17,7 +19,8 @@ def _error(fn):
 
 def ce_call(rank, world, group, variant):
     torch.manual_seed(0)
-    v_local, n, dtype, kw = 5, 4, torch.float32, {}
+    v_local, n, dtype = 5, 4, torch.float32
+    kw: dict[str, Any] = {}
     if variant == "tokens" and rank == 1:
         n = 3
     if variant == "dtype" and rank == 1:
@@ -162,7 +165,12 @@ def gather_without_all_gather_single(rank, world, group):
     used = []
     original = dist.all_gather_into_tensor
     del dist.all_gather_single
-    dist.all_gather_into_tensor = lambda *a, **k: used.append(1) or original(*a, **k)
+
+    def all_gather_into_tensor(*args, **kwargs):
+        used.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_into_tensor = all_gather_into_tensor
     try:
         out = vtp.cross_entropy(torch.randn(3, 4), torch.tensor([0, 5, 7]), tp_group=group)
     finally:

@@ -5,6 +5,7 @@ rank, alternate ops, and overflow the plan cache. Values are checked against flo
 The device side (no device-to-host copy, CUDA graph capture) is in test_native_gpu.py."""
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -79,7 +80,7 @@ def _call(kind: int, n: int, rank: int, world: int, group, seed: int, sizes=None
     start = sum(sizes[:rank])
     zl = z[:, start : start + sizes[rank]].clone().requires_grad_()
     tl = t[:, start : start + sizes[rank]]
-    common = dict(tp_group=group if world > 1 else None, backend="eager")
+    common: dict[str, Any] = {"tp_group": group if world > 1 else None, "backend": "eager"}
     zr = z.clone().requires_grad_()
     if kind == 0:
         out = vtp.cross_entropy(zl, y, label_smoothing=0.1, **common)
@@ -243,7 +244,8 @@ def test_signature_covers_what_the_plan_depends_on():
     assert plan.size() == 2  # ...but requires_grad differs
     vtp.cross_entropy(torch.randn(4, 11, requires_grad=True), torch.randint(0, 11, (4,)), backend="eager")
     assert plan.size() == 2
-    for variant in (dict(label_smoothing=0.1), dict(temperature=2.0), dict(reduction="sum"), dict(backend="triton")):
+    variants: list[dict[str, Any]] = [{"label_smoothing": 0.1}, {"temperature": 2.0}, {"reduction": "sum"}]
+    for variant in [*variants, {"backend": "triton"}]:
         vtp.cross_entropy(z, y, **{"backend": "eager", **variant})
     with torch.no_grad():
         vtp.cross_entropy(z, y, backend="eager")

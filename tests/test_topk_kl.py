@@ -8,6 +8,7 @@ of the student's mass."""
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -256,6 +257,7 @@ def _confident(dtype):
     ref = topk_kl(full, lp_t, ids, tail=True)
     ref.sum().backward()
     r_s = torch.softmax(z, -1).scatter(1, ids, 0.0).sum(-1)
+    assert student.grad is not None
     return out.detach().double(), ref.detach(), student.grad.double(), full.grad, r_s
 
 
@@ -289,7 +291,7 @@ def test_options_and_errors():
     with pytest.raises(TypeError, match="unknown option"):
         vtp.kl(z, vtp.TopK(lp, ids), beta=0.5)
     with pytest.raises(ValueError, match="tail must be a bool"):
-        vtp.kl(z, vtp.TopK(lp, ids), tail=1)
+        vtp.kl(z, vtp.TopK(lp, ids), tail=cast(Any, 1))  # not a bool, on purpose
     # the entry points agree, and explain names what runs the student's log-probs
     a = vtp.kl(z, vtp.TopK(lp, ids), tail=True, reduction="sum")
     b = vtp.loss("kl", z, vtp.TopK(lp, ids), tail=True, reduction="sum")
@@ -299,7 +301,7 @@ def test_options_and_errors():
 
 
 def _dtensor_student(rank, world, group):
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from tests.test_dtensor import _mesh
 
@@ -309,7 +311,7 @@ def _dtensor_student(rank, world, group):
     ds = distribute_tensor(student, mesh, (Shard(2),)).requires_grad_()
     labels = distribute_tensor(extra["labels"], mesh, (Replicate(),))
     out = vtp.kl(ds, vtp.TopK(lp_t, ids), tail=True, labels=labels, reduction="sum", backend="eager")
-    assert out.placements == (Replicate(),)
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),)
     out.backward()
     full = student.reshape(-1, 10).clone().requires_grad_()
     ref = topk_kl(
@@ -317,6 +319,7 @@ def _dtensor_student(rank, world, group):
     ).sum()
     ref.backward()
     torch.testing.assert_close(out.full_tensor(), ref.detach())
+    assert isinstance(ds.grad, DTensor) and full.grad is not None
     torch.testing.assert_close(ds.grad.full_tensor(), full.grad.view(student.shape))
     return True
 

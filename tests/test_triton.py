@@ -13,7 +13,7 @@ import torch
 
 import vtp_runtime as vtp
 from vtp_runtime.backends.triton import INTERPRETER_CONFIG, LaunchConfig, TritonBackend
-from vtp_runtime.registry import REGISTRY, hookimpl, registered
+from vtp_runtime.registry import hookimpl, registered
 from vtp_runtime.testing import conformance
 
 # numpy warns about the NaN/inf arithmetic the edge cases exercise on purpose
@@ -78,7 +78,7 @@ def test_whole_rows_is_one_launch_per_forward(whole_rows, monkeypatch):
     """The single-launch path is the one taken: no finishing or divergence kernel runs."""
     from vtp_runtime.backends.triton import kernels
 
-    launched = []
+    launched: list[str] = []
     for name in (
         "stats1_kernel",
         "finish1_kernel",
@@ -124,7 +124,7 @@ def test_probe_reasons_never_raise(monkeypatch):
 
 def test_strided_rows_reach_the_kernels_without_a_copy(monkeypatch):
     """A causal-shift view ``logits[:, :-1]`` arrives as the 3-D view itself, not a copy."""
-    seen = []
+    seen: list[tuple] = []
     original = TritonBackend.forward
 
     def spy(self, call, inputs, index, mask):
@@ -177,15 +177,12 @@ def test_launch_config_is_a_parameter():
     )
     assert cfg != INTERPRETER_CONFIG
 
-    def plugin_hook(register):
-        register(Other(cfg))
+    class Plugin:
+        @hookimpl
+        def vtp_runtime_register_backends(self, register):
+            register(Other(cfg))
 
-    plugin = type("P", (), {"vtp_runtime_register_backends": staticmethod(plugin_hook)})
-    from vtp_runtime.registry import hookimpl, register
-
-    hookimpl(plugin.vtp_runtime_register_backends)
-    register(plugin(), name="triton_config_test")
-    try:
+    with registered(Plugin(), name="triton_config_test"):
         z = torch.randn(5, 150, requires_grad=True)
         t = torch.randn(5, 150)
         a = vtp.jsd(z, t, beta=0.3, backend="triton_config_test")
@@ -201,5 +198,3 @@ def test_launch_config_is_a_parameter():
             rtol=1e-5,
             atol=1e-6,
         )
-    finally:
-        REGISTRY.unregister("triton_config_test")

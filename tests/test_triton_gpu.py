@@ -10,6 +10,7 @@ GPU launch at the sizes users run.
 
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def _reference(op, logits, index, grad, chunk_rows, **opts):
         extra = {k: (v[lo:hi] if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
         v, g = values_and_grads(op, part, idx, grad[lo:hi], needs_grad=(True,) + (False,) * (len(part) - 1), **extra)
         vals.append(v)
+        assert g[0] is not None
         grads.append(g[0].to(logits[0].dtype))
         del v, g
     return torch.cat(vals), torch.cat(grads)
@@ -76,7 +78,7 @@ def _check(op, dtype, n, v, seed=0, **opts):
     assert err.item() < GRAD_TOL[dtype], f"{op} {dtype} N={n} V={v}: gradient relative L2 error {err.item():.3g}"
 
 
-CASES = [
+CASES: list[tuple[str, dict[str, Any]]] = [
     ("cross_entropy", {}),
     ("cross_entropy", {"label_smoothing": 0.1, "z_loss": 1e-4}),
     ("logprobs", {}),

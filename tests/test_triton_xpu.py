@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 on CPU (TP 1 and 2) against the float64 reference."""
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -89,12 +90,13 @@ def test_real_target_query_uses_get_current_target(monkeypatch):
 
 def test_ipex_imported_when_installed(monkeypatch):
     imported = []
+
+    def import_module(name):
+        imported.append(name)
+        return types.SimpleNamespace(__version__="2.8.10")
+
     monkeypatch.setattr(xpu_mod.importlib.util, "find_spec", lambda name: object() if name == xpu_mod.IPEX else None)
-    monkeypatch.setattr(
-        xpu_mod.importlib,
-        "import_module",
-        lambda name: imported.append(name) or types.SimpleNamespace(__version__="2.8.10"),
-    )
+    monkeypatch.setattr(xpu_mod.importlib, "import_module", import_module)
     assert xpu_mod.load_ipex() == ("intel-extension-for-pytorch 2.8.10", None)
     assert imported == [xpu_mod.IPEX]
 
@@ -217,12 +219,12 @@ def _xpu_case(rank, world, group, case):
         plugin = types.SimpleNamespace(vtp_runtime_register_backends=hookimpl(_Plugin.vtp_runtime_register_backends))
         register(plugin, name="xpu_config_on_cpu")
     backend = REGISTRY.get("xpu_config_on_cpu")
-    assert backend.config_for(torch.device("cpu")) is XPU_CONFIG
+    assert isinstance(backend, XpuConfigOnCpu) and backend.config_for(torch.device("cpu")) is XPU_CONFIG
     return run_case(rank, world, group, case.with_(backend="xpu_config_on_cpu"))
 
 
 # V = 2600 on one rank: three 1024-column statistics tiles, six 512-column divergence tiles
-BIG = dict(vocab=2600, shape=(2, 2))
+BIG: dict[str, Any] = {"vocab": 2600, "shape": (2, 2)}
 XPU_CASES_TP1 = [
     Case("jsd", **BIG, options=(("beta", 0.3),)),
     Case("jsd", **BIG, options=(("beta", 0.0),), masked="mask", dtype="bfloat16"),
