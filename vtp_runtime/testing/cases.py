@@ -181,7 +181,7 @@ def laid_out(local: torch.Tensor, view: str, need: bool) -> torch.Tensor:
         base[..., :v] = local.transpose(0, 1)
         return base.requires_grad_(need).transpose(0, 1)[..., :v]
     if view == "expanded_teacher":  # make_inputs gave every token the same teacher row
-        rows = local.reshape(-1, v)
+        rows = local.reshape(math.prod(local.shape[:-1]), v)  # not -1: an empty shard has v = 0
         base = rows[:1].clone()
         return base.requires_grad_(need).expand(rows.shape).reshape(local.shape)
     raise ValueError(f"unknown view {view!r}; known: {', '.join(VIEWS)}")
