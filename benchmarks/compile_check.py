@@ -21,9 +21,29 @@ from vtp_runtime.backends.triton import kernels as K  # noqa: E402
 from vtp_runtime.backends.triton.backend import CUDA_CONFIG as C  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-INT_ARGS = {"rows_b", "stride_a", "stride_b", "n_idx", "n_rows", "v_local", "vocab_start", "splits", "chunk",
-            "ignore_index", "n_parts", "vocab_size", "sa_a", "sa_b", "sb_a", "sb_b", "ss_a", "ss_b", "st_a", "st_b",
-            "n_stats_parts"}
+INT_ARGS = {
+    "rows_b",
+    "stride_a",
+    "stride_b",
+    "n_idx",
+    "n_rows",
+    "v_local",
+    "vocab_start",
+    "splits",
+    "chunk",
+    "ignore_index",
+    "n_parts",
+    "vocab_size",
+    "sa_a",
+    "sa_b",
+    "sb_a",
+    "sb_b",
+    "ss_a",
+    "ss_b",
+    "st_a",
+    "st_b",
+    "n_stats_parts",
+}
 FLOAT_ARGS = {"k2", "inv_t", "smoothing", "z_loss", "beta"}
 
 
@@ -56,35 +76,80 @@ def compile_one(fn, dtype, const, num_warps):
 def main() -> int:
     jobs = []
     for dt in ("bf16", "fp16", "fp32"):
-        for kind, smooth, keep, ent, finish in itertools.product((0, 1, 2), (False, True), (False, True),
-                                                                 (False, True), (False, True)):
+        for kind, smooth, keep, ent, finish in itertools.product(
+            (0, 1, 2), (False, True), (False, True), (False, True), (False, True)
+        ):
             if ent and kind != 1:  # WITH_ENTROPY: log-probs only
                 continue
-            jobs.append((K.stats1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth and finish, HAS_KEEP=keep,
-                                                   WITH_ENTROPY=ent, FINISH=finish, BLOCK=C.block_stats),
-                         C.warps_stats))
+            jobs.append(
+                (
+                    K.stats1_kernel,
+                    dt,
+                    dict(
+                        KIND=kind,
+                        SMOOTH=smooth,
+                        ZLOSS=smooth and finish,
+                        HAS_KEEP=keep,
+                        WITH_ENTROPY=ent,
+                        FINISH=finish,
+                        BLOCK=C.block_stats,
+                    ),
+                    C.warps_stats,
+                )
+            )
             if finish:  # the backward kernel has no FINISH
                 continue
-            jobs.append((K.backward1_kernel, dt, dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep,
-                                                      WITH_ENTROPY=ent, BLOCK=C.block_bwd), C.warps_bwd))
+            jobs.append(
+                (
+                    K.backward1_kernel,
+                    dt,
+                    dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep, WITH_ENTROPY=ent, BLOCK=C.block_bwd),
+                    C.warps_bwd,
+                )
+            )
         for with_kl, keep in itertools.product((False, True), (False, True)):
-            jobs.append((K.stats2_kernel, dt, dict(WITH_KL=with_kl, HAS_KEEP=keep, FINISH=False, BLOCK=C.block_stats),
-                         C.warps_stats))
-        jobs.append((K.stats2_kernel, dt, dict(WITH_KL=True, HAS_KEEP=True, FINISH=True, BLOCK=C.block_stats),
-                     C.warps_stats))
+            jobs.append(
+                (
+                    K.stats2_kernel,
+                    dt,
+                    dict(WITH_KL=with_kl, HAS_KEEP=keep, FINISH=False, BLOCK=C.block_stats),
+                    C.warps_stats,
+                )
+            )
+        jobs.append(
+            (K.stats2_kernel, dt, dict(WITH_KL=True, HAS_KEEP=True, FINISH=True, BLOCK=C.block_stats), C.warps_stats)
+        )
         jobs.append((K.jsd_div_kernel, dt, dict(HAS_KEEP=False, FAST_LOG2=True, BLOCK=C.block_div), C.warps_div))
         for keep in (False, True):
-            jobs.append((K.jsd_row_kernel, dt, dict(HAS_KEEP=keep, FAST_LOG2=True, BLOCK_STATS=C.block_stats,
-                                                    BLOCK_DIV=C.block_div), C.warps_div))
+            jobs.append(
+                (
+                    K.jsd_row_kernel,
+                    dt,
+                    dict(HAS_KEEP=keep, FAST_LOG2=True, BLOCK_STATS=C.block_stats, BLOCK_DIV=C.block_div),
+                    C.warps_div,
+                )
+            )
         for kind, na, nb in itertools.product((0, 1), (True, False), (True, False)):
             if na or nb:
-                jobs.append((K.backward2_kernel, dt, dict(KIND=kind, NEED_A=na, NEED_B=nb, HAS_KEEP=True,
-                                                          FAST_LOG2=kind == 1, BLOCK=C.block_bwd), C.warps_bwd))
+                jobs.append(
+                    (
+                        K.backward2_kernel,
+                        dt,
+                        dict(KIND=kind, NEED_A=na, NEED_B=nb, HAS_KEEP=True, FAST_LOG2=kind == 1, BLOCK=C.block_bwd),
+                        C.warps_bwd,
+                    )
+                )
     for kind, smooth, ent in itertools.product((0, 1, 2), (False, True), (False, True)):
         if ent and kind != 1:
             continue
-        jobs.append((K.finish1_kernel, "fp32", dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=True,
-                                                    WITH_ENTROPY=ent, BLOCK_N=C.block_rows), C.warps_finish))
+        jobs.append(
+            (
+                K.finish1_kernel,
+                "fp32",
+                dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=True, WITH_ENTROPY=ent, BLOCK_N=C.block_rows),
+                C.warps_finish,
+            )
+        )
     for kind in (0, 1):
         jobs.append((K.finish2_kernel, "fp32", dict(KIND=kind, HAS_KEEP=True, BLOCK_N=C.block_rows), C.warps_finish))
     failed = 0
@@ -94,8 +159,10 @@ def main() -> int:
             n_regs = getattr(k, "n_regs", None)
             n_spills = getattr(k, "n_spills", None)
             meta = k.metadata
-            print(f"ok   {fn.__name__:18s} {dt:5s} {const} regs={n_regs} spills={n_spills} "
-                  f"shared={getattr(meta, 'shared', '?')}")
+            print(
+                f"ok   {fn.__name__:18s} {dt:5s} {const} regs={n_regs} spills={n_spills} "
+                f"shared={getattr(meta, 'shared', '?')}"
+            )
         except Exception as exc:  # report every failure, not just the first
             failed += 1
             print(f"FAIL {fn.__name__} {dt} {const}: {type(exc).__name__}: {str(exc)[:2000]}")
@@ -112,6 +179,7 @@ def registers(fn, dtype, const, num_warps):
     import re
     import subprocess
     import tempfile
+
     k = compile_one(fn, dtype, const, num_warps)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

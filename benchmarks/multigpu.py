@@ -25,9 +25,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
-for _var, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                     ("NVSHMEM_DISABLE_NVLS", "1")):
+for _var, _value in (
+    ("NCCL_NVLS_ENABLE", "0"),
+    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+    ("NVSHMEM_DISABLE_NVLS", "1"),
+):
     os.environ[_var] = _value
 
 import torch  # noqa: E402
@@ -37,24 +42,42 @@ def runnable_backends(device):
     """Backends registered here that declare ``device`` for some op and whose probe passes."""
     from vtp_runtime.registry import REGISTRY
 
-    return [name for name, b in REGISTRY.backends().items()
-            if any(c.device_types is None or device in c.device_types for c in b.ops.values())
-            and not b.probe_reasons(device)]
+    return [
+        name
+        for name, b in REGISTRY.backends().items()
+        if any(c.device_types is None or device in c.device_types for c in b.ops.values())
+        and not b.probe_reasons(device)
+    ]
 
 
 def correctness(rank, world, group, device, vocab, shape):
-    from vtp_runtime.testing.cases import Case, run_case
-
     import vtp_runtime as vtp
+    from vtp_runtime.testing.cases import Case, run_case
 
     results = []
     for backend in runnable_backends(device):
-        for op, opts in [("cross_entropy", (("label_smoothing", 0.1),)), ("logprobs", ()), ("entropy", ()),
-                         ("kl", (("reverse", True),)), ("jsd", (("beta", 0.3),)), ("jsd", (("beta", 0.0),))]:
+        for op, opts in [
+            ("cross_entropy", (("label_smoothing", 0.1),)),
+            ("logprobs", ()),
+            ("entropy", ()),
+            ("kl", (("reverse", True),)),
+            ("jsd", (("beta", 0.3),)),
+            ("jsd", (("beta", 0.0),)),
+        ]:
             for dtype in ("float32", "bfloat16"):
                 for layout in ("even", "uneven", "empty"):
-                    case = Case(op, dtype=dtype, layout=layout, options=opts, vocab=vocab, shape=shape,
-                                backend=backend, device=device, masked="labels", grads=(True, False))
+                    case = Case(
+                        op,
+                        dtype=dtype,
+                        layout=layout,
+                        options=opts,
+                        vocab=vocab,
+                        shape=shape,
+                        backend=backend,
+                        device=device,
+                        masked="labels",
+                        grads=(True, False),
+                    )
                     try:
                         run_case(rank, world, group, case)
                         verdict = "pass"
@@ -93,23 +116,30 @@ def benchmark(rank, world, group, device, vocab, tokens_list, reps):
         s = torch.randn(n, v_local, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
         t = torch.randn(n, v_local, device=dev, dtype=torch.bfloat16, generator=g)
         y = torch.randint(rank * v_local, (rank + 1) * v_local, (n,), device=dev)
-        arms = {}
+        arms: dict[str, Callable[[], Any]] = {}
         for backend in runnable_backends(device):
-            arms[f"jsd/{backend}"] = lambda b=backend: vtp.jsd(s, t, beta=0.5, tp_group=group, backend=b,
-                                                                reduction="sum").backward()
-            arms[f"cross_entropy/{backend}"] = lambda b=backend: vtp.cross_entropy(
-                s, y, tp_group=group, backend=b, reduction="sum").backward()
+            # each arm binds this step's tensors and backend: they run within the step, but say so
+            def jsd_arm(b: str = backend, s: torch.Tensor = s, t: torch.Tensor = t) -> None:
+                vtp.jsd(s, t, beta=0.5, tp_group=group, backend=b, reduction="sum").backward()
 
-        def dense_jsd():  # gather both logits, then a TRL-style JSD on the full vocabulary
+            def ce_arm(b: str = backend, s: torch.Tensor = s, y: torch.Tensor = y) -> None:
+                vtp.cross_entropy(s, y, tp_group=group, backend=b, reduction="sum").backward()
+
+            arms[f"jsd/{backend}"] = jsd_arm
+            arms[f"cross_entropy/{backend}"] = ce_arm
+
+        def dense_jsd(s=s, t=t):  # gather both logits, then a TRL-style JSD on the full vocabulary
             full_s = torch.cat(list(all_gather_stack(s.detach(), group).unbind(0)), dim=-1).requires_grad_(True)
             full_t = torch.cat(list(all_gather_stack(t, group).unbind(0)), dim=-1)
             ls, lt = torch.log_softmax(full_s.float(), -1), torch.log_softmax(full_t.float(), -1)
             lm = torch.logsumexp(torch.stack([ls, lt]) + torch.log(torch.tensor(0.5, device=dev)), 0)
-            loss = 0.5 * (torch.nn.functional.kl_div(lm, lt, log_target=True, reduction="sum")
-                          + torch.nn.functional.kl_div(lm, ls, log_target=True, reduction="sum"))
+            loss = 0.5 * (
+                torch.nn.functional.kl_div(lm, lt, log_target=True, reduction="sum")
+                + torch.nn.functional.kl_div(lm, ls, log_target=True, reduction="sum")
+            )
             loss.backward()
 
-        def dense_ce():
+        def dense_ce(s=s, y=y):
             full_s = torch.cat(list(all_gather_stack(s.detach(), group).unbind(0)), dim=-1).requires_grad_(True)
             torch.nn.functional.cross_entropy(full_s.float(), y, reduction="sum").backward()
 
@@ -128,8 +158,16 @@ def benchmark(rank, world, group, device, vocab, tokens_list, reps):
             stats = torch.tensor([ms, peak], dtype=torch.float64, device=dev)
             if group is not None:
                 torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
-            rows.append({"arm": name, "tp": world, "tokens": n, "v_local": v_local,
-                         "max_ms": stats[0].item(), "max_peak_gib": stats[1].item()})
+            rows.append(
+                {
+                    "arm": name,
+                    "tp": world,
+                    "tokens": n,
+                    "v_local": v_local,
+                    "max_ms": stats[0].item(),
+                    "max_peak_gib": stats[1].item(),
+                }
+            )
     return rows
 
 
@@ -163,11 +201,12 @@ def main(argv=None) -> int:
             print(f"  {backend:10s} {case:60s} {verdict}")
         save()
         print(f"[3/3] benchmark at TP={args.tp}", flush=True)
-        out["bench"] = pool.run(benchmark, device, 151936 if not args.cpu else vocab, tokens, reps,
-                                timeout=1800)[0]
+        out["bench"] = pool.run(benchmark, device, 151936 if not args.cpu else vocab, tokens, reps, timeout=1800)[0]
         for r in out["bench"]:
-            print(f"  {r['arm']:28s} N={r['tokens']:5d} V_local={r['v_local']:6d} "
-                  f"{r['max_ms']:9.3f} ms  {r['max_peak_gib']:6.2f} GiB (max over ranks)")
+            print(
+                f"  {r['arm']:28s} N={r['tokens']:5d} V_local={r['v_local']:6d} "
+                f"{r['max_ms']:9.3f} ms  {r['max_peak_gib']:6.2f} GiB (max over ranks)"
+            )
         save()
     finally:
         pool.close()

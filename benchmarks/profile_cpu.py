@@ -43,10 +43,15 @@ class NoopState(SavedState):
 class Noop(Backend):
     """Returns preallocated outputs: what is left is the core's dispatch."""
 
+    values: torch.Tensor  # set once the sizes are known
+    grad: torch.Tensor
+
     name = "noop_profile"
     priority = -100
-    ops = {op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset({"teacher_grad"}))
-           for op in ("cross_entropy", "jsd")}
+    ops = {
+        op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset({"teacher_grad"}))
+        for op in ("cross_entropy", "jsd")
+    }
 
     def forward(self, call, inputs, index, mask):
         return self.values, NoopState(inputs[0])
@@ -103,6 +108,7 @@ def main() -> None:
     y = torch.randint(0, vocab, (args.tokens,), device=dev)
     vtp.register(_Plugin(), name="profile-noop")
     noop = vtp.registry.REGISTRY.get("noop_profile")
+    assert isinstance(noop, Noop)
     noop.values = torch.zeros(args.tokens, device=dev)
     noop.grad = torch.zeros_like(s)
     idx = y[:, None].expand(-1, 4).contiguous()
@@ -118,8 +124,10 @@ def main() -> None:
     }
     noop_ops = ("cross_entropy", "jsd")  # what the do-nothing backend declares
     backends = ("triton", "eager", "noop_profile") if dev.type == "cuda" else ("eager", "noop_profile")
-    print(f"N={args.tokens} V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1; "
-          f"CPU µs per call: thread (device idle at each call) / process / loop (back to back)")
+    print(
+        f"N={args.tokens} V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1; "
+        f"CPU µs per call: thread (device idle at each call) / process / loop (back to back)"
+    )
     peer = per_call_us(lambda: torch.nn.functional.cross_entropy(s, y).backward(), args.reps, dev)
     print(f"{'torch':13s} {'F.cross_entropy':16s} forward+backward {peer[0]:7.1f} / {peer[1]:7.1f} / {peer[2]:7.1f}")
     for backend in backends:
@@ -127,13 +135,17 @@ def main() -> None:
             if backend == "noop_profile" and name not in noop_ops:
                 continue
             fwd = per_call_us(make(backend), args.reps, dev)
-            both = per_call_us(lambda f=make(backend): f().backward(), args.reps, dev)
-            print(f"{backend:13s} {name:16s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
-                  f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}   "
-                  f"loop x F.cross_entropy {both[2] / peer[2]:5.2f}")
+            call = make(backend)
+            both = per_call_us(lambda call=call: call().backward(), args.reps, dev)
+            print(
+                f"{backend:13s} {name:16s} forward {fwd[0]:7.1f} / {fwd[1]:7.1f} / {fwd[2]:7.1f}   "
+                f"forward+backward {both[0]:7.1f} / {both[1]:7.1f} / {both[2]:7.1f}   "
+                f"loop x F.cross_entropy {both[2] / peer[2]:5.2f}"
+            )
     base = per_call_us(lambda: s.float().sum().backward(), args.reps, dev)
-    print(f"{'torch':13s} {'s.float().sum().backward()':29s} {base[0]:7.1f} / {base[1]:7.1f} / {base[2]:7.1f} "
-          f"(for scale)")
+    print(
+        f"{'torch':13s} {'s.float().sum().backward()':29s} {base[0]:7.1f} / {base[1]:7.1f} / {base[2]:7.1f} (for scale)"
+    )
     prof = cProfile.Profile()
     f = calls["cross_entropy"](backends[0])
     _sync(dev)

@@ -10,6 +10,7 @@ over 5 calls of forward + ``.sum().backward()`` (bf16, TP=1).
 
 import argparse
 import dataclasses
+from typing import cast
 
 import torch
 from profile_passes import kernel_times  # this folder is on the path when run as a script
@@ -50,11 +51,12 @@ def main() -> None:
         (lp.sum() + h.sum()).backward()
 
     arms = {
-        "lp": lambda: vtp.logprobs(z, y, backend="triton").sum().backward(),
+        "lp": lambda: cast(torch.Tensor, vtp.logprobs(z, y, backend="triton")).sum().backward(),
         "lp+H": with_entropy,
         "ce": lambda: vtp.cross_entropy(z, y, backend="triton", reduction="sum").backward(),
     }
     backend = REGISTRY.backends()["triton"]
+    assert isinstance(backend, tb.TritonBackend)
     try:
         for name, cfg in VARIANTS.items():
             backend._config = cfg

@@ -50,8 +50,13 @@ def kernel_times(step, reps=10):
 
 
 def main():
-    nbytes_pass = {"stats2_kernel": 2, "jsd_div_kernel": 2, "backward2_kernel": 3, "stats1_kernel": 1,
-                   "backward1_kernel": 2}
+    nbytes_pass = {
+        "stats2_kernel": 2,
+        "jsd_div_kernel": 2,
+        "backward2_kernel": 3,
+        "stats1_kernel": 1,
+        "backward1_kernel": 2,
+    }
     for name, cfg in VARIANTS.items():
         tb.CUDA_CONFIG = cfg
         for op, n, tp in SHAPES:
@@ -59,7 +64,7 @@ def main():
             res = per_kernel(op, n, v)
             total = sum(us * c for us, c in res.values())
             parts = []
-            for k, (us, c) in sorted(res.items(), key=lambda kv: -kv[1][0]):
+            for k, (us, _) in sorted(res.items(), key=lambda kv: -kv[1][0]):
                 short = k.split("(")[0][:24]
                 mult = next((m for kk, m in nbytes_pass.items() if kk in k), None)
                 bw = f" {mult * n * v * 2 / us / 1e3:.0f}GB/s" if mult else ""
@@ -73,6 +78,7 @@ def main():
     def loop():
         for _ in range(300):
             vtp.loss("jsd", z, t, backend="triton").sum().backward()
+
     loop()
     torch.cuda.synchronize()
     pr = cProfile.Profile()

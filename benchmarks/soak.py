@@ -129,7 +129,7 @@ def snapshot(device: str, destroyed: list) -> dict:
     gc.collect()
     tensors, tensor_bytes = live_tensors()
     plans, bound = runtime_plans()
-    out = {
+    out: dict[str, float | None] = {
         "live_tensors": tensors,
         "open_fds": len(os.listdir("/proc/self/fd")),
         "plans": plans,
@@ -204,6 +204,8 @@ def step(args, s: int, rank: int, model: Model, group, compiled: dict, device, d
         TOPK, device=device
     )
     mine = torch.Generator(device=device).manual_seed(args.seed * 7919 + s * 2 + rank)  # this rank's shard
+    student: vtp.Head | torch.Tensor
+    teacher: vtp.Head | torch.Tensor
     if form == "head":
         hidden = torch.randn(n, args.hidden, generator=g, device=device).to(dtype).requires_grad_(True)
         student = vtp.Head(hidden, model.weight)
@@ -305,7 +307,8 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     watchdog = Watchdog(rank, args.step_timeout + 30)  # the gloo timeout is seen first
     model = Model(args, rank, world, device, dtype)
     destroyed: list = []
-    group, compiled = None, {}
+    group = None
+    compiled: dict = {}
     rows, checks = [], []
     started = time.monotonic()
     s = 0
@@ -316,7 +319,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         setattr(cfg, limit, max(64, getattr(cfg, limit)))
         rows.append({"step": 0, **snapshot(args.device, destroyed), "s_per_step": None})
         before = rows[0]
-        table = [None] * world
+        table: list = [None] * world
         dist.all_gather_object(table, before)
         if rank == 0:
             print_rows(table, first=True)

@@ -169,7 +169,8 @@ def hf_model(arm: str, args, ffn: int):
         num_key_value_heads=args.heads,
         max_position_embeddings=max(args.seq, 2048),
         tie_word_embeddings=False,
-        attn_implementation="sdpa",
+        # transformers' generated signature omits the keyword arguments every config takes
+        attn_implementation="sdpa",  # type: ignore[call-arg]
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(args.device, getattr(torch, args.dtype)).train()

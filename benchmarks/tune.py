@@ -22,8 +22,9 @@ VARIANTS = {
     "default": tb.CUDA_CONFIG,
     "stats8k_w16": dataclasses.replace(tb.CUDA_CONFIG, block_stats=8192, warps_stats=16),
     "tiles4k_w8": dataclasses.replace(tb.CUDA_CONFIG, block_div=4096, block_bwd=4096),
-    "tiles1k_w4": dataclasses.replace(tb.CUDA_CONFIG, block_stats=2048, warps_stats=4, block_div=1024, warps_div=4,
-                                      block_bwd=1024, warps_bwd=4),
+    "tiles1k_w4": dataclasses.replace(
+        tb.CUDA_CONFIG, block_stats=2048, warps_stats=4, block_div=1024, warps_div=4, block_bwd=1024, warps_bwd=4
+    ),
     "more_programs": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096, bwd_target_programs=16384),
     "programs2k": dataclasses.replace(tb.CUDA_CONFIG, target_programs=2048),
     "programs4k": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096),
@@ -36,17 +37,26 @@ def time_ms(fn, reps=20):
     return time_loop(fn, warmup=3, reps=reps)
 
 
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device copy (read + write), the yardstick of the percentages; the
+    buffers are freed on return."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * 2**30 / (time_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=None, help="op:N:TP,... (default: the design's target shapes)")
     p.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(VARIANTS)}")
     args = p.parse_args()
-    shapes = SHAPES if not args.shapes else [(o, int(n), int(t)) for o, n, t in (x.split(":") for x in args.shapes.split(","))]
+    shapes = (
+        SHAPES
+        if not args.shapes
+        else [(o, int(n), int(t)) for o, n, t in (x.split(":") for x in args.shapes.split(","))]
+    )
     variants = {k: VARIANTS[k] for k in (args.variants.split(",") if args.variants else VARIANTS)}
-    copy_src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    copy = 2 * 2**30 / (time_ms(lambda: copy_dst.copy_(copy_src)) * 1e-3) / 1e9
-    del copy_src, copy_dst
+    copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s")
     for name, cfg in variants.items():
         tb.CUDA_CONFIG = cfg
@@ -55,8 +65,11 @@ def main():
             z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
             ms = time_ms(vtp_arm("triton", op, z, other, beta=0.5))
             nbytes = model_bytes(op, n, v, 2)
-            print(f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
-                  f"{100 * nbytes / ms / 1e6 / copy:4.0f}%", flush=True)
+            print(
+                f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
+                f"{100 * nbytes / ms / 1e6 / copy:4.0f}%",
+                flush=True,
+            )
             del z, other
 
 

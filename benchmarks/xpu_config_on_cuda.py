@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
-from vtp_runtime.tools.timing import time_stream
 from vtp_runtime.backends.triton.backend import TritonBackend, capabilities
 from vtp_runtime.backends.triton_xpu import XPU_CONFIG, TritonXPUBackend
-from vtp_runtime.registry import hookimpl, register
 from vtp_runtime.ops import dtype_name
+from vtp_runtime.registry import hookimpl, register
 from vtp_runtime.testing.reference import values_and_grads
+from vtp_runtime.tools.timing import time_stream
 
 VALUE_RTOL = 2e-5
 GRAD_RTOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -49,8 +49,10 @@ class XpuConfigOnCuda(TritonXPUBackend):
 
 
 def _register() -> None:
-    register(types.SimpleNamespace(vtp_runtime_register_backends=hookimpl(
-        lambda register: register(XpuConfigOnCuda()))), name="xpu_config_on_cuda")
+    register(
+        types.SimpleNamespace(vtp_runtime_register_backends=hookimpl(lambda register: register(XpuConfigOnCuda()))),
+        name="xpu_config_on_cuda",
+    )
 
 
 CASES = [  # (op, options, teacher requires grad, masked)
@@ -79,8 +81,9 @@ def _shards(vocab: int, world: int) -> list[tuple[int, int]]:
     return [(s, s + n) for s, n in zip(starts, sizes)]
 
 
-def check(op, options, teacher_grad, masked, n, vocab, dtype, rank, world, group, device,
-          backend: str = "xpu_config_on_cuda") -> dict | None:
+def check(
+    op, options, teacher_grad, masked, n, vocab, dtype, rank, world, group, device, backend: str = "xpu_config_on_cuda"
+) -> dict | None:
     options = dict(options)
     topk = options.pop("topk", 0)
     g = torch.Generator(device=device).manual_seed(zlib.crc32(f"{op}{options}{n}{vocab}{dtype}".encode()))
@@ -102,10 +105,19 @@ def check(op, options, teacher_grad, masked, n, vocab, dtype, rank, world, group
     upstream = torch.randn(out.shape, generator=g, device=device, dtype=torch.float64)
     wanted = [t for t in local if t.requires_grad]
     grads = torch.autograd.grad((out.double() * upstream).sum(), wanted)
-    ref_vals, ref_grads = values_and_grads(op, tuple(full), index, upstream,
-                                           needs_grad=tuple(t.requires_grad for t in local), **options, **extra)
-    result = {"op": op, "options": {**options, "topk": topk}, "masked": masked, "teacher_grad": teacher_grad,
-              "tokens": n, "vocab": vocab, "dtype": dtype_name(dtype), "ok": True}
+    ref_vals, ref_grads = values_and_grads(
+        op, tuple(full), index, upstream, needs_grad=tuple(t.requires_grad for t in local), **options, **extra
+    )
+    result = {
+        "op": op,
+        "options": {**options, "topk": topk},
+        "masked": masked,
+        "teacher_grad": teacher_grad,
+        "tokens": n,
+        "vocab": vocab,
+        "dtype": dtype_name(dtype),
+        "ok": True,
+    }
     err = (out.double() - ref_vals).abs().max().item()
     scale = ref_vals.abs().max().item()
     result["value_err"] = err
@@ -143,8 +155,10 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--time-tokens", type=int, nargs="*", default=[1024, 8192])
     ap.add_argument("--backend", default="xpu_config_on_cuda")
-    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", ""), "xpu_config_on_cuda.json")
-                    if os.environ.get("OUT") else None)
+    ap.add_argument(
+        "--json",
+        default=os.path.join(os.environ.get("OUT", ""), "xpu_config_on_cuda.json") if os.environ.get("OUT") else None,
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -161,8 +175,8 @@ def main() -> int:
     if rank == 0:
         print(f"XPU_CONFIG = {XPU_CONFIG}")
     results, bad = [], 0
-    for dtype_name in args.dtypes:
-        dtype = getattr(torch, dtype_name)
+    for dtype_arg in args.dtypes:
+        dtype = getattr(torch, dtype_arg)
         for vocab in args.vocab:
             for n in args.tokens:
                 for op, options, tg, masked in CASES:
@@ -175,8 +189,10 @@ def main() -> int:
                     bad += not r["ok"]
                     if rank == 0:
                         errs = " ".join(f"{k}={v:.2e}" for k, v in r.items() if k.endswith("_err"))
-                        print(f"{'ok ' if r['ok'] else 'BAD'} {args.backend} tp={world} {op:13s} {dtype_name:8s} V={vocab:<6d} "
-                              f"N={n:<4d} {r['options']} masked={masked} {errs}")
+                        print(
+                            f"{'ok ' if r['ok'] else 'BAD'} {args.backend} tp={world} {op:13s} {dtype_arg:8s} "
+                            f"V={vocab:<6d} N={n:<4d} {r['options']} masked={masked} {errs}"
+                        )
     timings = []
     for n in args.time_tokens if args.backend == "xpu_config_on_cuda" else ():
         for op in ("cross_entropy", "jsd"):
@@ -185,14 +201,17 @@ def main() -> int:
                 row[backend] = time_fwd_bwd(backend, op, n, 151936, torch.bfloat16, group, rank, world, device)
             timings.append(row)
             if rank == 0:
-                print(f"time bf16 fwd+bwd {op:13s} N={n:<5d} V=151936 tp={world}: XPU_CONFIG "
-                      f"{row['xpu_config_on_cuda']:.3f} ms, CUDA_CONFIG {row['triton']:.3f} ms")
+                print(
+                    f"time bf16 fwd+bwd {op:13s} N={n:<5d} V=151936 tp={world}: XPU_CONFIG "
+                    f"{row['xpu_config_on_cuda']:.3f} ms, CUDA_CONFIG {row['triton']:.3f} ms"
+                )
     if rank == 0:
         print(f"{len(results) - bad} of {len(results)} cases match the float64 reference")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"config": asdict(XPU_CONFIG), "world": world, "cases": results, "timings": timings}, f,
-                          indent=1)
+                json.dump(
+                    {"config": asdict(XPU_CONFIG), "world": world, "cases": results, "timings": timings}, f, indent=1
+                )
     if world > 1:
         dist.destroy_process_group()
     return 1 if bad else 0

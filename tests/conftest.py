@@ -6,22 +6,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
-from vtp_runtime.testing.distributed import RankPool  # noqa: E402
-
-_POOLS: dict[int, RankPool] = {}
-
-
-def run_ranks(world: int, fn, *args, timeout: float = 120.0, **kwargs):
-    """Run ``fn(rank, world, group, *args)`` on ``world`` gloo ranks (pools are reused)."""
-    pool = _POOLS.get(world)
-    if pool is None or not pool.alive:
-        pool = _POOLS[world] = RankPool(world)
-    return pool.run(fn, *args, timeout=timeout, **kwargs)
+from vtp_runtime.testing import conformance  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def ranks():
-    yield run_ranks
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    """``ranks(world, fn, *args, timeout=..., **kwargs)`` runs ``fn(rank, world, group, *args,
+    **kwargs)`` on ``world`` gloo ranks. The pools are the conformance kit's, so that the
+    kit's own runs (``conformance.check`` without a runner) start no second pool of a size."""
+    yield conformance.default_runner
+    conformance.close_pools()

@@ -15,8 +15,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "h200_final.json"
 
 
 def test_refuses_without_a_gpu():
-    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--ops", "jsd"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "vtp_runtime", "bench", "--ops", "jsd"], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2
     assert "needs a CUDA GPU" in run.stderr
 
@@ -52,16 +53,19 @@ def test_logprobs_entropy_arm_matches_the_dense_arm_on_cpu():
 
 
 def test_entropy_overhead_compares_with_logprobs_alone(capsys):
-    rows = [bench.Row("logprobs", "triton", 1, 1024, 151936, "bfloat16", ms=0.50, graph_ms=0.40),
-            bench.Row("logprobs_entropy", "triton", 1, 1024, 151936, "bfloat16", ms=0.55, graph_ms=0.42)]
+    rows = [
+        bench.Row("logprobs", "triton", 1, 1024, 151936, "bfloat16", ms=0.50, graph_ms=0.40),
+        bench.Row("logprobs_entropy", "triton", 1, 1024, 151936, "bfloat16", ms=0.55, graph_ms=0.42),
+    ]
     assert bench.entropy_overhead(rows) == {("triton", 1, 1024): 0.42 / 0.40}
     bench.print_table(rows, 4000.0, None)
     assert "logprobs_entropy / logprobs" in capsys.readouterr().out
 
 
 def test_head_mode_refuses_without_a_gpu():
-    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--head", "64"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "vtp_runtime", "bench", "--head", "64"], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 2
     assert "needs a CUDA GPU" in run.stderr and "--device cpu" in run.stderr
 
@@ -70,17 +74,51 @@ def test_head_mode_runs_on_cpu_at_tiny_sizes(tmp_path):
     """`bench --head` end to end on the CPU: every arm, JSON rows and the plot of time and
     memory against N (memory is a CUDA measurement: absent on the CPU)."""
     out, png = tmp_path / "head.json", tmp_path / "head.png"
-    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--head", "16", "--tokens", "24,48",
-                          "--vocab", "101", "--tp", "1,2", "--device", "cpu", "--backends", "eager",
-                          "--peers", "torch", "--warmup", "1", "--reps", "2", "--json", str(out), "--plot", str(png)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vtp_runtime",
+            "bench",
+            "--head",
+            "16",
+            "--tokens",
+            "24,48",
+            "--vocab",
+            "101",
+            "--tp",
+            "1,2",
+            "--device",
+            "cpu",
+            "--backends",
+            "eager",
+            "--peers",
+            "torch",
+            "--warmup",
+            "1",
+            "--reps",
+            "2",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(out.read_text())
     assert data["mode"] == "head" and data["hidden"] == 16
     arms = {(r["op"], r["arm"]) for r in data["rows"]}
-    assert arms == {("cross_entropy", "materialized:eager"), ("cross_entropy", "fused:eager"),
-                    ("cross_entropy", "fused_none:eager"), ("cross_entropy", "torch"),
-                    ("jsd", "materialized:eager"), ("jsd", "fused:eager")}
+    assert arms == {
+        ("cross_entropy", "materialized:eager"),
+        ("cross_entropy", "fused:eager"),
+        ("cross_entropy", "fused_none:eager"),
+        ("cross_entropy", "torch"),
+        ("jsd", "materialized:eager"),
+        ("jsd", "fused:eager"),
+    }
     assert len(data["rows"]) == 6 * 2 * 2  # arms x TP sizes x token counts
     for r in data["rows"]:
         assert not r["error"] and r["ms"] > 0 and r["temp_gib"] is None
@@ -121,15 +159,43 @@ def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
     arms = ["torch_fp32", "vtp_head", "liger"]
     if importlib.util.find_spec("transformers") is not None:
         arms += ["hf_torch", "hf_vtp_loss", "hf_vtp_fused", "hf_liger", "hf_liger_lce", "hf_liger_vtp"]
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step.py"), "--device", "cpu", "--dim", "64",
-                          "--layers", "1", "--heads", "4", "--vocab", "512", "--tokens", "256", "--seq", "128",
-                          "--reps", "1", "--warmup", "1", "--arms", ",".join(arms), "--json", str(out)],
-                         capture_output=True, text=True, timeout=180, env=env)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "step.py"),
+            "--device",
+            "cpu",
+            "--dim",
+            "64",
+            "--layers",
+            "1",
+            "--heads",
+            "4",
+            "--vocab",
+            "512",
+            "--tokens",
+            "256",
+            "--seq",
+            "128",
+            "--reps",
+            "1",
+            "--warmup",
+            "1",
+            "--arms",
+            ",".join(arms),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {r["arm"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == set(arms)
-    for arm in [a for a in ("liger", "hf_liger", "hf_liger_lce", "hf_liger_vtp") if a in arms]:
-        assert rows[arm]["note"].startswith("skipped:") and rows[arm]["ms"] is None
+    for skipped in [a for a in ("liger", "hf_liger", "hf_liger_lce", "hf_liger_vtp") if a in arms]:
+        assert rows[skipped]["note"].startswith("skipped:") and rows[skipped]["ms"] is None
     for arm in [a for a in ("torch_fp32", "vtp_head", "hf_torch", "hf_vtp_loss", "hf_vtp_fused") if a in arms]:
         r = rows[arm]
         assert not r["note"] and r["ms"] > 0 and r["peak_gib"] is None and r["batch"] == 2 and r["seq"] == 128
@@ -139,8 +205,8 @@ def test_step_benchmark_runs_on_cpu_and_its_losses_agree(tmp_path):
     assert abs(rows["vtp_head"]["loss"] - rows["torch_fp32"]["loss"]) < 1e-2 * rows["torch_fp32"]["loss"]
     if "hf_torch" in rows:
         assert 4.0 < rows["hf_torch"]["loss"] < 9.0
-        for arm in ("hf_vtp_loss", "hf_vtp_fused"):  # one model and batch: the same bf16 loss
-            assert abs(rows[arm]["loss"] - rows["hf_torch"]["loss"]) < 1e-2 * rows["hf_torch"]["loss"], arm
+        for vtp_arm in ("hf_vtp_loss", "hf_vtp_fused"):  # one model and batch: the same bf16 loss
+            assert abs(rows[vtp_arm]["loss"] - rows["hf_torch"]["loss"]) < 1e-2 * rows["hf_torch"]["loss"], vtp_arm
 
 
 def test_step_benchmark_undoes_ligers_rebinding():
@@ -154,6 +220,7 @@ def test_step_benchmark_undoes_ligers_rebinding():
 
         pytest.skip("liger-kernel and transformers are needed")
     spec = importlib.util.spec_from_file_location("step_benchmark", ROOT / "benchmarks" / "step.py")
+    assert spec is not None and spec.loader is not None
     step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(step)
     from transformers.models.llama import modeling_llama
@@ -173,10 +240,35 @@ def test_step_benchmark_undoes_ligers_rebinding():
 def test_sampling_ops_run_on_cpu_at_tiny_sizes(tmp_path):
     """`bench --ops sample,...` end to end on the CPU: every op, vtp and the gather-then-sample peer."""
     out = tmp_path / "sample.json"
-    run = subprocess.run([sys.executable, "-m", "vtp_runtime", "bench", "--ops", "sample,sample_top_k,sample_top_p,argmax",
-                          "--device", "cpu", "--vocab", "101", "--tokens", "1,8", "--tp", "1,2", "--backends", "eager",
-                          "--warmup", "1", "--reps", "2", "--json", str(out)],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vtp_runtime",
+            "bench",
+            "--ops",
+            "sample,sample_top_k,sample_top_p,argmax",
+            "--device",
+            "cpu",
+            "--vocab",
+            "101",
+            "--tokens",
+            "1,8",
+            "--tp",
+            "1,2",
+            "--backends",
+            "eager",
+            "--warmup",
+            "1",
+            "--reps",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(out.read_text())
     assert data["mode"] == "sample" and len(data["rows"]) == 4 * 2 * 2 * 2  # ops x N x TP x arms
@@ -190,13 +282,16 @@ def test_sampling_peers_draw_from_the_restricted_distributions():
     """The peer arms are what they stand for: transformers' top-k and top-p warpers' support."""
     import torch
 
-    from vtp_runtime.tools import bench_sample
     from vtp_runtime.testing import reference
+    from vtp_runtime.tools import bench_sample
 
     torch.manual_seed(0)
     x = torch.randn(4000, 60) * 2
     x[:] = x[0]
-    for op, options in (("sample_top_k", {"top_k": bench_sample.TOP_K}), ("sample_top_p", {"top_p": bench_sample.TOP_P})):
+    for op, options in (
+        ("sample_top_k", {"top_k": bench_sample.TOP_K}),
+        ("sample_top_p", {"top_p": bench_sample.TOP_P}),
+    ):
         ids = bench_sample.peer_arm(op, list(x.split(30, dim=-1)))()
         support = reference.sampling_distribution(x[:1], **options)[0] > 0
         assert support[ids].all() and torch.unique(ids).numel() > 1

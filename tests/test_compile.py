@@ -6,6 +6,8 @@ implementations and the autograd registration are what the graph is built from; 
 code generation is left to the GPU tests. Compiling is slow: one step function covers
 every op, and each test compiles it once."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,7 +21,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # Triton's in
 B, S, V = 2, 3, 37
 SIZES = {1: [V], 2: [17, 20]}  # uneven shards at TP 2
 DTYPE = {"eager": torch.float64, "triton": torch.float32}
-TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=2e-5, atol=2e-5)}
+TOL: dict[torch.dtype, dict[str, Any]] = {
+    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
+    torch.float32: {"rtol": 2e-5, "atol": 2e-5},
+}
 
 
 def step(z, t, y, k, m, w, group, backend):
@@ -71,6 +76,7 @@ def _run(rank: int, world: int, group, backend: str) -> dict:
     """Compile ``step`` for this rank's shards, run it on two batches, and compare each
     output and gradient with the float64 reference and with eager mode."""
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     dtype = DTYPE[backend]
@@ -94,8 +100,7 @@ def _run(rank: int, world: int, group, backend: str) -> dict:
         total_e, outs_e = step(ze, te, y, k, m, w, g, backend)
         for got, want in zip((*outs, *grads), (*outs_e, *torch.autograd.grad(total_e, (ze, te)))):
             torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=1e-7)
-    return {"graph_breaks": sum(counters["graph_break"].values()),
-            "graphs": counters["stats"]["unique_graphs"]}
+    return {"graph_breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"]}
 
 
 @pytest.mark.parametrize("backend", ["eager", "triton"])
@@ -113,10 +118,15 @@ def test_tp2_fullgraph(ranks, backend):
 def test_dynamic_token_count():
     """A graph compiled with a symbolic token count serves several batch sizes."""
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
-    f = torch.compile(lambda z, y: vtp.cross_entropy(z, y, label_smoothing=0.2, backend="eager"),
-                      backend="aot_eager", fullgraph=True, dynamic=True)
+    f = torch.compile(
+        lambda z, y: vtp.cross_entropy(z, y, label_smoothing=0.2, backend="eager"),
+        backend="aot_eager",
+        fullgraph=True,
+        dynamic=True,
+    )
     for n in (5, 9, 13):
         g = torch.Generator().manual_seed(n)
         z = torch.randn(n, V, generator=g, dtype=torch.float64, requires_grad=True)
@@ -139,6 +149,7 @@ def test_custom_ops_pass_opcheck():
     t = torch.randn(4, V, generator=g, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, V, (4,), generator=g)
     mask = torch.tensor([True, False, True, True])
+
     def scalars(**given):
         common = dict(group_name="", backend="eager", backend_source="the backend= argument", topk=False)
         return tuple({**common, **given}.get(name) for name, _ in library.FIELDS)
@@ -167,8 +178,7 @@ def test_bad_argument_fails_when_tracing():
     z = torch.randn(4, V)
     y = torch.randint(0, V, (4,))
     torch._dynamo.reset()
-    f = torch.compile(lambda z, y: vtp.cross_entropy(z, y, label_smoothing=2.0), backend="aot_eager",
-                      fullgraph=True)
+    f = torch.compile(lambda z, y: vtp.cross_entropy(z, y, label_smoothing=2.0), backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match=r"label_smoothing must be in \[0, 1\], got 2.0"):
         f(z, y)
     g = torch.compile(lambda z, y: vtp.cross_entropy(z, y, label_smoothing=2.0), backend="aot_eager")

@@ -9,8 +9,13 @@ import sys
 def _demo(*args, command=(sys.executable, "-m", "vtp_runtime")):
     # the demo as a user runs it: without the Triton interpreter the test process enables
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([*command, "demo", "--jsd-steps", "3", "--ce-steps", "3", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [*command, "demo", "--jsd-steps", "3", "--ce-steps", "3", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_demo_passes():

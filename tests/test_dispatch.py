@@ -17,8 +17,10 @@ def _fake(name, priority, features=frozenset({"temperature", "label_smoothing", 
     """A backend computing like eager but recording that it ran."""
 
     class Fake(EagerBackend):
-        ops = {"cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, features=features),
-               "entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset({"temperature"}))}
+        ops = {
+            "cross_entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, features=features),
+            "entropy": OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset({"temperature"})),
+        }
 
         def probe(self, device_type):
             return [probe_reason] if probe_reason else []
@@ -43,7 +45,7 @@ class _Plugin:
 
 @pytest.fixture
 def fakes():
-    added = []
+    added: list[str] = []
 
     def add(*backends):
         vtp.register(_Plugin(*backends), name="test-fakes-" + "-".join(b.name for b in backends))
@@ -131,6 +133,7 @@ def test_use_backend_is_per_thread(fakes):
 
 # -- heterogeneous ranks -------------------------------------------------------------------
 
+
 def hetero_auto(rank, world, group):
     """Only rank 0 has the fastest backend: every rank must choose the same other one."""
     name = "rank0_only_fake"
@@ -168,8 +171,10 @@ def hetero_forced(rank, world, group, probe_fails_on_1):
 def test_forced_backend_missing_on_one_rank(ranks):
     (e0, _), (e1, _) = ranks(2, hetero_forced, False, timeout=60)
     assert e1.startswith("UnknownBackend: unknown backend 'forced_fake' (from the backend= argument)")
-    assert e0 == f"ShardError: the call failed on rank 1 of tp_group before the metadata gather, so every " \
-                 f"rank raises; fix it there:\n  rank 1: {e1}"
+    assert (
+        e0 == f"ShardError: the call failed on rank 1 of tp_group before the metadata gather, so every "
+        f"rank raises; fix it there:\n  rank 1: {e1}"
+    )
 
 
 def test_forced_backend_unavailable_on_one_rank(ranks):

@@ -58,7 +58,11 @@ def _env_vars_read() -> tuple[set[str], set[str]]:
     names, prefixes = set(), set()
     for path in SOURCES:
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"VTP_[A-Z0-9_]+", node.value):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and re.fullmatch(r"VTP_[A-Z0-9_]+", node.value)
+            ):
                 names.add(node.value)
             elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
                 head = str(node.values[0].value)
@@ -148,7 +152,9 @@ def test_documented_op_options_exist():
     text = _doc_text()
     bad, seen = [], 0
     for snippet in _code_snippets(text):
-        for m in re.finditer(r"(?<![\w.])(?:vtp\.)?(cross_entropy|logprobs|entropy|kl|jsd|loss|argmax|sample)\(([^()]*)\)", snippet):
+        for m in re.finditer(
+            r"(?<![\w.])(?:vtp\.)?(cross_entropy|logprobs|entropy|kl|jsd|loss|argmax|sample)\(([^()]*)\)", snippet
+        ):
             op, args = m.group(1), m.group(2)
             if op == "loss":
                 named = re.match(r'\s*"(\w+)"', args)

@@ -9,10 +9,13 @@ the chunking."""
 import os
 import pathlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import vtp_runtime as vtp
 from vtp_runtime import inputs
@@ -34,6 +37,7 @@ def _mesh(world, shape):
     """The mesh over every rank of the pool, made once per rank process (a 2-D mesh creates
     process groups, a collective)."""
     from torch.distributed.device_mesh import DeviceMesh
+
     if (world, shape) not in _MESH_CACHE:
         _MESH_CACHE[(world, shape)] = DeviceMesh("cpu", torch.arange(world).reshape(shape))
     return _MESH_CACHE[(world, shape)]
@@ -43,16 +47,24 @@ def _placements(shape):
     """(logits placements, per-token placements): the vocabulary on the last mesh dimension,
     the batch on the first when there are two."""
     from torch.distributed.tensor import Replicate, Shard
+
     if len(shape) == 1:
         return (Shard(2),), (Replicate(),)
     return (Shard(0), Shard(2)), (Shard(0), Replicate())
 
 
+def _dt(x: object) -> DTensor:
+    """``x``, which must be a DTensor: a result of a call on DTensors, or its gradient."""
+    assert isinstance(x, DTensor), f"a {type(x).__name__}, not a DTensor"
+    return x
+
+
 def _close(got, want, what):
     got, want = got.double(), want.double()
     err = (got - want).abs().max().item() if got.numel() else 0.0
-    assert got.shape == want.shape and err <= ATOL + 1e-5 * want.abs().max().item(), \
+    assert got.shape == want.shape and err <= ATOL + 1e-5 * want.abs().max().item(), (
         f"{what}: shapes {tuple(got.shape)} / {tuple(want.shape)}, max error {err:.3g}"
+    )
 
 
 def _data(vocab, seed):
@@ -67,9 +79,11 @@ def _data(vocab, seed):
 
 # -- cross entropy against loss_parallel -------------------------------------------------
 
+
 def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
+
     mesh = _mesh(world, shape)
     xpl, ypl = _placements(shape)
     x, _, y, g = _data(vocab, seed=vocab)
@@ -81,7 +95,7 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
             with pytest.raises(ValueError, match="per-rank means"):
                 vtp.cross_entropy(dx, dy, reduction="mean")
             continue
-        out = vtp.cross_entropy(dx, dy, reduction=reduction, backend=backend)
+        out = _dt(vtp.cross_entropy(dx, dy, reduction=reduction, backend=backend))
         assert type(out) is type(dx)
         upstream = distribute_tensor(g[..., 0], mesh, out.placements) if reduction == "none" else None
         if upstream is None:
@@ -90,7 +104,8 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
             (out * upstream).sum().backward()
         # the layout a parameter's gradient must have (else AccumulateGrad re-lays it out
         # through a collective); torch's own to_local backward gets it wrong on uneven shards
-        assert dx.grad.placements == dx.placements and dx.grad.stride() == dx.stride()
+        grad = _dt(dx.grad)
+        assert grad.placements == dx.placements and grad.stride() == dx.stride()
 
         # the float64 reference on the full logits
         n = y.numel()
@@ -99,7 +114,8 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
         ref, (ref_grad,) = values_and_grads("cross_entropy", (x.reshape(n, vocab),), y.reshape(n), grad_out)
         want = {"none": ref.view(4, 3), "sum": ref.sum(), "mean": ref.sum() / count}[reduction]
         _close(out.full_tensor(), want, f"{reduction} value vs float64")
-        _close(dx.grad.full_tensor(), ref_grad.view(x.shape), f"{reduction} grad vs float64")
+        assert ref_grad is not None
+        _close(grad.full_tensor(), ref_grad.view(x.shape), f"{reduction} grad vs float64")
 
         # torch's loss_parallel on the same DTensors: same values, gradients and placements
         tx = distribute_tensor(x, mesh, xpl).requires_grad_()
@@ -107,6 +123,7 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
             with loss_parallel():
                 lp = F.cross_entropy(tx.flatten(0, 1), dy.flatten(0, 1), reduction=reduction)
                 if reduction == "none":
+                    assert upstream is not None
                     lp = lp.view(4, 3)
                     (lp * upstream).sum().backward()
                 else:
@@ -116,26 +133,31 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
                 raise
             unsupported.append(str(exc).splitlines()[0])
             continue
-        assert out.placements == lp.placements, (out.placements, lp.placements)
-        _close(out.full_tensor(), lp.full_tensor(), f"{reduction} value vs loss_parallel")
-        _close(dx.grad.full_tensor(), tx.grad.full_tensor(), f"{reduction} grad vs loss_parallel")
+        assert out.placements == _dt(lp).placements, (out.placements, _dt(lp).placements)
+        _close(out.full_tensor(), _dt(lp).full_tensor(), f"{reduction} value vs loss_parallel")
+        _close(grad.full_tensor(), _dt(tx.grad).full_tensor(), f"{reduction} grad vs loss_parallel")
     return unsupported
 
 
-@pytest.mark.parametrize("world,shape,vocab,backend",
-                         [(*m, "eager") for m in MESHES_LP] + [(4, (4,), 10, "triton")],
-                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "world,shape,vocab,backend",
+    [(*m, "eager") for m in MESHES_LP] + [(4, (4,), 10, "triton")],
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
 def test_cross_entropy_matches_loss_parallel(ranks, world, shape, vocab, backend):
     unsupported = ranks(world, ce_vs_loss_parallel, shape, vocab, backend, timeout=120)[0]
     if unsupported:  # the float64 comparison above ran and passed
         assert torch.__version__ < "2.13", f"loss_parallel refused a {shape} mesh: {unsupported}"
-        pytest.skip(f"this torch's loss_parallel does not take a {shape} mesh ({unsupported[0]}); "
-                    f"compared with the float64 reference only")
+        pytest.skip(
+            f"this torch's loss_parallel does not take a {shape} mesh ({unsupported[0]}); "
+            f"compared with the float64 reference only"
+        )
 
 
 # -- every op against the float64 reference ----------------------------------------------
 
-CALLS = [  # (op, options, second input: "teacher", "labels", "topk" or None)
+# (op, options, second input: "teacher", "labels", "topk" or None)
+CALLS: list[tuple[str, dict[str, Any], str | None]] = [
     ("cross_entropy", {"label_smoothing": 0.1, "z_loss": 1e-3, "temperature": 1.5}, "labels"),
     ("logprobs", {}, "labels"),
     ("logprobs", {"temperature": 0.7}, "topk"),
@@ -149,6 +171,7 @@ CALLS = [  # (op, options, second input: "teacher", "labels", "topk" or None)
 
 def ops_vs_reference(rank, world, group, shape, vocab):
     from torch.distributed.tensor import distribute_tensor
+
     mesh = _mesh(world, shape)
     xpl, ypl = _placements(shape)
     x, t, y, g = _data(vocab, seed=100 + vocab)
@@ -160,9 +183,9 @@ def ops_vs_reference(rank, world, group, shape, vocab):
         ds = distribute_tensor(x, mesh, xpl).requires_grad_()
         per_token = {"mask": mask, "labels": y}
         ref_opts = {k: (per_token[k].reshape(n) if k in per_token else v) for k, v in opts.items()}
-        call_opts = {k: (distribute_tensor(per_token[k], mesh, ypl) if k in per_token else v)
-                     for k, v in opts.items()}
-        args, index, needs = [ds], None, (True,)
+        call_opts = {k: (distribute_tensor(per_token[k], mesh, ypl) if k in per_token else v) for k, v in opts.items()}
+        args, index = [ds], None
+        needs: tuple[bool, ...] = (True,)
         if second == "teacher":
             dt = distribute_tensor(t, mesh, xpl).requires_grad_()
             args.append(dt)
@@ -175,25 +198,36 @@ def ops_vs_reference(rank, world, group, shape, vocab):
         upstream = g if second == "topk" else g[..., 0]
         (out * distribute_tensor(upstream, mesh, out.placements)).sum().backward()
         logits = (x.reshape(n, vocab),) + ((t.reshape(n, vocab),) if second == "teacher" else ())
-        ref, ref_grads = values_and_grads(op, logits, None if index is None else index.reshape(n, -1).squeeze(-1),
-                                          upstream.reshape(n, -1).squeeze(-1), needs_grad=needs, **ref_opts)
+        ref, ref_grads = values_and_grads(
+            op,
+            logits,
+            None if index is None else index.reshape(n, -1).squeeze(-1),
+            upstream.reshape(n, -1).squeeze(-1),
+            needs_grad=needs,
+            **ref_opts,
+        )
         what = f"{op} {opts} on {shape}, V={vocab}"
         _close(out.full_tensor(), ref.view(upstream.shape), f"{what}: value")
-        for a, ref_grad in zip(args[:len(needs)], ref_grads):
-            assert a.grad.placements == a.placements and a.grad.stride() == a.stride(), what
-            _close(a.grad.full_tensor(), ref_grad.view(x.shape), f"{what}: grad")
+        for a, ref_grad in zip(args[: len(needs)], ref_grads):
+            grad = _dt(a.grad)
+            assert grad.placements == _dt(a).placements and grad.stride() == a.stride(), what
+            assert ref_grad is not None
+            _close(grad.full_tensor(), ref_grad.view(x.shape), f"{what}: grad")
 
 
-@pytest.mark.parametrize("world,shape,vocab", MESHES_REF,
-                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+@pytest.mark.parametrize(
+    "world,shape,vocab", MESHES_REF, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v)
+)
 def test_ops_match_reference(ranks, world, shape, vocab):
     ranks(world, ops_vs_reference, shape, vocab, timeout=120)
 
 
 # -- other input forms, explain, and errors ------------------------------------------------
 
+
 def forms_and_errors(rank, world, group):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
     mesh, line = _mesh(4, (2, 2)), _mesh(4, (4,))
     dp = mesh.get_coordinate()[0]
     x, t, y, _ = _data(10, seed=7)
@@ -201,23 +235,26 @@ def forms_and_errors(rank, world, group):
     dt = distribute_tensor(t, mesh, [Shard(0), Shard(2)])
     dy = distribute_tensor(y, mesh, [Shard(0), Replicate()])
     with vtp.use_backend("eager"):
-        base = vtp.cross_entropy(dx, dy).to_local()
+        base = _dt(vtp.cross_entropy(dx, dy)).to_local()
         # plain labels are this rank's local part; replicated labels are cut to the local batch
-        assert torch.equal(vtp.cross_entropy(dx, y[2 * dp:2 * dp + 2]).to_local(), base)
-        assert torch.equal(vtp.cross_entropy(dx, distribute_tensor(y, mesh, [Replicate(), Replicate()])).to_local(),
-                           base)
+        assert torch.equal(_dt(vtp.cross_entropy(dx, y[2 * dp : 2 * dp + 2])).to_local(), base)
+        assert torch.equal(
+            _dt(vtp.cross_entropy(dx, distribute_tensor(y, mesh, [Replicate(), Replicate()]))).to_local(), base
+        )
         # a plain teacher is this rank's local shard
-        assert torch.equal(vtp.kl(dx, dt.to_local()).to_local(), vtp.kl(dx, dt).to_local())
+        assert torch.equal(_dt(vtp.kl(dx, dt.to_local())).to_local(), _dt(vtp.kl(dx, dt)).to_local())
         # consistent layout options are accepted
-        same = vtp.cross_entropy(dx, dy, tp_group=mesh.get_group(1), global_vocab_size=10).to_local()
+        same = _dt(vtp.cross_entropy(dx, dy, tp_group=mesh.get_group(1), global_vocab_size=10)).to_local()
         assert torch.equal(same, base)
         # a replicated DTensor normalizer
         seven = distribute_tensor(torch.tensor(7.0), mesh, [Replicate(), Replicate()])
-        summed = vtp.cross_entropy(dx, dy, reduction="sum", normalizer=seven)
+        summed = _dt(vtp.cross_entropy(dx, dy, reduction="sum", normalizer=seven))
         assert summed.placements == (Partial(), Replicate())
-        _close(summed.full_tensor(), vtp.cross_entropy(dx, dy).full_tensor().sum() / 7, "normalizer")
+        _close(summed.full_tensor(), _dt(vtp.cross_entropy(dx, dy)).full_tensor().sum() / 7, "normalizer")
         # a DTensor not sharded over the vocabulary: each rank holds its batch and all of V
-        batch_only = vtp.cross_entropy(distribute_tensor(x, line, [Shard(0)]), distribute_tensor(y, line, [Shard(0)]))
+        batch_only = _dt(
+            vtp.cross_entropy(distribute_tensor(x, line, [Shard(0)]), distribute_tensor(y, line, [Shard(0)]))
+        )
         ref, _ = values_and_grads("cross_entropy", (x.reshape(12, 10),), y.reshape(12), needs_grad=(False,))
         assert batch_only.placements == (Shard(0),)
         _close(batch_only.full_tensor(), ref.view(4, 3), "vocabulary not sharded")
@@ -255,7 +292,7 @@ def forms_and_errors(rank, world, group):
             with pytest.raises(kind, match=match):
                 call()
         # after every error, the ranks are still in step
-        assert torch.equal(vtp.cross_entropy(dx, dy).to_local(), base)
+        assert torch.equal(_dt(vtp.cross_entropy(dx, dy)).to_local(), base)
 
 
 def test_forms_explain_and_errors(ranks):
@@ -277,6 +314,7 @@ def test_plain_tensors_pass_through():
 
 # -- a Head whose weight is a DTensor (Shard(0), as ColwiseParallel's lm_head weight) -------
 
+
 def head_with_dtensor_weight(rank, world, group, shape, vocab):
     """Cross entropy (sum, with bias) and JSD against a frozen teacher Head, both from Heads
     whose weights are DTensors sharded over the vocabulary: values, and the gradients of
@@ -284,6 +322,7 @@ def head_with_dtensor_weight(rank, world, group, shape, vocab):
     placements and strides. A plain hidden on the 1-D mesh; on dp x tp a hidden DTensor
     sharding the batch over dp."""
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
     mesh = _mesh(world, shape)
     gen = torch.Generator().manual_seed(vocab + len(shape))
     h = torch.randn(4, 3, 6, generator=gen)
@@ -303,13 +342,25 @@ def head_with_dtensor_weight(rank, world, group, shape, vocab):
     logits = (h @ w.T + b).reshape(12, vocab)
     teacher = (h @ wt.T).reshape(12, vocab)
     g = torch.randn(12, generator=gen)
-    cases = (
-        ("cross_entropy", lambda hid, dw, db: vtp.cross_entropy(
-            vtp.Head(hid, dw, db), distribute_tensor(y, mesh, tokens) if dp else y, reduction="sum"), (logits,), None,
-         {}),
-        ("jsd", lambda hid, dw, db: vtp.jsd(
-            vtp.Head(hid, dw, db), vtp.Head(hid.detach(), distribute_tensor(wt, mesh, wpl)), beta=0.3),
-         (logits, teacher), g, {"beta": 0.3}),
+    cases: tuple[tuple[str, Callable[..., Any], tuple[torch.Tensor, ...], torch.Tensor | None, dict], ...] = (
+        (
+            "cross_entropy",
+            lambda hid, dw, db: vtp.cross_entropy(
+                vtp.Head(hid, dw, db), distribute_tensor(y, mesh, tokens) if dp else y, reduction="sum"
+            ),
+            (logits,),
+            None,
+            {},
+        ),
+        (
+            "jsd",
+            lambda hid, dw, db: vtp.jsd(
+                vtp.Head(hid, dw, db), vtp.Head(hid.detach(), distribute_tensor(wt, mesh, wpl)), beta=0.3
+            ),
+            (logits, teacher),
+            g,
+            {"beta": 0.3},
+        ),
     )
     for op, call, full_logits, upstream, opts in cases:
         hid, dw, db = hidden_input(), leaf(w, wpl), leaf(b, wpl)
@@ -320,17 +371,29 @@ def head_with_dtensor_weight(rank, world, group, shape, vocab):
         else:
             (out * distribute_tensor(upstream.view(4, 3), mesh, out.placements)).sum().backward()
             value = out.full_tensor().reshape(12)
-        ref, (dz, *_) = values_and_grads(op, full_logits, y.reshape(12) if op == "cross_entropy" else None,
-                                         upstream, needs_grad=(True,) + (False,) * (len(full_logits) - 1), **opts)
+        ref, (dz, *_) = values_and_grads(
+            op,
+            full_logits,
+            y.reshape(12) if op == "cross_entropy" else None,
+            upstream,
+            needs_grad=(True,) + (False,) * (len(full_logits) - 1),
+            **opts,
+        )
+        assert dz is not None
         _close(value, ref.sum() if upstream is None else ref, f"{op}: value")
         # the replicated weight's gradient is a pending sum over the batch shards (dp)
         grad_placements = (Partial(),) * dp + (Shard(0),)
         for param, want in ((dw, dz.T @ h.reshape(12, 6).double()), (db, dz.sum(0))):
-            assert param.grad.placements == grad_placements and param.grad.stride() == param.stride(), op
-            _close(param.grad.full_tensor(), want, f"{op}: weight/bias grad")
+            grad = _dt(param.grad)
+            assert grad.placements == grad_placements and grad.stride() == param.stride(), op
+            _close(grad.full_tensor(), want, f"{op}: weight/bias grad")
         dh = (dz @ w.double()).view(4, 3, 6)
-        assert not dp or (hid.grad.placements == hid.placements and hid.grad.stride() == hid.stride()), op
-        _close(hid.grad.full_tensor() if dp else hid.grad, dh, f"{op}: hidden grad (complete on every rank)")
+        if dp:
+            grad = _dt(hid.grad)
+            assert grad.placements == hid.placements and grad.stride() == hid.stride(), op
+            _close(grad.full_tensor(), dh, f"{op}: hidden grad (complete on every rank)")
+        else:
+            _close(hid.grad, dh, f"{op}: hidden grad (complete on every rank)")
 
     dw = leaf(w, wpl)
     errors = [
@@ -342,7 +405,7 @@ def head_with_dtensor_weight(rank, world, group, shape, vocab):
     for kind, match, bad in errors:
         with pytest.raises(kind, match=match):
             bad()
-    assert vtp.entropy(vtp.Head(hidden_input(), dw), reduction="sum").full_tensor().isfinite()  # ranks in step
+    assert _dt(vtp.entropy(vtp.Head(hidden_input(), dw), reduction="sum")).full_tensor().isfinite()  # ranks in step
 
 
 @pytest.mark.parametrize("world, shape, vocab", MESHES_REF, ids=lambda x: str(x))
@@ -352,12 +415,17 @@ def test_head_with_dtensor_weight(ranks, world, shape, vocab):
 
 # -- the guide's example -------------------------------------------------------------------
 
+
 def guide_example(rank, world, group):
     from torch.distributed.tensor import Replicate, Shard
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs/guide.md").read_text(), re.S)
-              if "ColwiseParallel" in b]
+
+    blocks = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", (ROOT / "docs/guide.md").read_text(), re.S)
+        if "ColwiseParallel" in b
+    ]
     assert len(blocks) == 1, "docs/guide.md should have one DTensor example"
-    namespace = {"__name__": "__guide_example__"}
+    namespace: dict[str, Any] = {"__name__": "__guide_example__"}
     exec(compile(blocks[0], "<guide DTensor example>", "exec"), namespace)
     with vtp.use_backend("eager"):
         loss, head = namespace["main"]()
@@ -370,12 +438,14 @@ def test_guide_example_on_two_ranks(ranks):
 
 # -- on the GPU ----------------------------------------------------------------------------
 
+
 def device_ops(rank, world, group, device):
     """Forced triton backend on DTensors of ``device``, V=9 on 2 ranks (5, 4). On "cuda", the
     gloo ranks share the GPU; the test compares each rank's local shard, so that no
     collective of the test itself moves CUDA tensors."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     cpu_mesh = _mesh(world, (world,))
@@ -401,11 +471,18 @@ def device_ops(rank, world, group, device):
         assert raw.placements == (Shard(2),) and raw.stride() == ds.stride(), (raw.stride(), ds.stride())
         loss.backward()
         logits = (x.reshape(12, 9),) + ((t.reshape(12, 9),) if op == "jsd" else ())
-        ref, ref_grads = values_and_grads(op, logits, y.reshape(12) if op == "cross_entropy" else None,
-                                          g[..., 0].reshape(12), needs_grad=(True,) + (False,) * (len(logits) - 1))
-        assert ds.grad.placements == (Shard(2),) and ds.grad.stride() == ds.stride()
+        ref, ref_grads = values_and_grads(
+            op,
+            logits,
+            y.reshape(12) if op == "cross_entropy" else None,
+            g[..., 0].reshape(12),
+            needs_grad=(True,) + (False,) * (len(logits) - 1),
+        )
+        grad = _dt(ds.grad)
+        assert grad.placements == (Shard(2),) and grad.stride() == ds.stride()
         _close(out.to_local().cpu(), ref.view(4, 3), f"{op} on {device}: value")
-        _close(ds.grad.to_local().cpu(), local(ref_grads[0].view(x.shape), [Shard(2)]), f"{op} on {device}: grad")
+        assert ref_grads[0] is not None
+        _close(grad.to_local().cpu(), local(ref_grads[0].view(x.shape), [Shard(2)]), f"{op} on {device}: grad")
 
 
 def test_triton_on_dtensor_cpu(ranks):
@@ -416,6 +493,8 @@ def test_triton_on_dtensor_cpu(ranks):
 @pytest.mark.gpu
 def test_triton_on_dtensor_gpu(ranks):
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU with compiled Triton; run on the GPU machine: "
-                    "TRITON_INTERPRET=0 python -m pytest -m gpu tests/test_dtensor.py")
+        pytest.skip(
+            "needs a CUDA GPU with compiled Triton; run on the GPU machine: "
+            "TRITON_INTERPRET=0 python -m pytest -m gpu tests/test_dtensor.py"
+        )
     ranks(2, device_ops, "cuda", timeout=300)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime.tools import bench_head
 from vtp_runtime.testing.reference import values_and_grads
+from vtp_runtime.tools import bench_head
 
 pytestmark = pytest.mark.gpu
 
@@ -23,19 +23,21 @@ N, H, V = 8192, 4096, 151936
 @pytest.fixture(autouse=True)
 def _need_cuda():
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU with compiled Triton (torch.cuda.is_available() is False "
-                    "or TRITON_INTERPRET=1); run on the GPU machine: TRITON_INTERPRET=0 pytest -m gpu")
+        pytest.skip(
+            "needs a CUDA GPU with compiled Triton (torch.cuda.is_available() is False "
+            "or TRITON_INTERPRET=1); run on the GPU machine: TRITON_INTERPRET=0 pytest -m gpu"
+        )
 
 
 def _inputs(n, h, v, seed=0, teacher=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(n, h, device="cuda", generator=g).bfloat16().requires_grad_(True)
-    weight = (torch.randn(v, h, device="cuda", generator=g) * 2 * h ** -0.5).bfloat16().requires_grad_(True)
+    weight = (torch.randn(v, h, device="cuda", generator=g) * 2 * h**-0.5).bfloat16().requires_grad_(True)
     labels = torch.randint(0, v, (n,), device="cuda", generator=g)
     if not teacher:
         return hidden, weight, labels
     ht = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-    wt = (torch.randn(v, h, device="cuda", generator=g) * 2 * h ** -0.5).bfloat16()
+    wt = (torch.randn(v, h, device="cuda", generator=g) * 2 * h**-0.5).bfloat16()
     return hidden, weight, labels, ht, wt
 
 
@@ -46,13 +48,15 @@ def _reference(op, hidden, weight, labels, upstream, teacher=None, rows=1024, **
     dw = torch.zeros_like(w64)
     for lo in range(0, h64.shape[0], rows):
         hi = min(lo + rows, h64.shape[0])
-        z = (h64[lo:hi] @ w64.T,)
+        z: tuple[torch.Tensor, ...] = (h64[lo:hi] @ w64.T,)
         if teacher is not None:
             z += (teacher[0][lo:hi].double() @ teacher[1].double().T,)
         index = None if labels is None else labels[lo:hi]
-        v, (dz, *_) = values_and_grads(op, z, index, upstream[lo:hi], needs_grad=(True,) + (False,) * (len(z) - 1),
-                                       **opts)
+        v, (dz, *_) = values_and_grads(
+            op, z, index, upstream[lo:hi], needs_grad=(True,) + (False,) * (len(z) - 1), **opts
+        )
         vals.append(v)
+        assert dz is not None
         dh[lo:hi] = dz @ w64
         dw += dz.T @ h64[lo:hi]
         del z, dz
@@ -103,9 +107,14 @@ def test_other_ops_match_float64(op):
     mat_args = (hidden @ weight.T,) + args[1:] if op != "jsd" else (hidden @ weight.T, (ht @ wt.T))
     mat_out = vtp.loss(op, *mat_args, reduction="sum", backend="triton")
     materialized = (mat_out.detach(), *torch.autograd.grad(mat_out, (hidden, weight)))
-    ref_vals, ref_dh, ref_dw = _reference(op, hidden, weight, labels if op == "logprobs" else None,
-                                          torch.ones(n, device="cuda", dtype=torch.float64),
-                                          teacher=(ht, wt) if op == "jsd" else None)
+    ref_vals, ref_dh, ref_dw = _reference(
+        op,
+        hidden,
+        weight,
+        labels if op == "logprobs" else None,
+        torch.ones(n, device="cuda", dtype=torch.float64),
+        teacher=(ht, wt) if op == "jsd" else None,
+    )
     _as_accurate_as_materialized(fused, materialized, (ref_vals.sum(), ref_dh, ref_dw))
 
 
@@ -123,6 +132,7 @@ def test_temporaries_within_budget(op, budget, tp):
 
 def test_liger_fused_linear_ce_is_what_runs_at_tp1(monkeypatch):
     from vtp_runtime.backends import liger
+
     calls = []
     original = liger.FusedLinearCrossEntropy.forward
 

@@ -21,8 +21,14 @@ class Picky(Backend):
 
     name = "info_picky"
     priority = -40
-    ops = {"entropy": OpCapability(device_types=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
-                                   tp_sizes=frozenset({1}), even_shards_only=True)}
+    ops = {
+        "entropy": OpCapability(
+            device_types=frozenset({"cpu"}),
+            dtypes=frozenset({torch.float32}),
+            tp_sizes=frozenset({1}),
+            even_shards_only=True,
+        )
+    }
 
 
 class PickyPlugin:
@@ -51,7 +57,9 @@ def test_plain_text(capsys, picky):
     assert "torch" in out and torch.__version__.split("+")[0] in out and "liger-kernel" in out
     assert "intel-extension-for-pytorch" in out
     width = 2 + len(OPS)  # name, priority, one column per op (the losses, argmax, sample)
-    rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.startswith("  ") and len(ln.split()) == width}
+    rows = {
+        ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.startswith("  ") and len(ln.split()) == width
+    }
     assert rows["eager"] == ["0"] + ["yes"] * len(OPS)
     assert rows["info_picky"] == ["-40", "-", "-", "yes", "-", "-", "-", "-"]
     assert any(ln.split()[:2] == ["loaded", "picky-plugin"] for ln in out.splitlines())
@@ -69,9 +77,13 @@ def test_json(capsys, picky):
     assert eager["source"].startswith("vtp-runtime") and all(eager["ops"][op]["available"] for op in OPS)
     assert data["backends"]["info_picky"]["ops"]["entropy"]["tp_sizes"] == [1]
     assert data["backends"]["info_picky"]["ops"]["kl"] == {
-        "implemented": False, "available": False, "reasons": ["does not implement kl"]}
+        "implemented": False,
+        "available": False,
+        "reasons": ["does not implement kl"],
+    }
     assert {"name": "picky-plugin", "status": "loaded"}.items() <= next(
-        p for p in data["plugins"] if p["name"] == "picky-plugin").items()
+        p for p in data["plugins"] if p["name"] == "picky-plugin"
+    ).items()
 
 
 def test_rich_tables(picky):
@@ -97,14 +109,38 @@ def test_explain_simulated_tp_call(capsys, picky):
 
 
 def test_explain_json_and_forcing(capsys, picky):
-    rc, out, _ = main(capsys, "--explain", "entropy", "--dtype", "fp32", "--vocab", "1000", "--tp", "1",
-                      "--backend", "info_picky", "--json")
+    rc, out, _ = main(
+        capsys,
+        "--explain",
+        "entropy",
+        "--dtype",
+        "fp32",
+        "--vocab",
+        "1000",
+        "--tp",
+        "1",
+        "--backend",
+        "info_picky",
+        "--json",
+    )
     data = json.loads(out)
     assert rc == 0 and data["selected"] == "info_picky" and data["forced"] == "info_picky"
     assert data["request"]["even_shards"] is True and data["reasons"]["info_picky"] == []
 
-    rc, out, _ = main(capsys, "--explain", "entropy", "--vocab", "1000", "--tp", "4", "--uneven",
-                      "--feature", "temperature", "--backend", "info_picky")
+    rc, out, _ = main(
+        capsys,
+        "--explain",
+        "entropy",
+        "--vocab",
+        "1000",
+        "--tp",
+        "4",
+        "--uneven",
+        "--feature",
+        "temperature",
+        "--backend",
+        "info_picky",
+    )
     assert rc == 1 and "selected: none" in out and "does not support temperature" in out
 
     rc, _, err = main(capsys, "--explain", "entropy", "--backend", "no_such_backend")
@@ -121,13 +157,18 @@ def test_simulated_request():
 
 
 def test_module_entry_point():
-    done = subprocess.run([sys.executable, "-m", "vtp_runtime", "info", "--explain", "kl", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "vtp_runtime", "info", "--explain", "kl", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["selected"] is not None
 
 
 # -- VTP_DEBUG -----------------------------------------------------------------------------
+
 
 def test_debug_logs_each_selection_once(monkeypatch, caplog):
     monkeypatch.setenv("VTP_DEBUG", "1")

@@ -51,8 +51,11 @@ def _expected(logits, labels, num_items):
     target = _shifted(labels).reshape(-1)
     denominator = float(num_items) if num_items is not None else float((target != -100).sum())
     value, (grad,) = reference.values_and_grads(
-        "cross_entropy", (logits.reshape(-1, v),), target,
-        grad_output=torch.full(target.shape, 1 / denominator, dtype=torch.float64))
+        "cross_entropy",
+        (logits.reshape(-1, v),),
+        target,
+        grad_output=torch.full(target.shape, 1 / denominator, dtype=torch.float64),
+    )
     return value.sum() / denominator, grad.view(logits.shape)
 
 
@@ -63,7 +66,7 @@ def _dtensor_job(rank, world, group, v, num_items):
     logits, labels = _inputs(v)
     chunk = -(-v // world)
     start = min(rank * chunk, v)
-    local = logits[..., start:min(start + chunk, v)].clone().requires_grad_()
+    local = logits[..., start : min(start + chunk, v)].clone().requires_grad_()
     mesh = DeviceMesh.from_group(group, "cpu")
     full = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=logits.shape, stride=logits.stride())
     loss = causal_lm_loss(full, labels, v, num_items_in_batch=num_items)
@@ -171,8 +174,14 @@ def test_head_logits_slice_tokens_fold_scalars_and_refuse_the_rest():
         got = vtp.logprobs(op_head, labels, **options)
     want = torch.log_softmax(head(hidden)[:, :-1] * 1.5 / 0.5, -1).gather(-1, labels[..., None])[..., 0]
     torch.testing.assert_close(got, want)
-    for bad in (lambda x: x + 1, lambda x: -x, lambda x: x * -2.0, lambda x: torch.tanh(x), lambda x: x[..., :3],
-                lambda x: x.float()):
+    for bad in (
+        lambda x: x + 1,
+        lambda x: -x,
+        lambda x: x * -2.0,
+        lambda x: torch.tanh(x),
+        lambda x: x[..., :3],
+        lambda x: x.float(),
+    ):
         with pytest.raises(UnfusableLogits):
             bad(fused)
     assert not hasattr(fused, "float")  # probes answer False rather than raising

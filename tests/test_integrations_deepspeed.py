@@ -15,7 +15,8 @@ from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None,
-    reason="deepspeed or transformers is not installed (pip install -e '.[integrations]')")
+    reason="deepspeed or transformers is not installed (pip install -e '.[integrations]')",
+)
 
 V = 1001
 
@@ -39,9 +40,12 @@ def _engine(rank, world, model):
     # (``deepspeed.comm.torch`` as an attribute is torch itself, re-exported: import the module)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the ranks' process group
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},
-              "tensor_parallel": {"autotp_size": world, "vocab_parallel_lm_head": True},
-              "optimizer": {"type": "SGD", "params": {"lr": 0.0}}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 0},
+        "tensor_parallel": {"autotp_size": world, "vocab_parallel_lm_head": True},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+    }
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     return engine
 
@@ -66,8 +70,17 @@ def _deepspeed_job(rank, world, group):
     from vtp_runtime.integrations.transformers import VtpCausalLMLoss, fuse_lm_head, use_vocab_parallel_loss
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     reference = copy.deepcopy(model)
     engine = _engine(rank, world, model)
     head = engine.module.get_output_embeddings()
@@ -88,18 +101,26 @@ def _deepspeed_job(rank, world, group):
             want, want_grads = _loss_and_grads(reference, ids, labels, num_items)
             got, got_grads = _loss_and_grads(engine.module, ids, labels, num_items)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-            results[fused, num_items is None] = ({n: g.clone() for n, g in got_grads.items()},
-                                                 want_grads if rank == 0 else None)
+            results[fused, num_items is None] = (
+                {n: g.clone() for n, g in got_grads.items()},
+                want_grads if rank == 0 else None,
+            )
     assert engine.module(input_ids=ids, labels=labels).logits is None
 
     # the loss DeepSpeed installed gives the same value (it is what the line above replaces)
     with torch.no_grad():
         logits = engine.module(input_ids=ids).logits
-        torch.testing.assert_close(ds_loss(logits, labels, vocab_size=V),
-                                   reference(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            ds_loss(logits, labels, vocab_size=V), reference(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=1e-6
+        )
         # any vtp op with DeepSpeed's TP group and the head's bounds
-        lp = vtp.logprobs(logits[:, :-1], ids[:, 1:], tp_group=groups.get_tensor_model_parallel_group(),
-                          vocab_start=head.vocab_start_index, vocab_end=head.vocab_end_index)
+        lp = vtp.logprobs(
+            logits[:, :-1],
+            ids[:, 1:],
+            tp_group=groups.get_tensor_model_parallel_group(),
+            vocab_start=head.vocab_start_index,
+            vocab_end=head.vocab_end_index,
+        )
         want_lp = torch.log_softmax(reference(input_ids=ids).logits[:, :-1].double(), -1)
         torch.testing.assert_close(lp.double(), want_lp.gather(-1, ids[:, 1:, None])[..., 0], rtol=1e-5, atol=1e-5)
     return results, (head.vocab_start_index, head.vocab_end_index)

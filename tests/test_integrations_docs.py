@@ -12,8 +12,10 @@ import pytest
 from vtp_runtime.testing.distributed import RankPool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install -e '.[integrations]')",
+)
 
 
 def _examples():

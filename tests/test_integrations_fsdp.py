@@ -21,8 +21,10 @@ import torch
 
 from vtp_runtime.testing.distributed import RankPool
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install -e '.[integrations]')",
+)
 
 V, DP, TP = 1001, 2, 2
 
@@ -30,8 +32,15 @@ V, DP, TP = 1001, 2, 2
 def _config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
 
 
 def _save_job(rank, world, group, path):
@@ -108,8 +117,9 @@ def _transformers_job(rank, world, group, path):
 
     out = []
     for apply, fused in ((fuse_lm_head, True), (use_vocab_parallel_loss, False)):
-        model = _load(path, distributed_config=DistributedConfig(tp_size=TP, fsdp_size=DP,
-                                                                 tp_plan={"lm_head": "colwise"}))
+        model = _load(
+            path, distributed_config=DistributedConfig(tp_size=TP, fsdp_size=DP, tp_plan={"lm_head": "colwise"})
+        )
         weight = model.lm_head.weight
         mesh = weight.device_mesh
         out.append((tuple(map(repr, weight.placements)), lm_head_layout(model)[1:]))
@@ -159,8 +169,9 @@ def _by_hand_job(rank, world, group, path):
     errors = []
     # the weight as FSDP2 leaves it between passes
     try:
-        vtp.cross_entropy(vtp.Head(torch.randn(3, 32), model.lm_head.weight), torch.zeros(3, dtype=torch.long),
-                          reduction="sum")
+        vtp.cross_entropy(
+            vtp.Head(torch.randn(3, 32), model.lm_head.weight), torch.zeros(3, dtype=torch.long), reduction="sum"
+        )
     except ValueError as exc:
         errors.append(str(exc))
     # a head that is its own FSDP2 unit: the fused forward does not call it, so it is not gathered

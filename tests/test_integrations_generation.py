@@ -14,8 +14,10 @@ import torch
 
 from vtp_runtime.testing.distributed import RankPool
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install -e '.[integrations]')",
+)
 
 V, WORLD = 1000, 2
 
@@ -26,9 +28,18 @@ def _save_job(rank, world, group, path):
 
     if rank == 0:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                             bos_token_id=1, eos_token_id=None, pad_token_id=0)
+        config = LlamaConfig(
+            vocab_size=V,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier(group)
 
@@ -144,9 +155,14 @@ def _patched_job(rank, world, group, path):
 
     colwise = {"lm_head": "colwise"}
     out = {}
-    for name, patch, plan in (("fused", fuse_lm_head, colwise), ("loss", use_vocab_parallel_loss, colwise),
-                              ("fused gathered", fuse_lm_head, None), ("fused by hand", fuse_lm_head, "hand")):
-        def load():
+    for name, patch, plan in (
+        ("fused", fuse_lm_head, colwise),
+        ("loss", use_vocab_parallel_loss, colwise),
+        ("fused gathered", fuse_lm_head, None),
+        ("fused by hand", fuse_lm_head, "hand"),
+    ):
+
+        def load(plan=plan, patch=patch):
             if plan == "hand":
                 model, layout = hand_split()
                 return patch(model, **layout).train(), layout
@@ -155,12 +171,13 @@ def _patched_job(rank, world, group, path):
 
         got = {}
         plain, layout = load()  # a plain generate(): warns (once) where the logits are shards
-        got["plain"], got["warnings"] = _warnings(lambda: [plain.generate(prompt, do_sample=False, **kw)
-                                                           for _ in range(2)][0])
+        got["plain"], got["warnings"] = _warnings(
+            lambda plain=plain: [plain.generate(prompt, do_sample=False, **kw) for _ in range(2)][0]
+        )
         model, layout = load()  # with the sampler: no warning, the unsharded model's tokens
         use_vocab_parallel_sampling(model, **layout)
 
-        def generate():
+        def generate(model=model, layout=layout, plan=plan):
             result = {"greedy": model.generate(prompt, do_sample=False, **kw)}
             with vocab_parallel_sampling(model, seed=11, **layout):
                 result["seeded"] = model.generate(prompt, **sampled, **kw)

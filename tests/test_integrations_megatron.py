@@ -5,7 +5,8 @@ the gradients of the hidden states and of the weight shard equal those through M
 own ``vocab_parallel_cross_entropy`` (without label smoothing, where Megatron is exact; its
 smoothing matches ``label_smoothing=a*V/(V-1)`` at TP=1). No adapter is needed.
 
-And a whole ``GPTModel`` at TP=2 (Megatron's shards are even: V=50), its ``compute_language_model_loss`` overridden by ``VtpLanguageModelLossMixin`` (the
+And a whole ``GPTModel`` at TP=2 (Megatron's shards are even: V=50), its
+``compute_language_model_loss`` overridden by ``VtpLanguageModelLossMixin`` (the
 ``[s, b, V_local]`` logits and ``[b, s]`` labels transposed as Megatron does): the per-token
 loss ``[b, s]`` and every parameter gradient equal Megatron's own.
 """
@@ -17,9 +18,10 @@ import torch
 
 from vtp_runtime.testing.distributed import RankPool
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
-                                or importlib.util.find_spec("megatron.core") is None,
-                                reason="megatron-core is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install -e '.[integrations]')",
+)
 
 H, V = 16, 50
 
@@ -35,11 +37,13 @@ def _head(world):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    config = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True,
-                                 params_dtype=torch.float32)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=world, use_cpu_initialization=True, params_dtype=torch.float32
+    )
     torch.manual_seed(0)  # the same full weight on every rank, each keeping its rows
-    return ColumnParallelLinear(H, V, config=config, init_method=lambda w: torch.nn.init.normal_(w, std=0.5),
-                                bias=False, gather_output=False)
+    return ColumnParallelLinear(
+        H, V, config=config, init_method=lambda w: torch.nn.init.normal_(w, std=0.5), bias=False, gather_output=False
+    )
 
 
 def _step(head, hidden, loss_fn, upstream):
@@ -73,10 +77,15 @@ def _megatron_job(rank, world, group):
             head = _head(tp)
             assert head.weight.shape == (V // tp, H)
             eps = smoothing * V / (V - 1)  # Megatron's alpha spreads over the V-1 other classes
-            want = _step(head, hidden, partial(vocab_parallel_cross_entropy, target=target,
-                                               label_smoothing=smoothing), upstream)
-            got = _step(head, hidden, partial(vtp.cross_entropy, labels=target, label_smoothing=eps,
-                                              tp_group=tp_group), upstream)
+            want = _step(
+                head, hidden, partial(vocab_parallel_cross_entropy, target=target, label_smoothing=smoothing), upstream
+            )
+            got = _step(
+                head,
+                hidden,
+                partial(vtp.cross_entropy, labels=target, label_smoothing=eps, tp_group=tp_group),
+                upstream,
+            )
             for name, w, h in zip(("loss", "hidden grad", "weight grad"), want, got):
                 torch.testing.assert_close(h, w, rtol=1e-5, atol=1e-6, msg=f"TP={tp}: {name}")
             out[tp] = tuple(want)
@@ -114,14 +123,27 @@ def _gpt_job(rank, world, group):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     try:
-        config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True,
-                                   params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0,
-                                   tensor_model_parallel_size=world)
+        config = TransformerConfig(
+            num_layers=1,
+            hidden_size=16,
+            num_attention_heads=4,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            attention_dropout=0.0,
+            hidden_dropout=0.0,
+            tensor_model_parallel_size=world,
+        )
         models = []
         for cls in (GPTModel, VtpGPTModel):
             torch.manual_seed(0)  # the same full weights on every rank, each keeping its shard
-            models.append(cls(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=V,
-                              max_sequence_length=8))
+            models.append(
+                cls(
+                    config=config,
+                    transformer_layer_spec=get_gpt_layer_local_spec(),
+                    vocab_size=V,
+                    max_sequence_length=8,
+                )
+            )
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, V, (2, 8), generator=g)
         position_ids = torch.arange(8).expand(2, 8)

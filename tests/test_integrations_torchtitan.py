@@ -13,8 +13,10 @@ import importlib.util
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
-                                reason="torchtitan is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None,
+    reason="torchtitan is not installed (pip install -e '.[integrations]')",
+)
 
 V = 11
 
@@ -31,7 +33,7 @@ def _inputs(batch=2, vocab=V):
 def _shard(logits, tp_rank, tp):
     v = logits.shape[-1]
     chunk = -(-v // tp)
-    return logits[..., tp_rank * chunk:min((tp_rank + 1) * chunk, v)]
+    return logits[..., tp_rank * chunk : min((tp_rank + 1) * chunk, v)]
 
 
 def _value_and_grad(fn, logits, weights=None, local_of=lambda t: t):
@@ -67,26 +69,39 @@ def _spmd_job(rank, world, group, v):
     local = _shard(logits, rank, world).float()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     with vtp.use_backend("eager"):  # torchtitan's at TP=1, on the full logits
-        full = [_value_and_grad(lambda x: titan.compute_logprobs(x, labels, return_entropy=entropy), logits.float(),
-                                weights, lambda g: _shard(g, rank, world)) for entropy in (False, True)]
+        full = [
+            _value_and_grad(
+                lambda x, entropy=entropy: titan.compute_logprobs(x, labels, return_entropy=entropy),
+                logits.float(),
+                weights,
+                lambda g: _shard(g, rank, world),
+            )
+            for entropy in (False, True)
+        ]
     with set_current_spmd_mesh(mesh), vtp.use_backend("eager"):
         for a, b in (
-            (lambda x: ours.cross_entropy_loss(x, labels, global_vocab_size=v),
-             lambda x: titan.cross_entropy_loss(x, labels, global_vocab_size=v)),
-            (lambda x: ours.VtpCrossEntropyLoss.Config(global_vocab_size=v).build()(x, labels, torch.tensor(7.0))[0],
-             lambda x: titan.CrossEntropyLoss.Config(global_vocab_size=v).build()(x, labels, torch.tensor(7.0))[0]),
+            (
+                lambda x: ours.cross_entropy_loss(x, labels, global_vocab_size=v),
+                lambda x: titan.cross_entropy_loss(x, labels, global_vocab_size=v),
+            ),
+            (
+                lambda x: ours.VtpCrossEntropyLoss.Config(global_vocab_size=v).build()(x, labels, torch.tensor(7.0))[0],
+                lambda x: titan.CrossEntropyLoss.Config(global_vocab_size=v).build()(x, labels, torch.tensor(7.0))[0],
+            ),
         ):
             (got, got_grad), (want, want_grad) = _value_and_grad(a, local), _value_and_grad(b, local)
             _close(got, want)
             _close(got_grad, want_grad)
         for entropy, (want, want_grad) in zip((False, True), full):
-            got, got_grad = _value_and_grad(lambda x: ours.compute_logprobs(x, labels, return_entropy=entropy),
-                                            local, weights)
+            got, got_grad = _value_and_grad(
+                lambda x, entropy=entropy: ours.compute_logprobs(x, labels, return_entropy=entropy), local, weights
+            )
             _close(got, want)
             _close(got_grad, want_grad)
             if v % world == 0:  # torchtitan's own on the shards (it cannot all-gather uneven ones)
                 want, want_grad = _value_and_grad(
-                    lambda x: titan.compute_logprobs(x, labels, return_entropy=entropy), local, weights)
+                    lambda x, entropy=entropy: titan.compute_logprobs(x, labels, return_entropy=entropy), local, weights
+                )
                 _close(got, want)
                 _close(got_grad, want_grad)
     return type(ours.VtpCrossEntropyLoss.Config(global_vocab_size=v).build()).__name__
@@ -103,7 +118,9 @@ def _dtensor_job(rank, world, group, dims):
     from vtp_runtime.integrations import torchtitan as ours
 
     dp = world // 2 if dims == 2 else 1
-    mesh = init_device_mesh("cpu", (dp, 2) if dims == 2 else (2,), mesh_dim_names=("dp", "tp") if dims == 2 else ("tp",))
+    mesh = init_device_mesh(
+        "cpu", (dp, 2) if dims == 2 else (2,), mesh_dim_names=("dp", "tp") if dims == 2 else ("tp",)
+    )
     tp_rank = mesh["tp"].get_local_rank() if dims == 2 else rank
     dp_rank = mesh["dp"].get_local_rank() if dims == 2 else 0
     logits, labels, weights = _inputs(batch=2 * dp)
@@ -113,8 +130,14 @@ def _dtensor_job(rank, world, group, dims):
     full_shape = (2 * dp, 5, V)
 
     def dt(x):
-        return DTensor.from_local(x, mesh, placements, run_check=False, shape=torch.Size(full_shape),
-                                  stride=torch.empty(full_shape, device="meta").stride())
+        return DTensor.from_local(
+            x,
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(full_shape),
+            stride=torch.empty(full_shape, device="meta").stride(),
+        )
 
     if dims == 2:
         dt_labels = DTensor.from_local(labels[rows], mesh, [Shard(0), Replicate()], run_check=False)
@@ -133,9 +156,15 @@ def _dtensor_job(rank, world, group, dims):
             if dims == 1:
                 for entropy in (False, True):
                     got, got_grad = _value_and_grad(
-                        lambda x: ours.compute_logprobs(dt(x), lp_labels, return_entropy=entropy), local, weights)
+                        lambda x, entropy=entropy: ours.compute_logprobs(dt(x), lp_labels, return_entropy=entropy),
+                        local,
+                        weights,
+                    )
                     want, want_grad = _value_and_grad(
-                        lambda x: titan.compute_logprobs(dt(x), lp_labels, return_entropy=entropy), local, weights)
+                        lambda x, entropy=entropy: titan.compute_logprobs(dt(x), lp_labels, return_entropy=entropy),
+                        local,
+                        weights,
+                    )
                     _close(got, want)
                     _close(got_grad, want_grad)
     finally:
@@ -158,14 +187,17 @@ def test_full_vocabulary():
     """No TP: the same as torchtitan's, which is F.cross_entropy."""
     from torchtitan.components import loss as titan
 
-    from vtp_runtime.integrations import torchtitan as ours
-
     import vtp_runtime as vtp
+    from vtp_runtime.integrations import torchtitan as ours
 
     logits, labels, weights = _inputs()
     with vtp.use_backend("eager"):
-        for a, b, w in ((ours.cross_entropy_loss, titan.cross_entropy_loss, None),
-                        (ours.compute_logprobs, titan.compute_logprobs, weights)):
-            (got, got_grad), (want, want_grad) = (_value_and_grad(lambda x: f(x, labels), logits, w) for f in (a, b))
+        for a, b, w in (
+            (ours.cross_entropy_loss, titan.cross_entropy_loss, None),
+            (ours.compute_logprobs, titan.compute_logprobs, weights),
+        ):
+            (got, got_grad), (want, want_grad) = (
+                _value_and_grad(lambda x, f=f: f(x, labels), logits, w) for f in (a, b)
+            )
             _close(got, want)
             _close(got_grad, want_grad)

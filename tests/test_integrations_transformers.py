@@ -26,13 +26,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vtp_runtime as vtp
 from vtp_runtime.testing.distributed import RankPool
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (pip install -e '.[integrations]')",
+)
 
 V, WORLD = 1001, 2
 SPLIT = 345  # the hand-split head's boundary: not torch.chunk's
-SMALL = {"vocab_size": 101, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 4, "num_key_value_heads": 2}
+SMALL = {
+    "vocab_size": 101,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 FAMILIES = {  # the decoder families fuse_lm_head claims; extra config, tied head or not
     "Llama": {"tie_word_embeddings": False},
     "Llama-tied": {"tie_word_embeddings": True},
@@ -108,8 +116,10 @@ def test_fused_head_gives_the_models_own_loss_and_gradients(family):
         # evaluation (and an explicit skip_logits=False) keeps the logits: the loss on them is vtp's
         fused.eval(), reference.eval()
         want = reference(input_ids=ids, labels=labels)
-        for got in (fused(input_ids=ids, labels=labels), fused.train()(input_ids=ids, labels=labels,
-                                                                       skip_logits=False)):
+        for got in (
+            fused(input_ids=ids, labels=labels),
+            fused.train()(input_ids=ids, labels=labels, skip_logits=False),
+        ):
             torch.testing.assert_close(got.logits, want.logits)
             torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
         # no labels: the usual logits, whatever the mode
@@ -270,9 +280,19 @@ def test_trainer_with_gradient_accumulation(tmp_path):
         rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
     def logs(model, out):
-        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                                 max_steps=2, logging_steps=1, learning_rate=1e-2, report_to=[], use_cpu=True,
-                                 save_strategy="no", disable_tqdm=True, seed=0)
+        args = TrainingArguments(
+            output_dir=str(out),
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            logging_steps=1,
+            learning_rate=1e-2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
         trainer.train()
         return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
@@ -292,8 +312,15 @@ def _save_job(rank, world, group, path):
 
     if rank == 0:
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+        config = LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier(group)
 
@@ -381,8 +408,9 @@ def _tp_plan_job(rank, world, group, path):
         assert largest < bound, what
 
     # the one line that keeps the logits, on the "colwise" plan
-    sharded = use_vocab_parallel_loss(_load(path, distributed_config=DistributedConfig(
-        tp_plan={"lm_head": "colwise"}, tp_size=world)))
+    sharded = use_vocab_parallel_loss(
+        _load(path, distributed_config=DistributedConfig(tp_plan={"lm_head": "colwise"}, tp_size=world))
+    )
     for out in _same_as_reference(ref, sharded, ids, labels):
         assert out.logits.shape == (2, 7, min(chunk, V - rank * chunk))  # local shards, not gathered
     # the default plan gathers the output: that loss refuses it instead of computing garbage
@@ -470,15 +498,17 @@ def _hand_split_job(rank, world, group, path):
             want, want_grads = _loss_and_grads(ref, ids, labels, num_items)
             got, got_grads = _loss_and_grads(model, ids, labels, num_items)
             torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(got_grads["lm_head.weight"], want_grads["lm_head.weight"][start:end],
-                                       rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(
+                got_grads["lm_head.weight"], want_grads["lm_head.weight"][start:end], rtol=1e-4, atol=1e-6
+            )
             backbone = [name for name in want_grads if name != "lm_head.weight"]
             if copy_:
                 for name in backbone:
                     torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, msg=name)
             else:
-                wrong.append(sum(not torch.allclose(got_grads[n], want_grads[n], rtol=1e-2, atol=1e-4)
-                                 for n in backbone))
+                wrong.append(
+                    sum(not torch.allclose(got_grads[n], want_grads[n], rtol=1e-2, atol=1e-4) for n in backbone)
+                )
     return wrong, len(backbone)
 
 

@@ -15,8 +15,9 @@ import vtp_runtime.integrations.trl as vtp_trl
 
 # trl is imported by the tests that need it, not at module level: the rank processes import
 # this module to find their jobs, and those need only torch
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
-                                reason="trl is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install -e '.[integrations]')"
+)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
@@ -70,8 +71,10 @@ def _close(got, want, tol=1e-10):
 def test_tp1_equals_trl(reduction, beta, temperature):
     student, teacher, labels = _inputs(13)
     for lab in (None, labels):
-        _close(_ours(student, teacher, lab, beta, temperature, reduction),
-               _trl(student, teacher, lab, beta, temperature, reduction))
+        _close(
+            _ours(student, teacher, lab, beta, temperature, reduction),
+            _trl(student, teacher, lab, beta, temperature, reduction),
+        )
 
 
 @pytest.mark.parametrize("num_items", [5, torch.tensor(5)])
@@ -79,14 +82,19 @@ def test_tp1_equals_trl(reduction, beta, temperature):
 def test_tp1_num_items_in_batch_overrides_reduction(num_items, reduction):
     student, teacher, labels = _inputs(13)
     for lab in (None, labels):
-        _close(_ours(student, teacher, lab, 0.5, 1.0, reduction, num_items),
-               _trl(student, teacher, lab, 0.5, 1.0, reduction, num_items))
+        _close(
+            _ours(student, teacher, lab, 0.5, 1.0, reduction, num_items),
+            _trl(student, teacher, lab, 0.5, 1.0, reduction, num_items),
+        )
 
 
 def test_tp1_float32():
     student, teacher, labels = _inputs(13, torch.float32)
-    _close(_ours(student, teacher, labels, 0.3, 2.0, "batchmean"),
-           _trl(student, teacher, labels, 0.3, 2.0, "batchmean"), tol=1e-5)
+    _close(
+        _ours(student, teacher, labels, 0.3, 2.0, "batchmean"),
+        _trl(student, teacher, labels, 0.3, 2.0, "batchmean"),
+        tol=1e-5,
+    )
 
 
 def test_all_tokens_ignored():
@@ -106,15 +114,16 @@ def test_bad_reduction():
 # -- shards ---------------------------------------------------------------------------------
 
 V = 11
-CASES = [(reduction, beta, num_items) for reduction in REDUCTIONS for beta in (0.0, 0.5, 1.0)
-         for num_items in (None,)] + [("batchmean", 0.5, torch.tensor(6))]
+CASES = [
+    (reduction, beta, num_items) for reduction in REDUCTIONS for beta in (0.0, 0.5, 1.0) for num_items in (None,)
+] + [("batchmean", 0.5, torch.tensor(6))]
 
 
 def _shard_job(rank, world, group, kind):
     v = V if world == 2 else 5
     student, teacher, labels = _inputs(v)
     if kind == "uneven":  # explicit bounds, not torch.chunk's: [0, 3), [3, 11)
-        start, end = [0, 3, v][rank:rank + 2]
+        start, end = [0, 3, v][rank : rank + 2]
     else:
         chunk = -(-v // world)
         start = min(rank * chunk, v)
@@ -138,8 +147,9 @@ def _ours_dtensor(s, t, full, group, labels, beta, reduction, num_items):
 
     mesh = DeviceMesh.from_group(group, "cpu")
     s, t = (x.clone().requires_grad_() for x in (s, t))
-    ds, dt = (DTensor.from_local(x, mesh, [Shard(2)], run_check=False, shape=full.shape, stride=full.stride())
-              for x in (s, t))
+    ds, dt = (
+        DTensor.from_local(x, mesh, [Shard(2)], run_check=False, shape=full.shape, stride=full.stride()) for x in (s, t)
+    )
     out = vtp_trl.generalized_jsd_loss(ds, dt, labels, beta, 2.0, reduction, num_items)
     (out.double() * _upstream(reduction if num_items is None else "sum")).sum().backward()
     return out.detach(), s.grad, t.grad

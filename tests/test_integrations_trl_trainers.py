@@ -28,8 +28,9 @@ import torch
 
 from vtp_runtime.testing.distributed import RankPool
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
-                                reason="trl is not installed (pip install -e '.[integrations]')")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install -e '.[integrations]')"
+)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]  # V = 64: 32 ids per TP rank
@@ -62,10 +63,20 @@ def _save_models(path):
 
     for seed in (0, 1):  # the policy (student), and GKD's teacher
         torch.manual_seed(seed)
-        LlamaForCausalLM(LlamaConfig(
-            vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2, initializer_range=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=1,
-        )).save_pretrained(os.path.join(path, str(seed)))
+        LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=len(WORDS),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                initializer_range=0.5,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=1,
+            )
+        ).save_pretrained(os.path.join(path, str(seed)))
 
 
 def _text(g, n):
@@ -90,8 +101,13 @@ def _gkd_collate(batch):
     ids = torch.tensor([row["input_ids"] for row in batch])
     labels = ids.clone()
     labels[:, :2] = -100  # the prompt
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels, "prompts": ids[:, :2],
-            "prompt_attention_mask": torch.ones_like(ids[:, :2])}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": labels,
+        "prompts": ids[:, :2],
+        "prompt_attention_mask": torch.ones_like(ids[:, :2]),
+    }
 
 
 def _reward(completions, **kwargs):
@@ -108,10 +124,25 @@ def _config(kind, out, **extra):
             config = trl.GKDConfig
     else:
         config = getattr(trl, f"{kind}Config")
-    fields = {"max_steps": 2, "model_init_kwargs": None if kind == "GKD" else {"dtype": torch.float32},
-              **EXTRA[kind], **extra}
-    return config(output_dir=out, per_device_train_batch_size=4, logging_steps=1, learning_rate=1e-2,
-                  seed=0, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, **fields)
+    fields = {
+        "max_steps": 2,
+        "model_init_kwargs": None if kind == "GKD" else {"dtype": torch.float32},
+        **EXTRA[kind],
+        **extra,
+    }
+    return config(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-2,
+        seed=0,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        bf16=False,
+        **fields,
+    )
 
 
 def _train(kind, trainer_class, path, out, tp=None, plan=None, sampler=False, generated=None, **extra):
@@ -142,10 +173,15 @@ def _train(kind, trainer_class, path, out, tp=None, plan=None, sampler=False, ge
         from transformers.distributed import DistributedConfig
 
         # the reference model TRL loads (GRPO, RLOO, DPO, KTO with beta > 0) is sharded as the policy
-        extra.setdefault("model_init_kwargs", {"dtype": torch.float32,
-                                               "distributed_config": DistributedConfig(tp_size=tp, tp_plan=plan)})
-    kw = {"args": _config(kind, out, **extra), "train_dataset": Dataset.from_list(_rows(kind)),
-          "processing_class": _tokenizer()}
+        extra.setdefault(
+            "model_init_kwargs",
+            {"dtype": torch.float32, "distributed_config": DistributedConfig(tp_size=tp, tp_plan=plan)},
+        )
+    kw = {
+        "args": _config(kind, out, **extra),
+        "train_dataset": Dataset.from_list(_rows(kind)),
+        "processing_class": _tokenizer(),
+    }
     kw["model"] = load(0) if tp is not None or kind == "GKD" else os.path.join(path, "0")
     if kind in ("GRPO", "RLOO"):
         kw["reward_funcs"] = _reward
@@ -231,7 +267,7 @@ def _assert_same_logs(ours, stock, steps=2):
     assert len(ours) == len(stock) == steps + 1, (len(ours), len(stock))
     compared = 0
     for got, want in zip(ours, stock):
-        assert got.keys() == want.keys(), (got.keys() ^ want.keys())
+        assert got.keys() == want.keys(), got.keys() ^ want.keys()
         for key, value in want.items():
             if isinstance(value, float):
                 # KL-like metrics are differences of nearby log-prob sums: an absolute floor
@@ -309,8 +345,7 @@ def _colwise_job(rank, world, group, kind, path, out, extra, ours=True):
         import vtp_runtime as vtp
 
         with vtp.use_backend("eager"):
-            logs, calls = _train(kind, _stock(kind), path, out, tp=world, plan=COLWISE, generated=generated,
-                                 **extra), 0
+            logs, calls = _train(kind, _stock(kind), path, out, tp=world, plan=COLWISE, generated=generated, **extra), 0
     return logs, calls, generated
 
 
@@ -342,14 +377,21 @@ def test_on_policy_generation_from_a_sharded_head_at_tp2(case, models, pool, tmp
         _assert_same_logs(logs, stock, steps)
     if case == "GKD-on-policy":  # the control: TRL's own sampler on the shards picks local ids
         per_rank = pool.run(_colwise_job, kind, models, str(tmp_path), extra, ours=False, timeout=400)
-        assert not all(torch.equal(ids, w) for _, _, generated in per_rank
-                       for (_, ids, _), (_, w, _) in zip(generated, want))
+        assert not all(
+            torch.equal(ids, w) for _, _, generated in per_rank for (_, ids, _), (_, w, _) in zip(generated, want)
+        )
 
 
 def _continuous_batching_job(rank, world, group, path, out):
     try:
-        _run_ours("GRPO", path, os.path.join(out, str(rank)), tp=world, plan=COLWISE,
-                  use_transformers_continuous_batching=True)
+        _run_ours(
+            "GRPO",
+            path,
+            os.path.join(out, str(rank)),
+            tp=world,
+            plan=COLWISE,
+            use_transformers_continuous_batching=True,
+        )
     except RuntimeError as exc:
         return str(exc)
     return "no error"

@@ -1,5 +1,8 @@
-"""The ``liger`` backend under TRITON_INTERPRET=1 on CPU, at TP 1 and 2, against the float64
-reference; its refusals; its second-backward guard."""
+"""The ``liger`` backend under TRITON_INTERPRET=1 on CPU: the conformance kit's cases at TP 1
+and 2 against the float64 reference (a smoke selection by default, ``VTP_TEST_DEPTH=full``
+for the kit's full matrix: Liger's kernels run in Triton's interpreter); the reasons of its
+refusals, and dispatch passing it over where it cannot run; its second-backward guard; its
+probe."""
 
 from __future__ import annotations
 
@@ -9,9 +12,7 @@ import torch
 import vtp_runtime as vtp
 from vtp_runtime.backend import Request
 from vtp_runtime.errors import BackendUnavailable
-from vtp_runtime.registry import REGISTRY
 from vtp_runtime.testing import conformance
-from vtp_runtime.testing.cases import Case, run_case
 from vtp_runtime.testing.reference import values_and_grads
 
 liger_kernel = pytest.importorskip("liger_kernel")
@@ -21,45 +22,15 @@ from vtp_runtime.backends.liger import SecondBackwardError  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-CE = Case("cross_entropy", layout="even", backend="liger", vocab=24, shape=(2, 3))
-DIV = Case("jsd", layout="even", backend="liger", vocab=24, shape=(2, 3), grads=(True, False))
 
-
-CE_CASES = [
-    CE, CE.with_(dtype="bfloat16"), CE.with_(dtype="float16", masked="labels"),
-    CE.with_(edge="neg_inf"), CE.with_(edge="offset"), CE.with_(edge="bad_index"),
-    CE.with_(edge="all_neg_inf_masked", masked="labels"), CE.with_(edge="all_neg_inf"),
-    CE.with_(strided=True), CE.with_(options=(("reduction", "mean"),), masked="labels"),
-    CE.with_(options=(("ignore_index", 5),), masked="labels"), CE.with_(grads=(False, False)),
-]
-DIV_CASES = [
-    *(DIV.with_(options=(("beta", b),)) for b in (0.0, 0.3, 0.5, 1.0)),
-    DIV.with_(op="kl"), DIV.with_(op="kl", options=(("reverse", True),)),
-    DIV.with_(dtype="bfloat16", masked="mask"), DIV.with_(dtype="float16", masked="labels", strided=True),
-    DIV.with_(options=(("temperature", 2.0), ("beta", 0.7))),
-    DIV.with_(op="kl", options=(("temperature", 0.5), ("reverse", True)), masked="mask"),
-    DIV.with_(options=(("reduction", "mean"),), masked="mask"), DIV.with_(grads=(False, False)),
-    *(DIV.with_(options=(("beta", b),), edge=e) for b in (0.0, 0.3, 1.0)
-      for e in ("neg_inf", "disjoint", "offset", "all_neg_inf", "all_neg_inf_masked")),
-]
-
-
-@pytest.mark.parametrize("case", CE_CASES + DIV_CASES, ids=lambda c: c.id)
-def test_tp1_matches_reference(case):
-    run_case(0, 1, None, case)  # a second backward through its cross entropy raises (SecondBackwardError)
-
-
-TP2_CASES = [CE, CE.with_(dtype="bfloat16", masked="labels"), CE.with_(edge="neg_inf"),
-             CE.with_(edge="bad_index", masked="labels"), CE.with_(edge="offset"), CE.with_(strided=True),
-             CE.with_(edge="all_neg_inf")]
-
-
-@pytest.mark.parametrize("case", TP2_CASES, ids=lambda c: c.id)
-def test_tp2_cross_entropy_matches_reference(ranks, case):
-    ranks(2, run_case, case, timeout=120)
+# a second backward through its cross entropy raises (SecondBackwardError): the kit accepts that
+@conformance.parametrize("liger", depth=conformance.current_depth(slow=True), shape=(2, 3))
+def test_conformance(ranks, conformance_case):
+    conformance.check(conformance_case, runner=ranks, timeout=120)
 
 
 # -- refusals --------------------------------------------------------------------------------
+
 
 def _forced_error(rank, world, group, layout):
     sizes = {"uneven": [7, 9], "permuted": [8, 8], "empty": [16, 0]}[layout]
@@ -91,7 +62,7 @@ def _auto_uneven(rank, world, group):
     g = torch.Generator().manual_seed(3)
     full = torch.randn(4, 16, generator=g, dtype=torch.float64)
     labels = torch.randint(0, 16, (4,), generator=g)
-    z = full[:, starts[rank]:starts[rank] + sizes[rank]].float()
+    z = full[:, starts[rank] : starts[rank] + sizes[rank]].float()
     ex = vtp.explain("cross_entropy", z, labels, tp_group=group, gather=True)
     out = vtp.cross_entropy(z, labels, tp_group=group)
     ref, _ = values_and_grads("cross_entropy", (full,), labels)
@@ -119,22 +90,26 @@ def test_jsd_refused_at_tp2(ranks):
     assert msgs[0] == msgs[1] and "TP size 2 not supported (supports [1])" in msgs[0]
 
 
-@pytest.mark.parametrize("op,kwargs,reason", [
-    ("cross_entropy", {"z_loss": 1e-4}, "does not support z_loss"),
-    ("cross_entropy", {"label_smoothing": 0.1}, "does not support label_smoothing"),
-    ("cross_entropy", {"temperature": 2.0}, "does not support temperature"),
-    ("cross_entropy", {"dtype": torch.float64}, "dtype float64 not supported"),
-    ("jsd", {"teacher_grad": True}, "does not support teacher_grad"),
-    ("kl", {"teacher_grad": True}, "does not support teacher_grad"),
-    ("logprobs", {}, "does not implement op 'logprobs'"),
-    ("entropy", {}, "does not implement op 'entropy'"),
-])
+@pytest.mark.parametrize(
+    "op,kwargs,reason",
+    [
+        ("cross_entropy", {"z_loss": 1e-4}, "does not support z_loss"),
+        ("cross_entropy", {"label_smoothing": 0.1}, "does not support label_smoothing"),
+        ("cross_entropy", {"temperature": 2.0}, "does not support temperature"),
+        ("cross_entropy", {"dtype": torch.float64}, "dtype float64 not supported"),
+        ("jsd", {"teacher_grad": True}, "does not support teacher_grad"),
+        ("kl", {"teacher_grad": True}, "does not support teacher_grad"),
+        ("logprobs", {}, "does not implement op 'logprobs'"),
+        ("entropy", {}, "does not implement op 'entropy'"),
+    ],
+)
 def test_capability_refusals(op, kwargs, reason):
     kwargs = dict(kwargs)
     dtype = kwargs.pop("dtype", torch.float32)
     n = kwargs.pop("tokens", 3)
     teacher_grad = kwargs.pop("teacher_grad", False)
     z = torch.randn(n, 8, dtype=dtype, requires_grad=True)
+    tensors: tuple[torch.Tensor, ...]
     if op in ("cross_entropy", "logprobs"):
         tensors = (z, torch.randint(0, 8, (n,)))
     elif op == "entropy":
@@ -158,6 +133,7 @@ def test_selected_when_it_can_run():
 
 # -- the second-backward guard --------------------------------------------------------------
 
+
 def _ce_inputs(dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     z = (torch.randn(5, 16, generator=g) * 3).to(dtype).requires_grad_(True)
@@ -172,8 +148,7 @@ def test_second_backward_through_retained_graph_raises(dtype):
     before = z.detach().clone()
     loss = vtp.cross_entropy(z, labels, backend="liger", reduction="mean")
     (first,) = torch.autograd.grad(loss, z, retain_graph=True)
-    _, (ref,) = values_and_grads("cross_entropy", (z.detach(),), labels,
-                                 torch.full((5,), 1 / 4, dtype=torch.float64))
+    _, (ref,) = values_and_grads("cross_entropy", (z.detach(),), labels, torch.full((5,), 1 / 4, dtype=torch.float64))
     torch.testing.assert_close(first.double(), ref, rtol=2e-2 if dtype == torch.bfloat16 else 2e-4, atol=1e-3)
     kept = first.clone()
     with pytest.raises(SecondBackwardError, match="backward already ran once"):
@@ -232,6 +207,7 @@ def test_why_label_smoothing_is_refused():
 
 # -- probe ---------------------------------------------------------------------------------
 
+
 def test_probe_reasons(monkeypatch):
     backend = liger_backend.LigerBackend()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -240,7 +216,8 @@ def test_probe_reasons(monkeypatch):
     assert backend.probe("cpu") == ["cpu tensors need TRITON_INTERPRET=1 (Triton's interpreter; for tests)"]
     assert backend.probe("xpu") == []  # the capabilities refuse xpu, with their own reason
     assert "device type 'xpu' not supported (supports cpu, cuda)" in backend.capability_reasons(
-        Request("jsd", "xpu", torch.float32, 1, 8, 3, True, False))
+        Request("jsd", "xpu", torch.float32, 1, 8, 3, True, False)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert backend.probe("cuda") == ["no CUDA device (torch.cuda.is_available() is False)"]
     monkeypatch.setattr(liger_backend, "liger_version", lambda: None)
@@ -249,22 +226,12 @@ def test_probe_reasons(monkeypatch):
     assert "0.7.2 is too old (needs >= 0.8.1" in backend.probe("cuda")[0]
 
 
-def test_registered_as_builtin():
-    assert REGISTRY.get("liger").priority == 10
-    owner = REGISTRY.owner("liger")
-    assert owner.name == "vtp_runtime.backends.liger" and owner.status == "loaded"
-
-
 def test_importing_the_backend_does_not_import_liger():
     import subprocess
     import sys
-    code = ("import sys, vtp_runtime.backends.liger as m; "
-            "assert not any(k.startswith('liger_kernel') for k in sys.modules), 'imported'")
+
+    code = (
+        "import sys, vtp_runtime.backends.liger as m; "
+        "assert not any(k.startswith('liger_kernel') for k in sys.modules), 'imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
-
-
-# -- the conformance kit: every declared capability matches float64, the rest is refused ----
-
-@conformance.parametrize("liger")
-def test_conformance(conformance_case):
-    conformance.check(conformance_case)

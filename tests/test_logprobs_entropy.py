@@ -4,6 +4,8 @@ the gradient of ``sum(lp * g_lp) + sum(H * g_H)``), on eager and on triton under
 interpreter at TP 1, 2 and 4 with uneven and empty shards; the top-k masking rule; dispatch
 refusing a backend that does not declare the feature; DTensor logits."""
 
+from typing import Any, cast
+
 import pytest
 import torch
 
@@ -22,10 +24,26 @@ ON = (("return_entropy", True),)
 # TP 4 on triton: uneven and empty shards, a [N] and an [N, k] index, masked entries, temperature
 TRITON_TP4 = [
     Case("logprobs", layout="uneven", shape=(2, 3), options=ON, backend="triton", seed=1),
-    Case("logprobs", layout="empty", shape=(2, 3), topk=3, masked="labels", backend="triton", seed=2,
-         options=ON + (("temperature", 0.7), ("reduction", "mean"))),
-    Case("logprobs", layout="explicit", shape=(2, 3), topk=2, dtype="bfloat16", backend="triton", seed=3,
-         options=ON + (("reduction", "sum"), ("normalizer", 5))),
+    Case(
+        "logprobs",
+        layout="empty",
+        shape=(2, 3),
+        topk=3,
+        masked="labels",
+        backend="triton",
+        seed=2,
+        options=ON + (("temperature", 0.7), ("reduction", "mean")),
+    ),
+    Case(
+        "logprobs",
+        layout="explicit",
+        shape=(2, 3),
+        topk=2,
+        dtype="bfloat16",
+        backend="triton",
+        seed=3,
+        options=ON + (("reduction", "sum"), ("normalizer", 5)),
+    ),
 ]
 TRITON_TP2 = [c.with_(layout={"explicit": "uneven"}.get(c.layout, c.layout)) for c in TRITON_TP4]
 
@@ -60,6 +78,7 @@ def _topk_masking(backend):
     kept = torch.tensor([False, True, True])
     ref_h, (ref_gh,) = values_and_grads("entropy", (z.detach(),), None, g_h, mask=kept)
     ref_lp, (ref_glp,) = values_and_grads("logprobs", (z.detach(),), index, g_lp)
+    assert z.grad is not None and ref_gh is not None and ref_glp is not None
     assert h[0].item() == 0.0 and (z.grad[0] == 0).all()
     torch.testing.assert_close(h.double(), ref_h, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=1e-5)
@@ -88,6 +107,7 @@ def test_entropy_bonus_objective_backpropagates():
     want_ent = -(logp.exp() * logp).sum(-1)
     ((logp.gather(-1, y[..., None]).squeeze(-1) * adv).sum() + 0.01 * want_ent.sum()).backward()
     torch.testing.assert_close(ent.double(), want_ent.detach(), atol=1e-5, rtol=1e-5)
+    assert z.grad is not None
     torch.testing.assert_close(z.grad.double(), z64.grad, atol=1e-6, rtol=1e-4)
 
 
@@ -107,7 +127,8 @@ def test_dispatch_refuses_a_backend_that_does_not_declare_it():
     z, y = torch.randn(3, 8), torch.randint(0, 8, (3,))
     with registered(_Plugin(), name="lp-no-entropy"):
         assert vtp.explain("logprobs", z, y, return_entropy=True).request.features == {"return_entropy"}
-        assert vtp.logprobs(z, y, backend="lp_no_entropy").shape == (3,)
+        out = vtp.logprobs(z, y, backend="lp_no_entropy")
+        assert isinstance(out, torch.Tensor) and out.shape == (3,)
         with pytest.raises(BackendUnavailable, match="does not support return_entropy"):
             vtp.logprobs(z, y, return_entropy=True, backend="lp_no_entropy")
         with pytest.raises(BackendUnavailable, match="does not implement op 'logprobs'"):
@@ -116,7 +137,7 @@ def test_dispatch_refuses_a_backend_that_does_not_declare_it():
 
 def test_option_must_be_a_bool():
     with pytest.raises(ValueError, match="return_entropy must be a bool"):
-        vtp.logprobs(torch.randn(2, 5), torch.tensor([1, 2]), return_entropy=1)
+        vtp.logprobs(torch.randn(2, 5), torch.tensor([1, 2]), return_entropy=cast(Any, 1))  # not a bool, on purpose
 
 
 def _disagree(rank, world, group):
@@ -133,14 +154,16 @@ def test_ranks_that_disagree_raise_on_every_rank(ranks):
 def _dtensor_pair(rank, world, group):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from tests.test_dtensor import _mesh
+    from tests.test_dtensor import _dt, _mesh
+
     mesh = _mesh(world, (world,))
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, 3, 10, generator=gen) * 2
     y = torch.randint(0, 10, (4, 3), generator=gen)
     y[1, 2] = -100
     dx = distribute_tensor(x, mesh, (Shard(2),)).requires_grad_()
-    lp, h = vtp.logprobs(dx, distribute_tensor(y, mesh, (Replicate(),)), return_entropy=True, backend="eager")
+    out = vtp.logprobs(dx, distribute_tensor(y, mesh, (Replicate(),)), return_entropy=True, backend="eager")
+    lp, h = (_dt(o) for o in out)
     assert lp.placements == h.placements == (Replicate(),) and h.shape == (4, 3)
     (lp.sum() + h.sum()).backward()
     n = y.numel()
@@ -149,7 +172,8 @@ def _dtensor_pair(rank, world, group):
     ref_h, (g_h,) = values_and_grads("entropy", (x.reshape(n, 10),), None, mask=keep)
     torch.testing.assert_close(lp.full_tensor().double(), ref_lp.view(4, 3))
     torch.testing.assert_close(h.full_tensor().double(), ref_h.view(4, 3))
-    torch.testing.assert_close(dx.grad.full_tensor().double(), (g_lp + g_h).view(x.shape), atol=1e-6, rtol=1e-5)
+    assert g_lp is not None and g_h is not None
+    torch.testing.assert_close(_dt(dx.grad).full_tensor().double(), (g_lp + g_h).view(x.shape), atol=1e-6, rtol=1e-5)
     return True
 
 

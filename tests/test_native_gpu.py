@@ -29,8 +29,10 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _need_cuda():
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU with compiled Triton (torch.cuda.is_available() is False "
-                    "or TRITON_INTERPRET=1); run on the GPU machine: TRITON_INTERPRET=0 pytest -m gpu")
+        pytest.skip(
+            "needs a CUDA GPU with compiled Triton (torch.cuda.is_available() is False "
+            "or TRITON_INTERPRET=1); run on the GPU machine: TRITON_INTERPRET=0 pytest -m gpu"
+        )
 
 
 @contextlib.contextmanager
@@ -43,8 +45,9 @@ def _sync_debug(mode):
         torch.cuda.set_sync_debug_mode(previous)
 
 
-def _calls(n: int, v_local: int, vocab: int, group, seed: int, dev: torch.device | None = None,
-           backend: str = "triton"):
+def _calls(
+    n: int, v_local: int, vocab: int, group, seed: int, dev: torch.device | None = None, backend: str = "triton"
+):
     """Every op with the options that add work on the device: masks, labels, top-k, the
     entropy with the log-probs, a tensor normalizer on the device, each reduction; and the
     two inputs that get gradients."""
@@ -77,7 +80,7 @@ def _steady(group, relax_collectives: bool, v_local: int, vocab: int, n: int = 1
         call().backward()
     torch.cuda.synchronize()
     failures = []
-    with _sync_debug("error"), (_relaxed_collectives() if relax_collectives else contextlib.nullcontext()):
+    with _sync_debug("error"), _relaxed_collectives() if relax_collectives else contextlib.nullcontext():
         for i, call in enumerate(calls):
             try:
                 for _ in range(2):
@@ -103,6 +106,7 @@ def _relaxed_collectives():
                 return fn(tensor, *args, **kwargs)
             with _sync_debug(0):
                 return fn(tensor, *args, **kwargs)
+
         return call
 
     for n in names:
@@ -148,6 +152,7 @@ def test_gloo_itself_under_sync_debug_mode(ranks):
 
 # -- the low-overhead launch path ----------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1024, 100])  # one launch per pass / split rows with a finishing kernel
 def test_fast_launch_gives_the_jit_results(n):
     """CUDA_CONFIG launches kept compiled kernels directly (launch.py); the same calls through
@@ -192,18 +197,22 @@ def test_fast_launch_gives_the_jit_results(n):
 
 # -- CUDA graphs ---------------------------------------------------------------------------
 
+
 def _head_step(head, opt, hidden, labels, teacher, group=None):
     opt.zero_grad(set_to_none=False)
     logits = head(hidden)
-    loss = (vtp.cross_entropy(logits, labels, reduction="mean", backend="triton", tp_group=group)
-            + vtp.jsd(logits, teacher, beta=0.3, reduction="mean", backend="triton", tp_group=group))
+    loss = vtp.cross_entropy(logits, labels, reduction="mean", backend="triton", tp_group=group) + vtp.jsd(
+        logits, teacher, beta=0.3, reduction="mean", backend="triton", tp_group=group
+    )
     loss.backward()
     opt.step()
     return loss
 
 
 @pytest.mark.parametrize("n", [1024, 200])  # one launch per pass (rows not split) / split rows
-def _graph_against_eager(head, opt, eager_head, eager_opt, batches, group=None) -> list[float]:
+def _graph_against_eager(
+    head, opt, eager_head, eager_opt, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], group=None
+) -> list[float]:
     """Capture forward + backward + SGD of ``head`` once, replay it on ``batches[1:]`` copied
     into the static inputs, and step ``eager_head`` (a copy) eagerly on the same batches:
     the losses and weights must agree. The graph's losses."""
@@ -213,7 +222,7 @@ def _graph_against_eager(head, opt, eager_head, eager_opt, batches, group=None) 
     with torch.cuda.stream(side):  # compiles the kernels and plans the calls (one eager step)
         _head_step(head, opt, hidden, labels, teacher, group)
     torch.cuda.current_stream().wait_stream(side)
-    eager_losses = [_head_step(eager_head, eager_opt, *batches[0], group).item()]
+    eager_losses = [_head_step(eager_head, eager_opt, *batches[0], group=group).item()]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_loss = _head_step(head, opt, hidden, labels, teacher, group)
@@ -224,7 +233,7 @@ def _graph_against_eager(head, opt, eager_head, eager_opt, batches, group=None) 
             static.copy_(new)
         graph.replay()
         graph_losses.append(static_loss.item())
-        eager_losses.append(_head_step(eager_head, eager_opt, *batch, group).item())
+        eager_losses.append(_head_step(eager_head, eager_opt, *batch, group=group).item())
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses[1:]), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(head.weight, eager_head.weight, rtol=1e-5, atol=1e-6)
     return graph_losses
@@ -250,14 +259,17 @@ def test_training_step_in_a_cuda_graph(n):
     h, v = 256, 32000
     dev = torch.device("cuda")
     initial = torch.randn(v, h, device=dev) * 0.05
-    batches = [(torch.randn(n, h, device=dev), torch.randint(0, v, (n,), device=dev),
-                torch.randn(n, v, device=dev)) for _ in range(4)]
+    batches = [
+        (torch.randn(n, h, device=dev), torch.randint(0, v, (n,), device=dev), torch.randn(n, v, device=dev))
+        for _ in range(4)
+    ]
     head, opt, eager_head, eager_opt = _sgd_heads(initial)
     _graph_against_eager(head, opt, eager_head, eager_opt, batches)
     assert (head.weight - initial).abs().max() > 1e-4  # the replays did update the weights
 
 
 # -- TP=2 over NCCL (two GPUs) ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def nccl_ranks():
@@ -283,8 +295,14 @@ def _graph_step_tp2(rank, world, group, n):
     dev = torch.device("cuda", torch.cuda.current_device())
     full = torch.randn(vocab, h, device=dev) * 0.05
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    batches = [(torch.randn(n, h, device=dev), torch.randint(0, vocab, (n,), device=dev),
-                torch.randn(n, vocab, device=dev)[:, lo:hi].contiguous()) for _ in range(4)]
+    batches = [
+        (
+            torch.randn(n, h, device=dev),
+            torch.randint(0, vocab, (n,), device=dev),
+            torch.randn(n, vocab, device=dev)[:, lo:hi].contiguous(),
+        )
+        for _ in range(4)
+    ]
     head, opt, eager_head, eager_opt = _sgd_heads(full[lo:hi])
     losses = _graph_against_eager(head, opt, eager_head, eager_opt, batches, group)
     assert (head.weight - full[lo:hi]).abs().max() > 1e-4  # the replays did update it
@@ -299,8 +317,10 @@ def test_training_step_in_a_cuda_graph_nccl_tp2(nccl_ranks, n):
 
 # -- torch.compile with inductor -------------------------------------------------------------
 
+
 def test_compile_inductor_fullgraph():
     from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     dev = torch.device("cuda")
@@ -313,10 +333,14 @@ def test_compile_inductor_fullgraph():
 
     def step(z, t, y, k):
         lp, ent = vtp.logprobs(z, k, return_entropy=True, backend="triton")
-        return (vtp.cross_entropy(z, y, label_smoothing=0.1, reduction="mean", backend="triton")
-                + lp.sum() + ent.sum() + vtp.entropy(z, labels=y, reduction="sum", backend="triton")
-                + vtp.kl(z, t, reverse=True, reduction="sum", backend="triton")
-                + vtp.jsd(z, t, beta=0.3, reduction="sum", backend="triton"))
+        return (
+            vtp.cross_entropy(z, y, label_smoothing=0.1, reduction="mean", backend="triton")
+            + lp.sum()
+            + ent.sum()
+            + vtp.entropy(z, labels=y, reduction="sum", backend="triton")
+            + vtp.kl(z, t, reverse=True, reduction="sum", backend="triton")
+            + vtp.jsd(z, t, beta=0.3, reduction="sum", backend="triton")
+        )
 
     compiled = torch.compile(step, fullgraph=True)
     for _ in range(2):

@@ -25,8 +25,20 @@ def plugin_site(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("plugins")
     site = tmp / "site"
     sources = [shutil.copytree(ROOT / "plugins" / name, tmp / "src" / name) for name in PLUGINS]
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-           "--disable-pip-version-check", "--no-warn-script-location", "--target", str(site), *map(str, sources)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--disable-pip-version-check",
+        "--no-warn-script-location",
+        "--target",
+        str(site),
+        *map(str, sources),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"pip install of the plugin packages failed:\n{done.stdout}\n{done.stderr}"
     assert (site / "vtp_example_backend-0.1.0.dist-info" / "entry_points.txt").exists()
@@ -112,7 +124,10 @@ def test_discovery_and_isolation(scenarios):
         assert (status, dist, version, backends) == ("failed", "vtp-broken-plugin", "0.0.1", []), name
     assert "ImportError" in plugins["broken_import"][3]
     assert "unknown op 'no_such_op'" in plugins["broken_half"][3]
-    assert "vtp-runtime 0.1.0" in plugins["broken_duplicate"][3] and "vtp-broken-plugin 0.0.1" in plugins["broken_duplicate"][3]
+    assert (
+        "vtp-runtime 0.1.0" in plugins["broken_duplicate"][3]
+        and "vtp-broken-plugin 0.0.1" in plugins["broken_duplicate"][3]
+    )
     assert "unknown hook 'vtp_runtime_register_backend'" in plugins["broken_hookname"][3]
     # one warning per broken plugin, nothing half-registered, the real eager kept
     assert sorted(w.split("'")[1] for w in out["warnings"]) == sorted(BROKEN)
@@ -142,9 +157,16 @@ def test_disable_autoload(scenarios):
 
 
 def test_skipped_plugins_are_never_imported(plugin_site):
-    done = run(plugin_site, [sys.executable, "-c", "import sys, vtp_runtime as v; v.registry.backend_names(); "
-                             "print(sorted(m for m in sys.modules if m.startswith('vtp_')))"],
-               VTP_PLUGINS="vtp-example-backend")
+    done = run(
+        plugin_site,
+        [
+            sys.executable,
+            "-c",
+            "import sys, vtp_runtime as v; v.registry.backend_names(); "
+            "print(sorted(m for m in sys.modules if m.startswith('vtp_')))",
+        ],
+        VTP_PLUGINS="vtp-example-backend",
+    )
     assert done.returncode == 0, done.stderr
     assert "vtp_broken" not in done.stdout and "vtp_example_backend" in done.stdout
 
@@ -180,7 +202,11 @@ def test_example_plugin_own_tests(plugin_site):
     """The template's own tests pass against the installed package."""
     tests = plugin_site.parent / "src" / "vtp-example-backend" / "tests"
     # the conformance part runs in tests/test_conformance.py on the shared rank pools
-    done = run(plugin_site, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
-                             "-k", "not test_conformance"], timeout=400, VTP_PLUGINS="example_blockwise")
+    done = run(
+        plugin_site,
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), "-k", "not test_conformance"],
+        timeout=400,
+        VTP_PLUGINS="example_blockwise",
+    )
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "failed" not in done.stdout

@@ -43,7 +43,7 @@ def site(tmp_path, monkeypatch):
     for var in ("VTP_PLUGINS", "VTP_DISABLE_PLUGIN_AUTOLOAD", "VTP_STRICT_PLUGINS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(reg, "BUILTIN_MODULES", ("vtp_runtime.backends.eager",))
-    made = []
+    made: list[str] = []
 
     def make(dist: str, entry_points: dict[str, str], version: str = "1.0") -> dict[str, str]:
         info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
@@ -84,22 +84,26 @@ def test_lazy_builtins_and_a_plugin(site, monkeypatch):
     backends, warned = load(r)
     assert list(backends)[:2] == ["good_one", "eager"]  # canonical order: priority, then name
     assert warned == []
-    rec = r.owner("good_one")
+    rec, eager = r.owner("good_one"), r.owner("eager")
+    assert rec is not None and eager is not None
     assert (rec.name, rec.dist, rec.version, rec.status) == ("good", "vtp-good", "2.5", "loaded")
-    assert r.owner("eager").dist == "vtp-runtime"
+    assert eager.dist == "vtp-runtime"
 
 
 def test_each_failure_isolated_with_one_warning(site, monkeypatch):
-    site("vtp-a", {
-        "a_import": "raise ImportError('needs libfoo')",
-        "a_raises": """
+    site(
+        "vtp-a",
+        {
+            "a_import": "raise ImportError('needs libfoo')",
+            "a_raises": """
             from vtp_runtime import hookimpl
             @hookimpl
             def vtp_runtime_register_backends(register):
                 raise RuntimeError('boom')
             """,
-        "a_ok": GOOD.format(backend="a_ok", priority=1),
-    })
+            "a_ok": GOOD.format(backend="a_ok", priority=1),
+        },
+    )
     site("vtp-b", {"b_nohook": "x = 1", "b_ok": GOOD.format(backend="b_ok", priority=2)}, version="0.3")
     monkeypatch.setenv("VTP_PLUGINS", "vtp-a,vtp-b")
     r = reg.Registry()
@@ -117,7 +121,10 @@ def test_each_failure_isolated_with_one_warning(site, monkeypatch):
 
 
 def test_half_way_registration_leaves_registry_unchanged(site, monkeypatch):
-    site("vtp-half", {"half": """
+    site(
+        "vtp-half",
+        {
+            "half": """
         from vtp_runtime import Backend, OpCapability, hookimpl
         class Ok(Backend):
             name = "half_ok"
@@ -129,7 +136,9 @@ def test_half_way_registration_leaves_registry_unchanged(site, monkeypatch):
         def vtp_runtime_register_backends(register):
             register(Ok())
             register(Bad())
-        """})
+        """
+        },
+    )
     monkeypatch.setenv("VTP_PLUGINS", "half")  # by entry-point name
     r = reg.Registry()
     backends, warned = load(r)
@@ -182,8 +191,9 @@ def test_strict_raises_every_time(site, monkeypatch):
 
 
 def test_allowlist_and_disable(site, monkeypatch):
-    mods = site("vtp-allow", {"one": GOOD.format(backend="one", priority=1),
-                              "two": GOOD.format(backend="two", priority=1)})
+    mods = site(
+        "vtp-allow", {"one": GOOD.format(backend="one", priority=1), "two": GOOD.format(backend="two", priority=1)}
+    )
     monkeypatch.setenv("VTP_PLUGINS", "one, no-such-plugin")
     r = reg.Registry()
     backends, warned = load(r)
@@ -200,8 +210,11 @@ def test_allowlist_and_disable(site, monkeypatch):
 
 
 def _backend(name: str, **cap):
-    return type(name.title(), (Backend,), {"name": name, "priority": -99,
-                                            "ops": {"entropy": OpCapability(device_types=None, **cap)}})
+    return type(
+        name.title(),
+        (Backend,),
+        {"name": name, "priority": -99, "ops": {"entropy": OpCapability(device_types=None, **cap)}},
+    )
 
 
 def test_register_callback_validation():
@@ -218,6 +231,7 @@ def test_register_callback_validation():
             @reg.hookimpl
             def vtp_runtime_register_backends(self, register):
                 call(register)
+
         return P()
 
     with pytest.raises(PluginError, match=r"register\(Cb_Test\(\)\)"):

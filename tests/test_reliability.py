@@ -6,6 +6,7 @@ no rank is stuck in, or one collective ahead of, the others."""
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ SIZES = {2: [4, 7], 4: [5, 0, 6, 4]}
 def _shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     sizes = SIZES[world]
     start = sum(sizes[:rank])
-    return full[..., start:start + sizes[rank]]
+    return full[..., start : start + sizes[rank]]
 
 
 def _inputs(world: int, seed: int = 0, n: int = 5):
@@ -42,8 +43,10 @@ def _healthy(rank, world, group) -> float:
     student, teacher, labels = _inputs(world, seed=7)
     ce = vtp.cross_entropy(_shard(student, rank, world), labels, tp_group=group)
     jsd = vtp.jsd(_shard(student, rank, world), _shard(teacher, rank, world), beta=0.3, tp_group=group)
-    return max((ce - reference("cross_entropy", (student,), labels)).abs().max().item(),
-               (jsd - reference("jsd", (student, teacher), beta=0.3)).abs().max().item())
+    return max(
+        (ce - reference("cross_entropy", (student,), labels)).abs().max().item(),
+        (jsd - reference("jsd", (student, teacher), beta=0.3)).abs().max().item(),
+    )
 
 
 def _outcome(fn):
@@ -55,6 +58,7 @@ def _outcome(fn):
 
 
 # -- 1. a failure on one rank before the metadata gather --------------------------------------
+
 
 class _ProbeRaises(Backend):
     """A backend whose probe wrapper itself raises (not the probe: probe_reasons turns that
@@ -76,8 +80,8 @@ class _Plugin:
 def _one_rank_call(case: str, bad: bool, group, student, teacher, labels):
     """The call of ``case``: the faulty variant where ``bad``, the intended one elsewhere."""
     if case == "misspelled_option":
-        return vtp.cross_entropy(student, labels, tp_group=group,
-                                 **{("label_smothing" if bad else "label_smoothing"): 0.1})
+        option: dict[str, Any] = {("label_smothing" if bad else "label_smoothing"): 0.1}
+        return vtp.cross_entropy(student, labels, tp_group=group, **option)
     if case == "unknown_op":
         return vtp.loss("cross_entropyy" if bad else "cross_entropy", student, labels, tp_group=group)
     if case == "missing_teacher":
@@ -87,11 +91,13 @@ def _one_rank_call(case: str, bad: bool, group, student, teacher, labels):
     if case in ("vocab_start_overflow", "global_vocab_overflow"):
         rank, world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         if case == "global_vocab_overflow":
-            return vtp.cross_entropy(student, labels, tp_group=group,
-                                     global_vocab_size=2**70 if bad else sum(SIZES[world]))
+            return vtp.cross_entropy(
+                student, labels, tp_group=group, global_vocab_size=2**70 if bad else sum(SIZES[world])
+            )
         start = sum(SIZES[world][:rank]) + (2**70 if bad else 0)
-        return vtp.cross_entropy(student, labels, tp_group=group, vocab_start=start,
-                                 vocab_end=start + student.shape[-1])
+        return vtp.cross_entropy(
+            student, labels, tp_group=group, vocab_start=start, vocab_end=start + student.shape[-1]
+        )
     if case == "strict_plugin":
         # A real strict-plugin failure is there from the registry's first load on, before any
         # call was planned; a planned call never looks at the registry again. Simulating it
@@ -100,8 +106,10 @@ def _one_rank_call(case: str, bad: bool, group, student, teacher, labels):
         REGISTRY.ensure_loaded()
         saved = REGISTRY._strict_error
         if bad:
-            REGISTRY._strict_error = PluginError("backend plugins failed to load (VTP_STRICT_PLUGINS=1 "
-                                                 "makes this an error):\n  broken (broken 1.0): ImportError")
+            REGISTRY._strict_error = PluginError(
+                "backend plugins failed to load (VTP_STRICT_PLUGINS=1 "
+                "makes this an error):\n  broken (broken 1.0): ImportError"
+            )
         try:
             return vtp.cross_entropy(student, labels, tp_group=group)
         finally:
@@ -129,8 +137,11 @@ ONE_RANK_FAILURES = {
 
 def fail_on_one_rank(rank, world, group, case, bad_rank):
     student, teacher, labels = _inputs(world)
-    got = _outcome(lambda: _one_rank_call(case, rank == bad_rank, group, _shard(student, rank, world),
-                                          _shard(teacher, rank, world), labels))
+    got = _outcome(
+        lambda: _one_rank_call(
+            case, rank == bad_rank, group, _shard(student, rank, world), _shard(teacher, rank, world), labels
+        )
+    )
     return got, _healthy(rank, world, group)
 
 
@@ -151,18 +162,24 @@ def fail_on_several_ranks(rank, world, group):
     """At TP=4 with an empty shard: one rank fails, then two fail differently, then all fail alike."""
     student, teacher, labels = _inputs(world)
     s, t = _shard(student, rank, world), _shard(teacher, rank, world)
-    out = [_outcome(lambda: _one_rank_call("unknown_op", rank == 2, group, s, t, labels)),
-           _outcome(lambda: _one_rank_call("misspelled_option" if rank == 0 else "missing_teacher",
-                                           rank in (0, 3), group, s, t, labels)),
-           _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, label_smoothing=2.0))]
+    out = [
+        _outcome(lambda: _one_rank_call("unknown_op", rank == 2, group, s, t, labels)),
+        _outcome(
+            lambda: _one_rank_call(
+                "misspelled_option" if rank == 0 else "missing_teacher", rank in (0, 3), group, s, t, labels
+            )
+        ),
+        _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, label_smoothing=2.0)),
+    ]
     return out, _healthy(rank, world, group)
 
 
 def test_failures_on_several_ranks_at_tp4(ranks):
     results = ranks(4, fail_on_several_ranks, timeout=90)
     one, two, every = zip(*(out for out, _ in results))
-    assert one[2][0] == "ValueError" and all(k == "ShardError" and "rank 2" in m and one[2][1] in m
-                                             for r, (k, m) in enumerate(one) if r != 2)
+    assert one[2][0] == "ValueError" and all(
+        k == "ShardError" and "rank 2" in m and one[2][1] in m for r, (k, m) in enumerate(one) if r != 2
+    )
     assert two[0][0] == "TypeError" and two[3][0] == "TypeError"
     for kind, msg in (two[1], two[2]):
         assert kind == "ShardError" and "ranks 0, 3" in msg and two[0][1] in msg and two[3][1] in msg
@@ -171,6 +188,7 @@ def test_failures_on_several_ranks_at_tp4(ranks):
 
 
 # -- 2. explain on some ranks only ------------------------------------------------------------
+
 
 def explain_on_rank0(rank, world, group):
     student, _, labels = _inputs(world)
@@ -190,8 +208,13 @@ def explain_gathered(rank, world, group):
     student, _, labels = _inputs(world)
     ex = vtp.explain("cross_entropy", _shard(student, rank, world), labels, tp_group=group, gather=True)
     local = vtp.explain("cross_entropy", _shard(student, rank, world), labels, tp_group=group)
-    return ex.request.vocab_size, ex.request.even_shards, ex.backend, local.request.tp_size, \
-        _healthy(rank, world, group)
+    return (
+        ex.request.vocab_size,
+        ex.request.even_shards,
+        ex.backend,
+        local.request.tp_size,
+        _healthy(rank, world, group),
+    )
 
 
 def test_explain_gather_sees_every_rank(ranks):
@@ -207,15 +230,19 @@ def test_explain_without_group_is_unchanged():
 
 # -- 3, 4. option values across ranks ---------------------------------------------------------
 
+
 def equal_values_other_types(rank, world, group):
     student, teacher, labels = _inputs(world)
     labels[1] = -100
-    kw = [dict(temperature=2, beta=np.float64(0.25), ignore_index=np.int64(-100), normalizer=3),
-          dict(temperature=2.0, beta=0.25, ignore_index=-100, normalizer=np.float32(3.0))][rank]
-    got = vtp.jsd(_shard(student, rank, world), _shard(teacher, rank, world), labels=labels,
-                  reduction="sum", tp_group=group, **kw)
+    kw = [
+        dict(temperature=2, beta=np.float64(0.25), ignore_index=np.int64(-100), normalizer=3),
+        dict(temperature=2.0, beta=0.25, ignore_index=-100, normalizer=np.float32(3.0)),
+    ][rank]
+    got = vtp.jsd(
+        _shard(student, rank, world), _shard(teacher, rank, world), labels=labels, reduction="sum", tp_group=group, **kw
+    )
     want = reference("jsd", (student, teacher), temperature=2.0, beta=0.25, labels=labels).sum() / 3
-    t = torch.tensor(0.5) if rank == 0 else 0.5  # a 0-d CPU tensor option is read as its number
+    t: Any = torch.tensor(0.5) if rank == 0 else 0.5  # a 0-d CPU tensor option is read as its number
     ls = vtp.cross_entropy(_shard(student, rank, world), labels, label_smoothing=t, tp_group=group)
     want_ls = reference("cross_entropy", (student,), labels, label_smoothing=0.5)
     return max((got - want).abs().item(), (ls - want_ls).abs().max().item())
@@ -228,10 +255,11 @@ def test_equal_option_values_of_other_types_agree(ranks):
 def options_disagree(rank, world, group):
     student, teacher, labels = _inputs(world)
     s, t = _shard(student, rank, world), _shard(teacher, rank, world)
-    out = [_outcome(lambda: vtp.jsd(s, t, beta=[0.3, 0.4][rank], temperature=2.0, tp_group=group)),
-           _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, backend=["eager", None][rank])),
-           _outcome(lambda: vtp.cross_entropy(s.detach().clone().requires_grad_(rank == 1), labels,
-                                              tp_group=group))]
+    out = [
+        _outcome(lambda: vtp.jsd(s, t, beta=[0.3, 0.4][rank], temperature=2.0, tp_group=group)),
+        _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, backend=["eager", None][rank])),
+        _outcome(lambda: vtp.cross_entropy(s.detach().clone().requires_grad_(rank == 1), labels, tp_group=group)),
+    ]
     return out, _healthy(rank, world, group)
 
 
@@ -247,6 +275,7 @@ def test_disagreement_names_the_option_and_each_value(ranks):
 
 
 # -- 7. a tensor normalizer -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [-2.0, 0.0, float("inf"), float("-inf"), float("nan"), 0, -3])
 def test_a_non_positive_or_non_finite_tensor_normalizer_gives_nan(bad):
@@ -273,6 +302,7 @@ def test_a_bad_number_normalizer_raises(bad):
 
 
 # -- 8. 1-D logits: one token -----------------------------------------------------------------
+
 
 def _one_token_calls(rank, world, group, full_s, full_t, label, topk):
     shard = (lambda z: z) if world == 1 else (lambda z: _shard(z, rank, world))
@@ -316,7 +346,7 @@ def test_1d_logits_are_one_token():
     z = torch.randn(7, dtype=torch.float64, requires_grad=True)
     vtp.cross_entropy(z, torch.tensor(3)).backward()
     want = torch.softmax(z.detach(), -1) - torch.nn.functional.one_hot(torch.tensor(3), 7)
-    assert (z.grad - want).abs().max() < 1e-12
+    assert z.grad is not None and (z.grad - want).abs().max() < 1e-12
 
 
 def test_1d_logits_are_one_token_sharded(ranks):
@@ -326,6 +356,7 @@ def test_1d_logits_are_one_token_sharded(ranks):
 
 
 # -- 9. VTP_CHECK=1 ---------------------------------------------------------------------------
+
 
 def check_inputs(rank, world, group, check_on):
     student, teacher, labels = _inputs(world)
@@ -337,12 +368,17 @@ def check_inputs(rank, world, group, check_on):
     saved = os.environ.get("VTP_CHECK")
     os.environ["VTP_CHECK"] = "1" if check_on == "all" or (check_on == "rank0" and rank == 0) else "0"
     try:
-        out = [_outcome(lambda: vtp.cross_entropy(s, mine, tp_group=group)),
-               _outcome(lambda: vtp.logprobs(s, mine[:, None].expand(5, 2), tp_group=group)),
-               _outcome(lambda: vtp.entropy(s, mask=mask, tp_group=group)),
-               _outcome(lambda: vtp.jsd(s, t, labels=labels, reduction="sum", tp_group=group,
-                                        normalizer=torch.tensor(2.0 + rank))),
-               _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group))]
+        out = [
+            _outcome(lambda: vtp.cross_entropy(s, mine, tp_group=group)),
+            _outcome(lambda: vtp.logprobs(s, mine[:, None].expand(5, 2), tp_group=group)),
+            _outcome(lambda: vtp.entropy(s, mask=mask, tp_group=group)),
+            _outcome(
+                lambda: vtp.jsd(
+                    s, t, labels=labels, reduction="sum", tp_group=group, normalizer=torch.tensor(2.0 + rank)
+                )
+            ),
+            _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group)),
+        ]
     finally:
         if saved is None:
             os.environ.pop("VTP_CHECK")
@@ -409,6 +445,7 @@ def test_every_bench_option_has_help():
 
 # -- the same on a GPU: two gloo ranks sharing one CUDA device --------------------------------
 
+
 def on_gpu(rank, world, group, device="cuda"):
     """A failure on one rank, VTP_CHECK, a zero tensor normalizer and 1-D logits, with CUDA
     fp32 tensors (the triton backend where it is available), then a valid call."""
@@ -420,12 +457,10 @@ def on_gpu(rank, world, group, device="cuda"):
         out.append(_outcome(lambda: vtp.cross_entropy(z, labels + rank, tp_group=group)))
     finally:
         os.environ.pop("VTP_CHECK")
-    nan = vtp.cross_entropy(z, labels, reduction="sum", normalizer=torch.tensor(0, device=device),
-                            tp_group=group)
+    nan = vtp.cross_entropy(z, labels, reduction="sum", normalizer=torch.tensor(0, device=device), tp_group=group)
     one = vtp.cross_entropy(z[0], labels[0], tp_group=group)
     want = reference("cross_entropy", (student,), labels)
-    err = max((vtp.cross_entropy(z, labels, tp_group=group) - want).abs().max().item(),
-              (one - want[0]).abs().item())
+    err = max((vtp.cross_entropy(z, labels, tp_group=group) - want).abs().max().item(), (one - want[0]).abs().item())
     return out, bool(nan.isnan()), tuple(one.shape), err
 
 

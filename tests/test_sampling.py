@@ -1,8 +1,13 @@
 """vtp.argmax and vtp.sample against the float64 dense reference on the full logits
 (``vtp_runtime.testing.reference``), on one process and on gloo ranks with even, uneven,
-empty and out-of-order shards, eager and triton (Triton's interpreter on CPU)."""
+empty and out-of-order shards, eager and triton (Triton's interpreter on CPU). The
+interpreter is slow: by default triton's draws are tested against the distribution with
+every restriction at once, its tokens on every shard layout for one set of options, and its
+tokens against eager's for every option; ``VTP_TEST_DEPTH=full`` tests each option alone as
+well, as for eager."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -10,7 +15,7 @@ import torch
 import vtp_runtime as vtp
 from vtp_runtime import plans as plan
 from vtp_runtime import sampling
-from vtp_runtime.testing import reference
+from vtp_runtime.testing import conformance, reference
 
 BACKENDS = ["eager", "triton"]
 
@@ -76,7 +81,7 @@ def test_argmax_is_torch_argmax_with_ties_to_the_lowest_id(backend):
     assert got[1] == 5 and got[2] == 0 and got[3] == 7
 
 
-CASES = [
+CASES: list[dict[str, Any]] = [
     {},
     {"top_k": 4},
     {"top_p": 0.6},
@@ -87,8 +92,16 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+FULL = conformance.current_depth() == "full"
+EVERY_RESTRICTION = {"top_k": 8, "top_p": 0.7, "min_p": 0.1}
+DRAWS = [("eager", o) for o in CASES] + [("triton", o) for o in (CASES if FULL else [EVERY_RESTRICTION])]
+
+
+def _options_id(options: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items()) or "plain"
+
+
+@pytest.mark.parametrize("backend,options", DRAWS, ids=[f"{_options_id(o)}-{b}" for b, o in DRAWS])
 def test_draws_follow_the_restricted_distribution(backend, options):
     """Many draws in one call (the same logits in every row: each row's noise is its own)
     against the float64 distribution, by chi-square at p = 1e-4."""
@@ -181,7 +194,9 @@ def test_one_and_three_dimensional_logits(backend):
     assert one.shape == () and one == vtp.sample(x[0, :1], seed=3, backend=backend)[0]
     assert vtp.argmax(x[1, 2], backend=backend) == x[1, 2].argmax()
     view = x[:, :2]  # rows with no single stride
-    assert torch.equal(vtp.sample(view, seed=9, backend=backend), vtp.sample(view.contiguous(), seed=9, backend=backend))
+    assert torch.equal(
+        vtp.sample(view, seed=9, backend=backend), vtp.sample(view.contiguous(), seed=9, backend=backend)
+    )
 
 
 def test_dtypes():
@@ -250,6 +265,8 @@ def _call(rank, group, x, layout, fn):
 
 
 RANK_CASES = [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1}, {"top_k": 7, "top_p": 0.8, "min_p": 0.05}]
+# what each backend samples on every layout: triton in its interpreter every restriction at once
+LAYOUT_CASES = {"eager": RANK_CASES, "triton": RANK_CASES if FULL else RANK_CASES[-1:]}
 
 
 def _layout_logits(n: int, v: int, device: str) -> torch.Tensor:
@@ -258,20 +275,24 @@ def _layout_logits(n: int, v: int, device: str) -> torch.Tensor:
     return x.to(device)
 
 
-def layout_job(rank, world, group, layout, backend, n=40, v=V, device="cpu", dtype=torch.float32):
-    """Every case on this layout: the ids of every rank, to compare with one process."""
+def layout_job(rank, world, group, layout, backend, cases, n=40, v=V, device="cpu", dtype=torch.float32):
+    """argmax and every case on this layout: the ids of every rank, to compare with one process."""
     x = _layout_logits(n, v, device).to(dtype)
-    out = {"argmax": _call(rank, group, x, layout, lambda z, **kw: vtp.argmax(z, backend=backend, **kw))}
-    for i, options in enumerate(RANK_CASES):
-        out[i] = _call(rank, group, x, layout, lambda z, **kw: vtp.sample(z, seed=77, backend=backend, **options, **kw))
+    out: dict[str | int, torch.Tensor] = {
+        "argmax": _call(rank, group, x, layout, lambda z, **kw: vtp.argmax(z, backend=backend, **kw))
+    }
+    for i, options in enumerate(cases):
+        out[i] = _call(
+            rank, group, x, layout, lambda z, o=options, **kw: vtp.sample(z, seed=77, backend=backend, **o, **kw)
+        )
     return {k: t.cpu() for k, t in out.items()}
 
 
-def _check_layout(results, backend, n=40, v=V, device="cpu", dtype=torch.float32):
+def _check_layout(results, backend, cases, n=40, v=V, device="cpu", dtype=torch.float32):
     x = _layout_logits(n, v, device).to(dtype)
     assert all(torch.equal(r[key], results[0][key]) for r in results for key in results[0])
     assert torch.equal(results[0]["argmax"], reference.argmax(x).cpu())
-    for i, options in enumerate(RANK_CASES):
+    for i, options in enumerate(cases):
         assert torch.equal(results[0][i], vtp.sample(x, seed=77, backend=backend, **options).cpu()), options
 
 
@@ -279,8 +300,8 @@ def _check_layout(results, backend, n=40, v=V, device="cpu", dtype=torch.float32
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_same_tokens_on_every_rank_and_every_layout(ranks, layout, backend):
     """TP 2, 3 and 4 (uneven, out of rank order, an empty shard) give the tokens of one process."""
-    results = ranks(len(LAYOUTS[layout]), layout_job, layout, backend, timeout=300)
-    _check_layout(results, backend)
+    results = ranks(len(LAYOUTS[layout]), layout_job, layout, backend, LAYOUT_CASES[backend], timeout=300)
+    _check_layout(results, backend, LAYOUT_CASES[backend])
 
 
 def misuse_job(rank, world, group):
@@ -335,8 +356,9 @@ def dtensor_job(rank, world, group):
 
     mesh = DeviceMesh("cpu", list(range(world)))
     x = _logits(2 * 5, 9, seed=9).view(2, 5, 9)  # V=9 on 2 ranks: torch's chunks 5 + 4
-    dt = DTensor.from_local(x[..., rank * 5 : (rank + 1) * 5], mesh, [Shard(2)], run_check=False, shape=x.shape,
-                            stride=x.stride())
+    dt = DTensor.from_local(
+        x[..., rank * 5 : (rank + 1) * 5], mesh, [Shard(2)], run_check=False, shape=x.shape, stride=x.stride()
+    )
     ids = vtp.sample(dt, seed=3, top_k=4, backend="eager")
     top = vtp.argmax(dt)
     assert isinstance(ids, DTensor) and ids.placements == (Replicate(),) and ids.shape == (2, 5)
@@ -363,7 +385,7 @@ def _check_draws_top(ids: torch.Tensor, probs: torch.Tensor, keep: int = 100) ->
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain")
+@pytest.mark.parametrize("options", CASES, ids=_options_id)
 def test_gpu_draws_follow_the_restricted_distribution(options):
     """The compiled kernels (fast logarithms) on CUDA, bf16 logits over a real vocabulary."""
     v = 151936
@@ -378,8 +400,8 @@ def test_gpu_draws_follow_the_restricted_distribution(options):
 def test_gpu_same_tokens_at_every_layout(ranks, layout):
     """TP 2, 3, 4 as processes sharing cuda:0 over gloo, V = 151936, bf16: the tokens of one process."""
     kw = {"n": 64, "v": 151936, "device": "cuda", "dtype": torch.bfloat16}
-    results = ranks(len(LAYOUTS[layout]), layout_job, layout, "triton", timeout=600, **kw)
-    _check_layout(results, "triton", **kw)
+    results = ranks(len(LAYOUTS[layout]), layout_job, layout, "triton", RANK_CASES, timeout=600, **kw)
+    _check_layout(results, "triton", RANK_CASES, **kw)
 
 
 @pytest.mark.gpu

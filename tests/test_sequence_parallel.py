@@ -34,13 +34,20 @@ def _id(case):
 
 # -- Megatron SP: Head(sequence_parallel=True) --------------------------------------------------
 
+
 def _sp(op, sequence, shape=(9,), **kw):
     return HeadCase(op, shape=shape, sequence=sequence, chunk_rows=kw.pop("chunk_rows", 4), **kw)
 
 
 SP_CASES = [
-    _sp("cross_entropy", "uneven", options=(("label_smoothing", 0.1), ("reduction", "mean")), masked="labels",
-        bias=True, layout="uneven"),
+    _sp(
+        "cross_entropy",
+        "uneven",
+        options=(("label_smoothing", 0.1), ("reduction", "mean")),
+        masked="labels",
+        bias=True,
+        layout="uneven",
+    ),
     _sp("cross_entropy", "empty", options=(("label_smoothing", 0.2), ("z_loss", 1e-3)), layout="empty"),
     _sp("cross_entropy", "even", shape=(6, 2), options=(("reduction", "sum"),), bias=True, layout="explicit"),
     _sp("jsd", "uneven", options=(("beta", 0.3), ("reduction", "sum")), masked="mask", bias=True),
@@ -53,15 +60,22 @@ SP_CASES = [
     _sp("entropy", "empty", shape=(0,)),
 ]
 TRITON_SP = [
-    _sp("cross_entropy", "uneven", shape=(7,), options=(("label_smoothing", 0.1), ("reduction", "mean")),
-        backend="triton", bias=True),
+    _sp(
+        "cross_entropy",
+        "uneven",
+        shape=(7,),
+        options=(("label_smoothing", 0.1), ("reduction", "mean")),
+        backend="triton",
+        bias=True,
+    ),
     _sp("jsd", "empty", shape=(7,), options=(("beta", 0.3),), backend="triton", dtype="bfloat16"),
 ]
 
 
 # TP 4 runs the ops other than kl and logprobs: the suite shares two cores
-SP_WORLDS = [(world, case) for case in SP_CASES for world in (2, 3, 4)
-             if world < 4 or case.op not in ("kl", "logprobs")]
+SP_WORLDS = [
+    (world, case) for case in SP_CASES for world in (2, 3, 4) if world < 4 or case.op not in ("kl", "logprobs")
+]
 
 
 @pytest.mark.parametrize("world, case", SP_WORLDS, ids=[f"{w}-{_id(c)}" for w, c in SP_WORLDS])
@@ -182,8 +196,9 @@ def never_all_hidden(rank, world, group):
         x = torch.randn(n // world, h, requires_grad=True)
         w = torch.randn(11 - rank, h, requires_grad=True)
         y = torch.randint(0, 21, (n,))
-        vtp.cross_entropy(vtp.Head(x, w, sequence_parallel=True, chunk_rows=8), y, reduction="mean",
-                          tp_group=group).backward()
+        vtp.cross_entropy(
+            vtp.Head(x, w, sequence_parallel=True, chunk_rows=8), y, reduction="mean", tp_group=group
+        ).backward()
     finally:
         sequence.HiddenChunks._start, sequence.HiddenChunks.rows = original_start, original_rows
     return events, max(gathered)
@@ -197,6 +212,7 @@ def test_never_holds_every_ranks_hidden_rows(ranks):
 
 # -- what the ranks must agree on, and what is refused ------------------------------------------
 
+
 def _outcome(fn):
     try:
         fn()
@@ -208,14 +224,17 @@ def _outcome(fn):
 def _healthy_sp_head(rank, world, group) -> float:
     """A normal call on every rank afterwards: its largest deviation from float64."""
     g = torch.Generator().manual_seed(11)
-    hidden, weight = torch.randn(7, 4, generator=g, dtype=torch.float64), torch.randn(9, 4, generator=g,
-                                                                                       dtype=torch.float64)
+    hidden, weight = (
+        torch.randn(7, 4, generator=g, dtype=torch.float64),
+        torch.randn(9, 4, generator=g, dtype=torch.float64),
+    )
     labels = torch.randint(0, 9, (7,), generator=g)
     rows = token_split("uneven", 7, world, 0)
     first = sum(rows[:rank])
     start, end = vtp.nn.shard_bounds(9, world, rank)
-    got = vtp.cross_entropy(vtp.Head(hidden[first:first + rows[rank]], weight[start:end], sequence_parallel=True),
-                            labels, tp_group=group)
+    got = vtp.cross_entropy(
+        vtp.Head(hidden[first : first + rows[rank]], weight[start:end], sequence_parallel=True), labels, tp_group=group
+    )
     want = torch.nn.functional.cross_entropy(hidden @ weight.T, labels, reduction="none")
     return (got - want).abs().max().item()
 
@@ -225,18 +244,21 @@ def sp_head_mismatches(rank, world, group):
     y = torch.randint(0, 5 * world, (3 * world,))
     out = [
         # H differs between the ranks
-        _outcome(lambda: vtp.cross_entropy(vtp.Head(torch.randn(3, 4 + rank), torch.randn(5, 4 + rank),
-                                                    sequence_parallel=True), y, tp_group=group)),
+        _outcome(
+            lambda: vtp.cross_entropy(
+                vtp.Head(torch.randn(3, 4 + rank), torch.randn(5, 4 + rank), sequence_parallel=True), y, tp_group=group
+            )
+        ),
         # labels that do not cover every rank's tokens
         _outcome(lambda: vtp.cross_entropy(vtp.Head(h, w, sequence_parallel=True), y[:-1], tp_group=group)),
         # a sequence-parallel Head on one rank only
         _outcome(lambda: vtp.entropy(vtp.Head(h, w, sequence_parallel=rank == 0), tp_group=group)),
         # the other token dims differ
-        _outcome(lambda: vtp.entropy(vtp.Head(torch.randn(3, 1 + rank, 4), w, sequence_parallel=True),
-                                     tp_group=group)),
+        _outcome(lambda: vtp.entropy(vtp.Head(torch.randn(3, 1 + rank, 4), w, sequence_parallel=True), tp_group=group)),
         # reduce_hidden_grad=False on one rank: refused there before the gather
-        _outcome(lambda: vtp.entropy(vtp.Head(h, w, reduce_hidden_grad=rank != 1, sequence_parallel=True),
-                                     tp_group=group)),
+        _outcome(
+            lambda: vtp.entropy(vtp.Head(h, w, reduce_hidden_grad=rank != 1, sequence_parallel=True), tp_group=group)
+        ),
     ]
     return out, _healthy_sp_head(rank, world, group)
 
@@ -296,8 +318,10 @@ def explain_sequence(rank, world, group):
 def test_dispatch_knows_which_backends_take_sequence_parallel_heads(ranks):
     plain, sp, why, text = ranks(2, explain_sequence, timeout=60)[0]
     assert plain == "no_sequence" and sp == "triton"
-    assert why == ["sequence-parallel head inputs not supported (Head(sequence_parallel=True) at TP > 1: gather "
-                   "the hidden states and pass a plain Head, or force a backend that declares them)"]
+    assert why == [
+        "sequence-parallel head inputs not supported (Head(sequence_parallel=True) at TP > 1: gather "
+        "the hidden states and pass a plain Head, or force a backend that declares them)"
+    ]
     assert "inputs=sequence-parallel head" in text
 
 
@@ -305,16 +329,21 @@ def changing_shards(rank, world, group):
     """Shards that change on some ranks only, with the token count and this rank's shard the
     same (rank 2 here): every rank plans again (gloo gathers the metadata on every call)."""
     g = torch.Generator().manual_seed(5)
-    hidden, weight = torch.randn(9, 4, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g,
-                                                                                       dtype=torch.float64)
+    hidden, weight = (
+        torch.randn(9, 4, generator=g, dtype=torch.float64),
+        torch.randn(8, 4, generator=g, dtype=torch.float64),
+    )
     labels = torch.randint(0, 8, (9,), generator=g)
     start, end = vtp.nn.shard_bounds(8, world, rank)
     want = torch.nn.functional.cross_entropy(hidden @ weight.T, labels, reduction="none")
     errors = []
     for rows in ([3, 3, 3], [4, 2, 3], [4, 2, 3], [2, 4, 3]):
         first = sum(rows[:rank])
-        got = vtp.cross_entropy(vtp.Head(hidden[first:first + rows[rank]], weight[start:end],
-                                         sequence_parallel=True, chunk_rows=3), labels, tp_group=group)
+        got = vtp.cross_entropy(
+            vtp.Head(hidden[first : first + rows[rank]], weight[start:end], sequence_parallel=True, chunk_rows=3),
+            labels,
+            tp_group=group,
+        )
         errors.append((got - want).abs().max().item())
     return max(errors)
 
@@ -425,6 +454,7 @@ def sp_group_call(rank, world, group, op, options, split, reduction, normalizer,
     if op == "entropy":
         ref_opts["mask"] = labels >= 0
     from vtp_runtime.testing.reference import values as ref_values
+
     value = ref_values(op, tuple(leaves), index, **ref_opts)
     kept = (labels >= 0).sum().item()
     norm = None if normalizer is None else 7.0
@@ -486,8 +516,14 @@ def heads_on_the_grid(rank, world, group, megatron):
     vocab = slice(start, start + VOCAB_SIZES[t])
     x = hidden[mine].clone().requires_grad_(True)
     w, b = weight[vocab].clone().requires_grad_(True), bias[vocab].clone().requires_grad_(True)
-    loss = vtp.cross_entropy(vtp.Head(x, w, b, sequence_parallel=megatron, chunk_rows=2), labels[group_tokens],
-                             label_smoothing=0.1, reduction="mean", tp_group=tp, sp_group=sp)
+    loss = vtp.cross_entropy(
+        vtp.Head(x, w, b, sequence_parallel=megatron, chunk_rows=2),
+        labels[group_tokens],
+        label_smoothing=0.1,
+        reduction="mean",
+        tp_group=tp,
+        sp_group=sp,
+    )
     loss.backward()
     ref_h, ref_w, ref_b = (t_.clone().requires_grad_(True) for t_ in (hidden, weight, bias))
     ref = torch.nn.functional.cross_entropy(ref_h @ ref_w.T + ref_b, labels, label_smoothing=0.1)
@@ -514,6 +550,7 @@ def dtensor_on_a_2d_mesh(rank, world, group, reduction):
     is the group of "sp". A reduced result is the loss of every token, Replicate() on both."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     if "mesh" not in _GROUPS:
         _GROUPS["mesh"] = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("sp", "tp"))
     mesh = _GROUPS["mesh"]
@@ -549,10 +586,17 @@ def topk_with_sp_group(rank, world, group):
     first = sum(rows[:rank])
     mine = slice(first, first + rows[rank])
     x = student[mine].clone().requires_grad_(True)
-    loss = vtp.kl(x, vtp.TopK(top.values[mine], top.indices[mine]), tail=True, labels=labels[mine],
-                  reduction="mean", sp_group=group)
+    loss = vtp.kl(
+        x,
+        vtp.TopK(top.values[mine], top.indices[mine]),
+        tail=True,
+        labels=labels[mine],
+        reduction="mean",
+        sp_group=group,
+    )
     loss.backward()
     from vtp_runtime.testing.reference import topk_kl
+
     ref = student.clone().requires_grad_(True)
     per_token = topk_kl(ref, top.values, top.indices, tail=True, labels=labels)
     want = per_token.sum() / (labels >= 0).sum()
@@ -568,13 +612,14 @@ def test_topk_teacher_with_sp_group(ranks):
 
 # -- sp_group mismatches: every rank raises, none hangs -----------------------------------------
 
+
 def _healthy_sp(rank, sp, tp=None, t=None) -> float:
     n, v = 9, sum(VOCAB_SIZES)
     student, _, labels = _full_data(n, v, seed=40)
     rows = token_split("uneven", n, dist.get_world_size(sp), 0)
-    first = sum(rows[:dist.get_rank(sp)])
+    first = sum(rows[: dist.get_rank(sp)])
     mine = slice(first, first + rows[dist.get_rank(sp)])
-    vocab = slice(None) if t is None else slice(sum(VOCAB_SIZES[:t]), sum(VOCAB_SIZES[:t + 1]))
+    vocab = slice(None) if t is None else slice(sum(VOCAB_SIZES[:t]), sum(VOCAB_SIZES[: t + 1]))
     got = vtp.cross_entropy(student[mine, vocab], labels[mine], reduction="mean", tp_group=tp, sp_group=sp)
     want = torch.nn.functional.cross_entropy(student, labels)
     return abs(got.item() - want.item())
@@ -582,22 +627,39 @@ def _healthy_sp(rank, sp, tp=None, t=None) -> float:
 
 def sp_mismatches(rank, world, group, once):
     import os
+
     saved = os.environ.get("VTP_CHECK")
     if once:  # a device-only group's mode, here on gloo: the first call of each kind is checked
         os.environ["VTP_CHECK"] = "once"
     try:
         x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 6, (4,))
         out = [
-            _outcome(lambda: vtp.cross_entropy(x, y, label_smoothing=[0.1, 0.2][rank], reduction="sum",
-                                               sp_group=group)),
+            _outcome(
+                lambda: vtp.cross_entropy(x, y, label_smoothing=[0.1, 0.2][rank], reduction="sum", sp_group=group)
+            ),
             _outcome(lambda: vtp.cross_entropy(x, y, reduction=["sum", "none"][rank], sp_group=group)),
             _outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", normalizer=[3, 4][rank], sp_group=group)),
-            _outcome(lambda: vtp.cross_entropy(x, y, sp_group=group, reduction="mean",
-                                               **{("label_smothing" if rank == 1 else "label_smoothing"): 0.1})),
+            _outcome(
+                lambda: vtp.cross_entropy(
+                    x,
+                    y,
+                    sp_group=group,
+                    reduction="mean",
+                    **{("label_smothing" if rank == 1 else "label_smoothing"): 0.1},
+                )
+            ),
             _outcome(lambda: vtp.cross_entropy(x.float() if rank else x, y, reduction="mean", sp_group=group)),
             # equal values of other types agree
-            _outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", normalizer=[np.float32(3.0), 3][rank],
-                                               label_smoothing=[0.5, torch.tensor(0.5)][rank], sp_group=group)),
+            _outcome(
+                lambda: vtp.cross_entropy(
+                    x,
+                    y,
+                    reduction="sum",
+                    normalizer=[np.float32(3.0), 3][rank],
+                    label_smoothing=[0.5, torch.tensor(0.5)][rank],
+                    sp_group=group,
+                )
+            ),
             _outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", tp_group=group, sp_group=group)),
         ]
         return out, _healthy_sp(rank, group)
@@ -629,10 +691,14 @@ def grid_failures(rank, world, group):
     tp, sp, s, t = _grid(rank)
     x = torch.randn(4, VOCAB_SIZES[t], dtype=torch.float64)
     y = torch.randint(0, sum(VOCAB_SIZES), (4,))
-    bad = _outcome(lambda: vtp.cross_entropy(x, y, tp_group=tp, sp_group=sp, reduction="mean",
-                                             label_smoothing=2.0 if rank == 0 else 0.0))
-    differ = _outcome(lambda: vtp.cross_entropy(x, y, tp_group=tp, sp_group=sp, reduction="mean",
-                                                label_smoothing=0.1 * s))
+    bad = _outcome(
+        lambda: vtp.cross_entropy(
+            x, y, tp_group=tp, sp_group=sp, reduction="mean", label_smoothing=2.0 if rank == 0 else 0.0
+        )
+    )
+    differ = _outcome(
+        lambda: vtp.cross_entropy(x, y, tp_group=tp, sp_group=sp, reduction="mean", label_smoothing=0.1 * s)
+    )
     return (bad, differ), _healthy_sp(rank, sp, tp, t)
 
 
@@ -671,14 +737,16 @@ def test_sp_group_must_be_a_process_group():
     with pytest.raises(TypeError, match="sp_group must be a torch.distributed ProcessGroup or None"):
         vtp.cross_entropy(torch.randn(3, 5), torch.randint(0, 5, (3,)), sp_group="sp")
     # a group of one: nothing to sum over (None behaves alike)
-    got = vtp.cross_entropy(torch.randn(3, 5, dtype=torch.float64), torch.randint(0, 5, (3,)), sp_group=None,
-                            reduction="mean")
+    got = vtp.cross_entropy(
+        torch.randn(3, 5, dtype=torch.float64), torch.randint(0, 5, (3,)), sp_group=None, reduction="mean"
+    )
     assert got.shape == ()
 
 
 def test_sequence_sum_backward_is_the_identity():
     parts = torch.tensor([2.0, 3.0], dtype=torch.float64, requires_grad=True)
     from vtp_runtime.outputs import SequenceSum
+
     out = SequenceSum.apply(parts, None)  # no group: the sum of one rank
     (out * torch.tensor([5.0, 7.0], dtype=torch.float64)).sum().backward()
     assert parts.grad.tolist() == [5.0, 7.0]
@@ -691,6 +759,7 @@ def dtensor_sequence_parallel_head(rank, world, group, two_d):
     the sequence's tokens are split over both."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
     key = ("sp_mesh", two_d)
     if key not in _GROUPS:
         shape, names = ((2, 2), ("sp", "tp")) if two_d else ((world,), ("tp",))
@@ -717,8 +786,12 @@ def dtensor_sequence_parallel_head(rank, world, group, two_d):
     torch.testing.assert_close(x.grad.full_tensor(), ref_h.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w.grad.full_tensor(), ref_w.grad, rtol=1e-10, atol=1e-12)
     per_token = vtp.cross_entropy(vtp.Head(x.detach(), w.detach()), y)
-    torch.testing.assert_close(per_token.full_tensor(), torch.nn.functional.cross_entropy(
-        (hidden @ weight.T).reshape(-1, v), labels.reshape(-1), reduction="none").reshape(s, b))
+    torch.testing.assert_close(
+        per_token.full_tensor(),
+        torch.nn.functional.cross_entropy(
+            (hidden @ weight.T).reshape(-1, v), labels.reshape(-1), reduction="none"
+        ).reshape(s, b),
+    )
     plain = _outcome(lambda: vtp.entropy(vtp.Head(hidden[:2], w, sequence_parallel=True)))
     return plain
 
@@ -731,25 +804,33 @@ def test_dtensor_sequence_parallel_head(ranks, two_d):
 
 def test_info_and_explain_show_the_capability(capsys):
     from vtp_runtime import info
+
     data = info.collect()
     assert data["backends"]["eager"]["ops"]["jsd"]["head_sequence_parallel"]
     assert data["backends"]["triton"]["ops"]["cross_entropy"]["head_sequence_parallel"]
     text = info.render_plain(data)
-    line = ("eager:               cross_entropy, logprobs, entropy, kl, jsd (per-token, sequence-parallel);"
-            " argmax (per-token)")
+    line = (
+        "eager:               cross_entropy, logprobs, entropy, kl, jsd (per-token, sequence-parallel);"
+        " argmax (per-token)"
+    )
     assert line in text
     with registered(_Plugin(), name="no-sequence"):
         r = info.simulated_request("cross_entropy", torch.float32, 1000, 2, head="sequence-parallel")
         assert r.head_sequence_parallel
         from vtp_runtime import dispatch
+
         ex = dispatch.explain_request(r, None)
-        assert ex.backend != "no_sequence" and "sequence-parallel head inputs not supported" in \
-            ex.reasons["no_sequence"][0]
-    assert not info.simulated_request("cross_entropy", torch.float32, 1000, 1, head="sequence-parallel") \
-        .head_sequence_parallel  # at TP 1 it is a plain Head
+        assert (
+            ex.backend != "no_sequence"
+            and "sequence-parallel head inputs not supported" in ex.reasons["no_sequence"][0]
+        )
+    assert not info.simulated_request(
+        "cross_entropy", torch.float32, 1000, 1, head="sequence-parallel"
+    ).head_sequence_parallel  # at TP 1 it is a plain Head
 
 
 # -- the benchmark, and on the GPU (marked gpu: the GPU machine runs them) --------------------------
+
 
 def test_the_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/sequence_parallel.py at tiny sizes on gloo CPU ranks: both arms, the same numbers."""
@@ -758,30 +839,69 @@ def test_the_benchmark_runs_on_cpu(tmp_path):
     import pathlib
     import subprocess
     import sys
+
     root = pathlib.Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the eager backend: quick
     out = tmp_path / "sp.json"
-    run = subprocess.run([sys.executable, str(root / "benchmarks" / "sequence_parallel.py"), "--cpu", "--json",
-                          str(out)], capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "sequence_parallel.py"), "--cpu", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     data = json.loads(out.read_text())
     assert set(data) >= {"sp_head", "gather_by_hand", "relative_difference"}
     assert max(data["relative_difference"].values()) < 2e-2  # bf16, chunked differently
 
+
 def _need_cuda(devices=1):
     import os
+
     if os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.device_count() < devices:
         pytest.skip(f"needs {devices} CUDA GPU(s) with compiled Triton: TRITON_INTERPRET=0 python -m pytest -m gpu")
 
 
 GPU_CASES = [
-    HeadCase("cross_entropy", shape=(512,), vocab=32003, hidden=256, dtype="bfloat16", backend="triton",
-             device="cuda", sequence="uneven", chunk_rows=128, bias=True,
-             options=(("label_smoothing", 0.1), ("reduction", "mean"))),
-    HeadCase("jsd", shape=(384,), vocab=32003, hidden=256, dtype="bfloat16", backend="triton", device="cuda",
-             sequence="empty", chunk_rows=128, options=(("beta", 0.3),)),
-    HeadCase("logprobs", shape=(256, 2), vocab=5003, hidden=128, dtype="float32", backend="eager", device="cuda",
-             sequence="uneven", chunk_rows=100, topk=3, options=(("return_entropy", True),)),
+    HeadCase(
+        "cross_entropy",
+        shape=(512,),
+        vocab=32003,
+        hidden=256,
+        dtype="bfloat16",
+        backend="triton",
+        device="cuda",
+        sequence="uneven",
+        chunk_rows=128,
+        bias=True,
+        options=(("label_smoothing", 0.1), ("reduction", "mean")),
+    ),
+    HeadCase(
+        "jsd",
+        shape=(384,),
+        vocab=32003,
+        hidden=256,
+        dtype="bfloat16",
+        backend="triton",
+        device="cuda",
+        sequence="empty",
+        chunk_rows=128,
+        options=(("beta", 0.3),),
+    ),
+    HeadCase(
+        "logprobs",
+        shape=(256, 2),
+        vocab=5003,
+        hidden=128,
+        dtype="float32",
+        backend="eager",
+        device="cuda",
+        sequence="uneven",
+        chunk_rows=100,
+        topk=3,
+        options=(("return_entropy", True),),
+    ),
 ]
 
 
@@ -797,12 +917,13 @@ def memory_against_the_gather(rank, world, group):
     """At N = 8192, H = 2048, V = 151936 (bf16; four chunks): the same numbers as gathering the
     hidden states by hand, and a peak at least the gathered [N, H] hidden lower."""
     import benchmarks.sequence_parallel as bench
+
     dev = torch.device("cuda", torch.cuda.current_device())
     n, h, v = 8192, 2048, 151936
     g = torch.Generator(device=dev).manual_seed(0)
     full = torch.randn(n, h, device=dev, generator=g).bfloat16()
-    x = full[rank * n // world:(rank + 1) * n // world].clone().requires_grad_(True)
-    w = (torch.randn(v // world, h, device=dev, generator=g) * h ** -0.5).bfloat16().requires_grad_(True)
+    x = full[rank * n // world : (rank + 1) * n // world].clone().requires_grad_(True)
+    w = (torch.randn(v // world, h, device=dev, generator=g) * h**-0.5).bfloat16().requires_grad_(True)
     y = torch.randint(0, v, (n,), device=dev, generator=g)
     del full
     out = {}
@@ -844,15 +965,16 @@ def no_host_sync_over_nccl(rank, world, group):
     g = torch.Generator(device=dev).manual_seed(0)
     n, h, v = 1024, 256, 8000
     full = torch.randn(n, h, device=dev, generator=g)
-    x = full[rank * n // 2:(rank + 1) * n // 2].clone().bfloat16().requires_grad_(True)
-    w = (torch.randn(v // 2, h, device=dev, generator=g) * h ** -0.5).bfloat16().requires_grad_(True)
+    x = full[rank * n // 2 : (rank + 1) * n // 2].clone().bfloat16().requires_grad_(True)
+    w = (torch.randn(v // 2, h, device=dev, generator=g) * h**-0.5).bfloat16().requires_grad_(True)
     y = torch.randint(0, v, (n,), device=dev, generator=g)
     logits = torch.randn(300, v, device=dev, generator=g).requires_grad_(True)
     labels = torch.randint(0, v, (300,), device=dev, generator=g)
 
     def calls():
-        vtp.cross_entropy(vtp.Head(x, w, sequence_parallel=True, chunk_rows=256), y, reduction="mean",
-                          tp_group=group).backward()
+        vtp.cross_entropy(
+            vtp.Head(x, w, sequence_parallel=True, chunk_rows=256), y, reduction="mean", tp_group=group
+        ).backward()
         vtp.cross_entropy(logits, labels, reduction="mean", sp_group=group).backward()
 
     calls()  # plans, and the agreement over sp_group
@@ -870,6 +992,7 @@ def no_host_sync_over_nccl(rank, world, group):
 def test_no_host_sync_over_nccl_on_two_gpus():
     _need_cuda(2)
     from vtp_runtime.testing.distributed import RankPool
+
     pool = RankPool(2, backend="nccl", env={"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
     try:
         assert all(pool.run(no_host_sync_over_nccl, timeout=300))
@@ -880,9 +1003,11 @@ def test_no_host_sync_over_nccl_on_two_gpus():
 
 # -- the guide's examples, as written, on as many gloo ranks as they say ------------------------------
 
+
 def _guide_examples():
     import pathlib
     import re
+
     text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide.md").read_text()
     section = text.split("## Sequence parallelism", 1)[1].split("\n## ", 1)[0]
     out = []
@@ -913,9 +1038,10 @@ def test_guide_example_runs(ranks, index):
     if world == 2:  # Megatron SP: the loss of the full head on every token
         s, b, h, v = 8, 2, 64, 1000
         hidden, labels = torch.randn(s, b, h), torch.randint(0, v, (s, b))
-        weight = torch.randn(v, h) * h ** -0.5
-        want = torch.nn.functional.cross_entropy((hidden @ weight.T).reshape(-1, v), labels.reshape(-1),
-                                                 label_smoothing=0.1)
+        weight = torch.randn(v, h) * h**-0.5
+        want = torch.nn.functional.cross_entropy(
+            (hidden @ weight.T).reshape(-1, v), labels.reshape(-1), label_smoothing=0.1
+        )
     else:  # the mean over every token of the 2 x 2 grid
         n, v = 16, 1000
         logits, labels = torch.randn(n, v), torch.randint(0, v, (n,))

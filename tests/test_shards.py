@@ -1,6 +1,8 @@
 """Cross-rank metadata: every disagreement raises the same error on every rank, naming the
 ranks, and no rank hangs. Each case runs on gloo ranks with a timeout."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -17,7 +19,8 @@ def _error(fn):
 
 def ce_call(rank, world, group, variant):
     torch.manual_seed(0)
-    v_local, n, dtype, kw = 5, 4, torch.float32, {}
+    v_local, n, dtype = 5, 4, torch.float32
+    kw: dict[str, Any] = {}
     if variant == "tokens" and rank == 1:
         n = 3
     if variant == "dtype" and rank == 1:
@@ -52,9 +55,9 @@ CASES = {
     "tokens": "ShardError: the ranks of the TP group disagree on the number of tokens (rank 0: 4; rank 1: 3)",
     "dtype": "ShardError: the ranks of the TP group disagree on the logits dtype (rank 0: float32; rank 1: bfloat16)",
     "options": "ShardError: the ranks of the TP group disagree on op options: label_smoothing: "
-               "rank 0 = 0.0, rank 1 = 0.1; every rank",
+    "rank 0 = 0.0, rank 1 = 0.1; every rank",
     "forced": "ShardError: the ranks of the TP group disagree on the forced backend (backend=, use_backend, "
-              "VTP_BACKEND*): rank 0 = 'eager' (the backend= argument), rank 1 = none; every rank",
+    "VTP_BACKEND*): rank 0 = 'eager' (the backend= argument), rank 1 = none; every rank",
     "gap": "ShardError: the vocabulary shards do not tile [0, V): a gap at id 5",
     "overlap": "ShardError: the vocabulary shards do not tile [0, V): an overlap at id 5",
     "explicit_on_one": "ShardError: vocab_start/vocab_end given on rank 0 but not on the others",
@@ -82,8 +85,10 @@ def test_disagreement_raises_the_same_error_on_every_rank(ranks, variant):
 def test_a_local_failure_raises_on_every_rank(ranks, variant):
     errors = ranks(2, ce_call, variant, timeout=60)
     assert errors[1].startswith(LOCAL_FAILURES[variant]), errors[1]
-    assert errors[0].startswith("ShardError: the call failed on rank 1 of tp_group before the metadata "
-                                "gather") and f"\n  rank 1: {errors[1]}" in errors[0], errors[0]
+    assert (
+        errors[0].startswith("ShardError: the call failed on rank 1 of tp_group before the metadata gather")
+        and f"\n  rank 1: {errors[1]}" in errors[0]
+    ), errors[0]
 
 
 def test_valid_call_after_errors_still_works(ranks):
@@ -136,8 +141,14 @@ def explicit_layout_call(rank, world, group):
     full = torch.randn(4, 9, dtype=torch.float64)
     bounds = [(6, 9), (0, 6)][rank]
     labels = torch.tensor([0, 8, 5, 6])
-    out = vtp.cross_entropy(full[:, bounds[0]:bounds[1]], labels, tp_group=group, vocab_start=bounds[0],
-                            vocab_end=bounds[1], global_vocab_size=9)
+    out = vtp.cross_entropy(
+        full[:, bounds[0] : bounds[1]],
+        labels,
+        tp_group=group,
+        vocab_start=bounds[0],
+        vocab_end=bounds[1],
+        global_vocab_size=9,
+    )
     want = torch.nn.functional.cross_entropy(full, labels, reduction="none")
     return (out - want).abs().max().item()
 
@@ -154,7 +165,12 @@ def gather_without_all_gather_single(rank, world, group):
     used = []
     original = dist.all_gather_into_tensor
     del dist.all_gather_single
-    dist.all_gather_into_tensor = lambda *a, **k: used.append(1) or original(*a, **k)
+
+    def all_gather_into_tensor(*args, **kwargs):
+        used.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_gather_into_tensor = all_gather_into_tensor
     try:
         out = vtp.cross_entropy(torch.randn(3, 4), torch.tensor([0, 5, 7]), tp_group=group)
     finally:

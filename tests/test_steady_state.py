@@ -5,6 +5,7 @@ rank, alternate ops, and overflow the plan cache. Values are checked against flo
 The device side (no device-to-host copy, CUDA graph capture) is in test_native_gpu.py."""
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -77,9 +78,9 @@ def _call(kind: int, n: int, rank: int, world: int, group, seed: int, sizes=None
     t = torch.randn(n, v, generator=g, dtype=torch.float64)
     y = torch.randint(0, v, (n,), generator=g)
     start = sum(sizes[:rank])
-    zl = z[:, start:start + sizes[rank]].clone().requires_grad_()
-    tl = t[:, start:start + sizes[rank]]
-    common = dict(tp_group=group if world > 1 else None, backend="eager")
+    zl = z[:, start : start + sizes[rank]].clone().requires_grad_()
+    tl = t[:, start : start + sizes[rank]]
+    common: dict[str, Any] = {"tp_group": group if world > 1 else None, "backend": "eager"}
     zr = z.clone().requires_grad_()
     if kind == 0:
         out = vtp.cross_entropy(zl, y, label_smoothing=0.1, **common)
@@ -92,7 +93,7 @@ def _call(kind: int, n: int, rank: int, world: int, group, seed: int, sizes=None
         want = reference("entropy", (zr,), mask=y % 3 != 0)
     (grad,) = torch.autograd.grad(out.sum(), zl)
     (want_grad,) = torch.autograd.grad(want.sum(), zr)
-    return max(_err(out, want), _err(grad, want_grad[:, start:start + sizes[rank]]))
+    return max(_err(out, want), _err(grad, want_grad[:, start : start + sizes[rank]]))
 
 
 def _err(a, b) -> float:
@@ -210,7 +211,7 @@ def test_one_rank_error_after_planning_raises_on_every_rank(ranks, check):
     every rank, and the next call runs. (With VTP_CHECK=once it is not seen: the ranks would
     issue different collectives; see docs/guide.md, "No host sync".)"""
     results = ranks(2, _error_after_planning, check, timeout=120)
-    for raised, worst, prepared in results:
+    for raised, worst, _ in results:
         assert "disagree" in raised and "options" in raised
         assert worst < 1e-10
     # rank 0 made the planned call: with a host gather it ran no full preparation until the
@@ -243,7 +244,8 @@ def test_signature_covers_what_the_plan_depends_on():
     assert plan.size() == 2  # ...but requires_grad differs
     vtp.cross_entropy(torch.randn(4, 11, requires_grad=True), torch.randint(0, 11, (4,)), backend="eager")
     assert plan.size() == 2
-    for variant in (dict(label_smoothing=0.1), dict(temperature=2.0), dict(reduction="sum"), dict(backend="triton")):
+    variants: list[dict[str, Any]] = [{"label_smoothing": 0.1}, {"temperature": 2.0}, {"reduction": "sum"}]
+    for variant in [*variants, {"backend": "triton"}]:
         vtp.cross_entropy(z, y, **{"backend": "eager", **variant})
     with torch.no_grad():
         vtp.cross_entropy(z, y, backend="eager")

@@ -8,6 +8,7 @@ of the student's mass."""
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -41,9 +42,18 @@ class TopKCase:
 
     @property
     def id(self) -> str:
-        parts = [self.dtype, self.layout, f"k{self.k}", "tail" if self.tail else "", "reverse" if self.reverse else "",
-                 self.masked, "pad" if self.pad else "", "tgrad" if self.teacher_grad else "", self.backend,
-                 ",".join(f"{k}={v}" for k, v in self.options)]
+        parts = [
+            self.dtype,
+            self.layout,
+            f"k{self.k}",
+            "tail" if self.tail else "",
+            "reverse" if self.reverse else "",
+            self.masked,
+            "pad" if self.pad else "",
+            "tgrad" if self.teacher_grad else "",
+            self.backend,
+            ",".join(f"{k}={v}" for k, v in self.options),
+        ]
         return "-".join(p for p in parts if p)
 
 
@@ -84,16 +94,30 @@ def run_topk_case(rank, world, group, case: TopKCase):
     opts = dict(case.options)
     local = student[..., start:end].to(DTYPES[case.dtype]).contiguous().requires_grad_()
     teacher_lp = lp_t.clone().requires_grad_(case.teacher_grad)
-    out = vtp.kl(local, vtp.TopK(teacher_lp, ids), tail=case.tail, reverse=case.reverse, backend=case.backend,
-                 tp_group=group if world > 1 else None, **opts, **extra)
+    out = vtp.kl(
+        local,
+        vtp.TopK(teacher_lp, ids),
+        tail=case.tail,
+        reverse=case.reverse,
+        backend=case.backend,
+        tp_group=group if world > 1 else None,
+        **opts,
+        **extra,
+    )
 
     full = student.to(DTYPES[case.dtype]).double().reshape(n, vocab).requires_grad_()
     ref_lp = lp_t.reshape(n, case.k).clone().requires_grad_()
     # k = V: both residuals are 0 and the tail adds nothing (the reference's 1 - sum of the
     # teacher's probabilities is a rounding error there, of either sign)
-    ref = topk_kl(full, ref_lp, ids.reshape(n, case.k), temperature=opts.get("temperature", 1.0),
-                  reverse=case.reverse, tail=case.tail and case.k < vocab,
-                  **{k: v.reshape(n) for k, v in extra.items()})
+    ref = topk_kl(
+        full,
+        ref_lp,
+        ids.reshape(n, case.k),
+        temperature=opts.get("temperature", 1.0),
+        reverse=case.reverse,
+        tail=case.tail and case.k < vocab,
+        **{k: v.reshape(n) for k, v in extra.items()},
+    )
     reduction = opts.get("reduction", "none")
     if reduction == "none":
         ref_out = ref.view(case.shape)
@@ -130,14 +154,18 @@ def _close(what, got, want, rtol):
 
 BASE = TopKCase()
 TP1 = [
-    BASE, replace(BASE, tail=True),
-    replace(BASE, reverse=True), replace(BASE, reverse=True, tail=True, seed=1),
+    BASE,
+    replace(BASE, tail=True),
+    replace(BASE, reverse=True),
+    replace(BASE, reverse=True, tail=True, seed=1),
     replace(BASE, tail=True, masked="mask", options=(("reduction", "mean"),), seed=2),
     replace(BASE, tail=True, reverse=True, masked="labels", pad=True, seed=3),
     replace(BASE, tail=True, teacher_grad=True, options=(("temperature", 0.7),), seed=4),
-    replace(BASE, reverse=True, tail=True, teacher_grad=True, options=(("reduction", "sum"), ("normalizer", 5)),
-            seed=5),
-    replace(BASE, k=1, tail=True, seed=6), replace(BASE, k=37, vocab=37, tail=True, seed=7),  # k = V: no residual
+    replace(
+        BASE, reverse=True, tail=True, teacher_grad=True, options=(("reduction", "sum"), ("normalizer", 5)), seed=5
+    ),
+    replace(BASE, k=1, tail=True, seed=6),
+    replace(BASE, k=37, vocab=37, tail=True, seed=7),  # k = V: no residual
     replace(BASE, dtype="float32", tail=True, masked="labels", seed=8),
     replace(BASE, dtype="bfloat16", reverse=True, tail=True, seed=9),
     replace(BASE, dtype="float32", tail=True, pad=True, backend="triton", shape=(2, 3), seed=10),
@@ -162,8 +190,9 @@ def test_tp(ranks, world, case):
 
 
 def test_tp2_triton(ranks):
-    case = replace(BASE, dtype="float32", layout="empty", tail=True, masked="labels", backend="triton",
-                   shape=(2, 3), seed=30)
+    case = replace(
+        BASE, dtype="float32", layout="empty", tail=True, masked="labels", backend="triton", shape=(2, 3), seed=30
+    )
     assert ranks(2, run_topk_case, case, timeout=300) == [True, True]
 
 
@@ -228,6 +257,7 @@ def _confident(dtype):
     ref = topk_kl(full, lp_t, ids, tail=True)
     ref.sum().backward()
     r_s = torch.softmax(z, -1).scatter(1, ids, 0.0).sum(-1)
+    assert student.grad is not None
     return out.detach().double(), ref.detach(), student.grad.double(), full.grad, r_s
 
 
@@ -261,7 +291,7 @@ def test_options_and_errors():
     with pytest.raises(TypeError, match="unknown option"):
         vtp.kl(z, vtp.TopK(lp, ids), beta=0.5)
     with pytest.raises(ValueError, match="tail must be a bool"):
-        vtp.kl(z, vtp.TopK(lp, ids), tail=1)
+        vtp.kl(z, vtp.TopK(lp, ids), tail=cast(Any, 1))  # not a bool, on purpose
     # the entry points agree, and explain names what runs the student's log-probs
     a = vtp.kl(z, vtp.TopK(lp, ids), tail=True, reduction="sum")
     b = vtp.loss("kl", z, vtp.TopK(lp, ids), tail=True, reduction="sum")
@@ -271,22 +301,25 @@ def test_options_and_errors():
 
 
 def _dtensor_student(rank, world, group):
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from tests.test_dtensor import _mesh
+
     mesh = _mesh(world, (world,))
     case = replace(BASE, vocab=10, tail=True, masked="labels", seed=40)
     student, lp_t, ids, extra = _inputs(case, 10)
     ds = distribute_tensor(student, mesh, (Shard(2),)).requires_grad_()
     labels = distribute_tensor(extra["labels"], mesh, (Replicate(),))
     out = vtp.kl(ds, vtp.TopK(lp_t, ids), tail=True, labels=labels, reduction="sum", backend="eager")
-    assert out.placements == (Replicate(),)
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),)
     out.backward()
     full = student.reshape(-1, 10).clone().requires_grad_()
-    ref = topk_kl(full, lp_t.reshape(-1, case.k), ids.reshape(-1, case.k), tail=True,
-                  labels=extra["labels"].reshape(-1)).sum()
+    ref = topk_kl(
+        full, lp_t.reshape(-1, case.k), ids.reshape(-1, case.k), tail=True, labels=extra["labels"].reshape(-1)
+    ).sum()
     ref.backward()
     torch.testing.assert_close(out.full_tensor(), ref.detach())
+    assert isinstance(ds.grad, DTensor) and full.grad is not None
     torch.testing.assert_close(ds.grad.full_tensor(), full.grad.view(student.shape))
     return True
 

@@ -1,18 +1,21 @@
 """Every backend at TP = 2 and 3 with all ranks on ONE device: the ranks are processes joined
 in a gloo group, and with ``device="cuda"`` they all put their tensors on cuda:0 (gloo moves
 CUDA tensors for the all-reduce and all-gather the ops issue; NCCL refuses two ranks on one
-GPU). Real vocabulary sizes (151936, 128256, 50257) with 128 tokens, uneven, explicit and
-empty shards, every op each backend declares at that TP size with representative options;
-values and every rank's gradient slice against the float64 reference (computed on the
-case's device), on every rank (``cases.run_case``).
+GPU). From the conformance kit's match cases for each backend at those TP sizes: each op's
+first one and those with every claimed feature on, dtypes and shard layouts taking turns
+(``VTP_TEST_DEPTH=full``: one case of every check, the kit's smoke selection), moved to
+real vocabulary sizes (151936, 128256, 50257) and 128 tokens; values and every rank's
+gradient slice against the float64 reference (computed on the case's device), on every rank
+(``cases.run_case``).
 
 ``test_tp_on_one_gpu`` is marked ``gpu``; run it on the GPU machine with
 
     TRITON_INTERPRET=0 python -m pytest -m gpu tests/test_tp_one_device.py
 
-``test_tp_same_path_on_cpu`` runs the very same cases with ``device="cpu"`` and small
-vocabularies in the normal suite (Triton through its interpreter), so this path is tested
-by CI and cannot rot between GPU runs.
+``test_tp_same_path_on_cpu`` runs the first of those cases of every backend, TP size and op
+with ``device="cpu"`` at the kit's small sizes in the normal suite (Triton through its
+interpreter), so this path is tested by CI and cannot rot between GPU runs (the kit's cases
+themselves run at TP 1 and 2 in each backend's tests).
 """
 
 import os
@@ -20,83 +23,64 @@ import os
 import pytest
 import torch
 
-from vtp_runtime.ops import get_spec
 from vtp_runtime.registry import REGISTRY
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.cases import Case, run_case
+from vtp_runtime.testing.head_cases import HeadCase
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 BACKENDS = ("eager", "triton", "liger")
 WORLDS = (2, 3)
 REAL_VOCABS = (151936, 128256, 50257)
-SMALL_VOCABS = {151936: 61, 128256: 47, 50257: 37}  # the CPU twin: odd sizes, uneven at TP 2 and 3
-
-# representative option sets per op; each case takes the next vocabulary, shard layout and dtype
-OPTION_SETS = {
-    "cross_entropy": [{}, {"options": (("label_smoothing", 0.1), ("z_loss", 1e-4))}, {"masked": "labels"},
-                      {"options": (("temperature", 0.7), ("reduction", "mean")), "masked": "labels", "strided": True}],
-    "logprobs": [{}, {"topk": 4, "masked": "labels"}, {"options": (("temperature", 1.3),), "strided": True}],
-    "entropy": [{}, {"masked": "mask", "options": (("temperature", 0.5),)}, {"view": "permuted"}],
-    "kl": [{}, {"options": (("reverse", True),), "masked": "mask", "grads": (True, True)},
-           {"options": (("temperature", 2.0),), "view": "transposed"}],
-    "jsd": [{"options": (("beta", 0.5),)}, {"options": (("beta", 0.1), ("temperature", 2.0)), "grads": (True, True)},
-            {"options": (("beta", 0.0),), "masked": "labels", "strided": True}],
-}
 LAYOUTS = ("uneven", "empty", "explicit")
-DTYPES = ("bfloat16", "float32")
+# besides each op's first case: the kit's checks with every claimed feature on
+GPU_CHECKS = (
+    "every claimed feature at once",
+    "every claimed feature, masked, reduction=mean",
+    "strided rows, masked, every claimed feature",
+)
 
 
-def _features(case: Case) -> set[str]:
-    """The features (vtp.FEATURES) the case uses, to match against a backend's declaration."""
-    spec = get_spec(case.op)
-    opts = dict(case.options)
-    used = {f for f in ("label_smoothing", "z_loss", "reverse") if opts.get(f)}
-    if opts.get("temperature", 1.0) != 1.0:
-        used.add("temperature")
-    if case.topk:
-        used.add("topk")
-    if case.masked and not spec.index:
-        used.add("mask")
-    if len(spec.inputs) == 2 and case.grads[1]:
-        used.add("teacher_grad")
-    return used
+def _on_gpu(case: Case, i: int, rotate: bool) -> Case:
+    """``case`` on cuda at a real vocabulary size (the next of REAL_VOCABS) with 128 tokens;
+    with ``rotate``, also the next dtype and shard layout where the case is float32 on uneven
+    shards (the backend allowing an empty one)."""
+    shape = case.shape if case.shape == (0,) else (4, 33) if case.strided else (4, 32)
+    case = case.with_(device="cuda", vocab=REAL_VOCABS[i % len(REAL_VOCABS)], shape=shape)
+    if rotate and case.dtype == "float32":
+        case = case.with_(dtype=("bfloat16", "float32")[i % 2])
+    if rotate and case.layout == "uneven" and REGISTRY.get(case.backend or "eager").ops[case.op].empty_shards:
+        case = case.with_(layout=LAYOUTS[i % len(LAYOUTS)])
+    return case
 
 
 def tp_cases(device: str) -> list[tuple[int, Case]]:
-    """(world, case) for every backend, TP size and op the backend declares there; real
-    vocabularies and 128 tokens on ``"cuda"``, small ones and 6 tokens on ``"cpu"``."""
-    out = []
+    """(world, case) for every backend and TP size, from the kit's match cases there (Head
+    inputs aside: tests/test_head_gpu.py). On ``"cuda"``: each op's first case and its checks
+    with every claimed feature on, at real sizes (at ``VTP_TEST_DEPTH=full``, one case of every
+    check: the math of every case is checked on CPU, what a GPU adds is the device at real
+    sizes). On ``"cpu"``: each op's first case, at the kit's sizes."""
+    full = conformance.current_depth() == "full"
+    out: list[tuple[int, Case]] = []
     for backend in BACKENDS:
-        ops = REGISTRY.get(backend).ops
-        for world in WORLDS:
-            i = 0
-            for op, sets in OPTION_SETS.items():
-                cap = ops.get(op)
-                if cap is None or (cap.tp_sizes is not None and world not in cap.tp_sizes):
-                    continue
-                for fields in sets:
-                    two = len(get_spec(op).inputs) == 2
-                    fields = {"grads": (True, False) if two else (True, True), **fields}
-                    layout = "even" if cap.even_shards_only else LAYOUTS[i % len(LAYOUTS)]
-                    if layout == "empty" and not cap.empty_shards:
-                        layout = "uneven"
-                    vocab = REAL_VOCABS[i % len(REAL_VOCABS)]
-                    strided = fields.get("strided", False)
-                    if device == "cuda":
-                        shape = (4, 33) if strided else (4, 32)  # 128 tokens
-                    else:
-                        vocab, shape = SMALL_VOCABS[vocab], (2, 4) if strided else (2, 3)
-                    case = Case(op, dtype=DTYPES[i % len(DTYPES)], shape=shape, vocab=vocab, layout=layout,
-                                backend=backend, device=device, seed=100 + i, **fields)
-                    i += 1
-                    if _features(case) <= cap.features:
-                        out.append((world, case))
+        firsts = set()
+        for cc in conformance.conformance_cases(backend, world_sizes=WORLDS, depth="smoke" if full else "fast"):
+            if cc.expect != "match" or isinstance(cc.case, HeadCase):
+                continue
+            first = (cc.world, cc.case.op) not in firsts
+            firsts.add((cc.world, cc.case.op))
+            if device == "cpu" and first:
+                out.append((cc.world, cc.case))
+            elif device == "cuda" and (full or first or cc.why.startswith(GPU_CHECKS)):
+                out.append((cc.world, _on_gpu(cc.case, len(out), rotate=not full)))
     return out
 
 
 def _id(item) -> str:
     world, case = item
-    return f"tp{world}-{case.backend}-{case.id}-V{case.vocab}"
+    extra = "" if case.shape == (3, 4) else "-shape" + "x".join(map(str, case.shape))
+    return f"tp{world}-{case.backend}-{case.id}{extra}-V{case.vocab}"
 
 
 GPU_CASES = tp_cases("cuda")
@@ -145,10 +129,12 @@ def test_ranks_share_cuda0_over_gloo(ranks, world):
 
 
 def test_every_backend_and_world_has_cases():
-    """The declarations give every backend cases at every TP size it supports here."""
+    """The declarations give every backend cases at every TP size here, eager and triton
+    every op, and the GPU cases every shard layout."""
     for cases in (GPU_CASES, CPU_CASES):
         got = {(case.backend, world) for world, case in cases}
         assert got == {(b, w) for b in BACKENDS for w in WORLDS}
         ops = {(case.backend, case.op) for _, case in cases}
-        assert {("eager", op) for op in OPTION_SETS} <= ops and {("triton", op) for op in OPTION_SETS} <= ops
-        assert {case.layout for _, case in cases} >= {"uneven", "empty", "explicit", "even"}
+        every = ("cross_entropy", "logprobs", "entropy", "kl", "jsd")
+        assert {("eager", op) for op in every} <= ops and {("triton", op) for op in every} <= ops
+    assert {case.layout for _, case in GPU_CASES} >= {"uneven", "empty", "explicit", "even"}

@@ -1,106 +1,50 @@
 """The triton backend against the float64 dense reference, on CPU tensors through Triton's
-interpreter (tests/conftest.py sets TRITON_INTERPRET=1): the eager test matrix at reduced
-sizes, at TP 1 (in process) and TP 2 (gloo ranks). Every call forces ``backend="triton"``,
-so nothing falls back silently. The interpreter is slow: shapes are tiny, and the launch
-configuration for CPU (INTERPRETER_CONFIG) uses 16/32-column tiles so that these shapes
-still cover several tiles per chunk and several chunks (splits) per row.
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1): the conformance kit's cases at TP 1
+and 2, a smoke selection of them by default (one case of every check: ``VTP_TEST_DEPTH=full``
+runs the kit's full matrix), also for a configuration that never splits a row. Every call
+forces its backend, so nothing falls back silently. The interpreter is slow: the kit's main
+cases are 6 tokens, and the launch configuration for CPU (INTERPRETER_CONFIG) uses
+16/32-column tiles so that these shapes still cover several tiles per chunk and several
+chunks (splits) per row.
 """
 
 import pytest
 import torch
 
+import vtp_runtime as vtp
+from vtp_runtime.backends.triton import INTERPRETER_CONFIG, LaunchConfig, TritonBackend
+from vtp_runtime.registry import hookimpl, registered
+from vtp_runtime.testing import conformance
+
 # numpy warns about the NaN/inf arithmetic the edge cases exercise on purpose
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-import vtp_runtime as vtp
-from vtp_runtime.backends.triton import INTERPRETER_CONFIG, LaunchConfig, TritonBackend
-from vtp_runtime.registry import REGISTRY
-from vtp_runtime.testing import conformance
-from vtp_runtime.testing.cases import Case, run_case
-
 T = "triton"
+DEPTH = conformance.current_depth(slow=True)  # smoke unless VTP_TEST_DEPTH=full
 SHAPE = (2, 3)  # 6 tokens: the interpreter's cost grows with rows x splits x tiles
 
-OPTION_SETS = {
-    "cross_entropy": [
-        {}, {"options": (("label_smoothing", 0.1),)}, {"options": (("z_loss", 1e-3),)},
-        {"options": (("label_smoothing", 0.2), ("z_loss", 1e-2), ("temperature", 0.7)), "masked": "labels"},
-        {"options": (("ignore_index", 3),), "masked": "labels"},
-        {"options": (("reduction", "mean"),), "masked": "labels"},
-    ],
-    "logprobs": [
-        {}, {"topk": 3}, {"options": (("temperature", 1.5),)}, {"masked": "labels", "topk": 2},
-        {"options": (("return_entropy", True),)},
-        {"options": (("return_entropy", True), ("temperature", 0.7), ("reduction", "mean")), "masked": "labels",
-         "topk": 3},
-    ],
-    "entropy": [
-        {}, {"options": (("temperature", 0.5),)}, {"masked": "mask"}, {"masked": "labels"},
-    ],
-    "kl": [
-        {}, {"options": (("reverse", True),)}, {"options": (("temperature", 2.0),)}, {"masked": "mask"},
-        {"grads": (True, False)}, {"grads": (False, True), "options": (("reverse", True),)},
-    ],
-    "jsd": [
-        {"options": (("beta", 0.5),)}, {"options": (("beta", 0.0),)}, {"options": (("beta", 1.0),)},
-        {"options": (("beta", 0.3), ("temperature", 2.0)), "grads": (True, False)},
-        {"options": (("beta", 0.7),), "masked": "mask", "grads": (False, True)},
-        {"options": (("beta", 0.1), ("reduction", "mean")), "masked": "labels"},
-    ],
-}
 
-
-def _cases(dtypes, layouts):
-    out = []
-    for op, sets in OPTION_SETS.items():
-        for i, fields in enumerate(sets):
-            # one dtype per option set (rotating), so every dtype meets every op
-            dtype = dtypes[i % len(dtypes)]
-            layout = layouts[i % len(layouts)]
-            out.append(Case(op, dtype=dtype, layout=layout, seed=i, backend=T, shape=SHAPE, **fields))
-    return out
-
-
-TP1 = _cases(("float32", "bfloat16", "float16"), ("even",))
-TP2 = _cases(("float32", "bfloat16"), ("uneven", "empty", "explicit", "even"))
-EDGES = [Case(op, edge=edge, backend=T, shape=SHAPE, **fields)
-         for op, fields in [("cross_entropy", {"options": (("label_smoothing", 0.1),)}), ("logprobs", {"topk": 2}),
-                            ("logprobs", {"topk": 2, "options": (("return_entropy", True),)}),
-                            ("entropy", {}), ("kl", {}), ("jsd", {"options": (("beta", 0.3),)})]
-         for edge in ("neg_inf", "offset", "disjoint", "all_neg_inf", "all_neg_inf_masked")
-         if not (edge == "disjoint" and op not in ("kl", "jsd"))]
-EDGES += [Case(op, edge="bad_index", backend=T, shape=SHAPE, **f)
-          for op, f in [("cross_entropy", {}), ("logprobs", {"topk": 3}),
-                        ("logprobs", {"topk": 3, "options": (("return_entropy", True),)})]]
-EDGES += [Case(op, shape=(0,), backend=T) for op in ("cross_entropy", "logprobs", "entropy", "kl", "jsd")]
-EDGES += [Case("logprobs", shape=(0,), backend=T, options=(("return_entropy", True),))]
-EDGES += [Case(op, shape=(2, 4), strided=True, masked=m, backend=T, **f)
-          for op, m, f in [("cross_entropy", "labels", {}), ("logprobs", "", {}),
-                           ("logprobs", "labels", {"options": (("return_entropy", True),)}), ("entropy", "mask", {}),
-                           ("kl", "", {}), ("jsd", "mask", {})]]
-# TP 2: the edges where shards matter (a -inf slice, offsets, disjoint support, strided views)
-EDGES_TP2 = [c.with_(layout="empty" if c.edge == "neg_inf" else "uneven") for c in EDGES
-             if (c.edge in ("neg_inf", "offset") and c.op in ("cross_entropy", "jsd"))
-             or (c.edge in ("disjoint", "all_neg_inf") and c.op in ("kl", "jsd"))
-             or (c.strided and c.op in ("cross_entropy", "jsd")) or (c.shape == (0,) and c.op == "jsd")]
-
-
-@pytest.mark.parametrize("case", TP1, ids=lambda c: c.id)
-def test_tp1(case):
-    run_case(0, 1, None, case)
-
-
-@pytest.mark.parametrize("case", EDGES, ids=lambda c: c.id)
-def test_edges_tp1(case):
-    run_case(0, 1, None, case)
+@conformance.parametrize(T, depth=DEPTH, shape=SHAPE)
+def test_conformance(ranks, conformance_case):
+    conformance.check(conformance_case, runner=ranks, timeout=120)
 
 
 # Rows that are neither split nor sharded are finished by the program that reads them (one
 # launch: stats1/stats2 with FINISH, jsd_row_kernel). A backend whose configuration never
 # splits a row takes that path for every call at TP 1, on the same test matrix and edges.
-ROW_CONFIG = LaunchConfig(block_stats=16, warps_stats=1, block_div=16, warps_div=1, block_bwd=32, warps_bwd=1,
-                          target_programs=1, max_splits=1, bwd_target_programs=16, block_rows=16,
-                          warps_finish=1)
+ROW_CONFIG = LaunchConfig(
+    block_stats=16,
+    warps_stats=1,
+    block_div=16,
+    warps_div=1,
+    block_bwd=32,
+    warps_bwd=1,
+    target_programs=1,
+    max_splits=1,
+    bwd_target_programs=16,
+    block_rows=16,
+    warps_finish=1,
+)
 
 
 class _WholeRows(TritonBackend):
@@ -109,31 +53,40 @@ class _WholeRows(TritonBackend):
 
 
 class _WholeRowsPlugin:
-    @staticmethod
-    def vtp_runtime_register_backends(register):
+    @hookimpl
+    def vtp_runtime_register_backends(self, register):
         register(_WholeRows(ROW_CONFIG))
+
+
+WHOLE_ROWS = _WholeRowsPlugin()  # the rank processes register it as "tests.test_triton:WHOLE_ROWS"
 
 
 @pytest.fixture(scope="module")
 def whole_rows():
-    from vtp_runtime.registry import hookimpl, register
-    hookimpl(_WholeRowsPlugin.vtp_runtime_register_backends)
-    register(_WholeRowsPlugin(), name="triton_whole_rows")
-    yield _WholeRows.name
-    REGISTRY.unregister("triton_whole_rows")
+    with registered(WHOLE_ROWS, name="triton_whole_rows"):
+        yield _WholeRows.name
 
 
-@pytest.mark.parametrize("case", TP1 + [c for c in EDGES if c.shape != (0,)], ids=lambda c: c.id)
-def test_whole_rows_tp1(whole_rows, case):
-    run_case(0, 1, None, case.with_(backend=whole_rows))
+@conformance.parametrize(
+    _WholeRows(ROW_CONFIG), world_sizes=(1,), plugin="tests.test_triton:WHOLE_ROWS", depth=DEPTH, shape=SHAPE
+)
+def test_whole_rows_conformance(ranks, conformance_case):
+    conformance.check(conformance_case, runner=ranks, timeout=120)
 
 
 def test_whole_rows_is_one_launch_per_forward(whole_rows, monkeypatch):
     """The single-launch path is the one taken: no finishing or divergence kernel runs."""
     from vtp_runtime.backends.triton import kernels
-    launched = []
-    for name in ("stats1_kernel", "finish1_kernel", "stats2_kernel", "jsd_div_kernel", "finish2_kernel",
-                 "jsd_row_kernel"):
+
+    launched: list[str] = []
+    for name in (
+        "stats1_kernel",
+        "finish1_kernel",
+        "stats2_kernel",
+        "jsd_div_kernel",
+        "finish2_kernel",
+        "jsd_row_kernel",
+    ):
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, _Recorder(kernel, name, launched))
     z, t = torch.randn(3, 40), torch.randn(3, 40)
@@ -141,8 +94,14 @@ def test_whole_rows_is_one_launch_per_forward(whole_rows, monkeypatch):
     vtp.kl(z, t, backend=whole_rows)
     vtp.jsd(z, t, beta=0.3, backend=whole_rows)
     vtp.jsd(z, t, beta=0.3, backend=T)  # the split path, for contrast
-    assert launched == ["stats1_kernel", "stats2_kernel", "jsd_row_kernel",
-                        "stats2_kernel", "jsd_div_kernel", "finish2_kernel"]
+    assert launched == [
+        "stats1_kernel",
+        "stats2_kernel",
+        "jsd_row_kernel",
+        "stats2_kernel",
+        "jsd_div_kernel",
+        "finish2_kernel",
+    ]
 
 
 class _Recorder:
@@ -152,16 +111,6 @@ class _Recorder:
     def __getitem__(self, grid):
         self.launched.append(self.name)
         return self.kernel[grid]
-
-
-@pytest.mark.parametrize("case", TP2, ids=lambda c: c.id)
-def test_tp2(ranks, case):
-    ranks(2, run_case, case, timeout=120)
-
-
-@pytest.mark.parametrize("case", EDGES_TP2, ids=lambda c: c.id)
-def test_edges_tp2(ranks, case):
-    ranks(2, run_case, case, timeout=120)
 
 
 def test_probe_reasons_never_raise(monkeypatch):
@@ -175,7 +124,7 @@ def test_probe_reasons_never_raise(monkeypatch):
 
 def test_strided_rows_reach_the_kernels_without_a_copy(monkeypatch):
     """A causal-shift view ``logits[:, :-1]`` arrives as the 3-D view itself, not a copy."""
-    seen = []
+    seen: list[tuple] = []
     original = TritonBackend.forward
 
     def spy(self, call, inputs, index, mask):
@@ -212,38 +161,40 @@ def test_launch_config_is_a_parameter():
         name = "triton_config_test"
         priority = -5
 
-    cfg = LaunchConfig(block_stats=64, block_div=32, block_bwd=64, target_programs=4, max_splits=2,
-                       bwd_target_programs=4, block_rows=8, warps_stats=1, warps_div=1, warps_bwd=1,
-                       warps_finish=1, fast_log2=False)
+    cfg = LaunchConfig(
+        block_stats=64,
+        block_div=32,
+        block_bwd=64,
+        target_programs=4,
+        max_splits=2,
+        bwd_target_programs=4,
+        block_rows=8,
+        warps_stats=1,
+        warps_div=1,
+        warps_bwd=1,
+        warps_finish=1,
+        fast_log2=False,
+    )
     assert cfg != INTERPRETER_CONFIG
 
-    def plugin_hook(register):
-        register(Other(cfg))
+    class Plugin:
+        @hookimpl
+        def vtp_runtime_register_backends(self, register):
+            register(Other(cfg))
 
-    plugin = type("P", (), {"vtp_runtime_register_backends": staticmethod(plugin_hook)})
-    from vtp_runtime.registry import hookimpl, register
-    hookimpl(plugin.vtp_runtime_register_backends)
-    register(plugin(), name="triton_config_test")
-    try:
+    with registered(Plugin(), name="triton_config_test"):
         z = torch.randn(5, 150, requires_grad=True)
         t = torch.randn(5, 150)
         a = vtp.jsd(z, t, beta=0.3, backend="triton_config_test")
         b = vtp.jsd(z, t, beta=0.3, backend=T)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        ga, = torch.autograd.grad(a.sum(), z)
-        gb, = torch.autograd.grad(b.sum(), z)
+        (ga,) = torch.autograd.grad(a.sum(), z)
+        (gb,) = torch.autograd.grad(b.sum(), z)
         torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-7)
         y = torch.randint(0, 150, (5,))  # the one-input kernels too
-        torch.testing.assert_close(vtp.cross_entropy(z, y, backend="triton_config_test"),
-                                   vtp.cross_entropy(z, y, backend=T), rtol=1e-5, atol=1e-6)
-    finally:
-        REGISTRY.unregister("triton_config_test")
-
-
-# -- the conformance kit's memory layouts and create_graph checks --------------------------
-KIT = [cc for cc in conformance.conformance_cases(T) if cc.case.view or cc.case.second_order]
-
-
-@pytest.mark.parametrize("cc", KIT, ids=str)
-def test_conformance_layouts_and_second_order(ranks, cc):
-    conformance.check(cc, runner=ranks, timeout=120)
+        torch.testing.assert_close(
+            vtp.cross_entropy(z, y, backend="triton_config_test"),
+            vtp.cross_entropy(z, y, backend=T),
+            rtol=1e-5,
+            atol=1e-6,
+        )

@@ -10,6 +10,7 @@ GPU launch at the sizes users run.
 
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -27,8 +28,10 @@ GRAD_TOL = {"float32": 1e-5, "bfloat16": 8e-3, "float16": 1e-3}
 @pytest.fixture(autouse=True)
 def _need_cuda():
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU with compiled Triton (torch.cuda.is_available() is False "
-                    "or TRITON_INTERPRET=1); run on the GPU machine: TRITON_INTERPRET=0 pytest -m gpu")
+        pytest.skip(
+            "needs a CUDA GPU with compiled Triton (torch.cuda.is_available() is False "
+            "or TRITON_INTERPRET=1); run on the GPU machine: TRITON_INTERPRET=0 pytest -m gpu"
+        )
 
 
 def _reference(op, logits, index, grad, chunk_rows, **opts):
@@ -40,9 +43,9 @@ def _reference(op, logits, index, grad, chunk_rows, **opts):
         part = tuple(z[lo:hi] for z in logits)
         idx = None if index is None else index[lo:hi]
         extra = {k: (v[lo:hi] if isinstance(v, torch.Tensor) else v) for k, v in opts.items()}
-        v, g = values_and_grads(op, part, idx, grad[lo:hi], needs_grad=(True,) + (False,) * (len(part) - 1),
-                                **extra)
+        v, g = values_and_grads(op, part, idx, grad[lo:hi], needs_grad=(True,) + (False,) * (len(part) - 1), **extra)
         vals.append(v)
+        assert g[0] is not None
         grads.append(g[0].to(logits[0].dtype))
         del v, g
     return torch.cat(vals), torch.cat(grads)
@@ -66,18 +69,25 @@ def _check(op, dtype, n, v, seed=0, **opts):
     assert grad.dtype == dt
     chunk = max(1, (1 << 26) // v)
     ref_opts = {k: val for k, val in opts.items()}
-    ref_v, ref_g = _reference(op, tuple(a.detach() for a in args if a.is_floating_point()), index, upstream,
-                              chunk, **ref_opts)
+    ref_v, ref_g = _reference(
+        op, tuple(a.detach() for a in args if a.is_floating_point()), index, upstream, chunk, **ref_opts
+    )
     # values: fp32 accumulation over V elements
     torch.testing.assert_close(out.double(), ref_v, rtol=5e-5, atol=5e-5 * max(1.0, ref_v.abs().max().item()))
     err = (grad.double() - ref_g.double()).norm() / ref_g.double().norm().clamp_min(1e-30)
     assert err.item() < GRAD_TOL[dtype], f"{op} {dtype} N={n} V={v}: gradient relative L2 error {err.item():.3g}"
 
 
-CASES = [
-    ("cross_entropy", {}), ("cross_entropy", {"label_smoothing": 0.1, "z_loss": 1e-4}),
-    ("logprobs", {}), ("entropy", {"temperature": 0.7}), ("kl", {}), ("kl", {"reverse": True}),
-    ("jsd", {"beta": 0.5}), ("jsd", {"beta": 0.1, "temperature": 2.0}), ("jsd", {"beta": 0.0}),
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("cross_entropy", {}),
+    ("cross_entropy", {"label_smoothing": 0.1, "z_loss": 1e-4}),
+    ("logprobs", {}),
+    ("entropy", {"temperature": 0.7}),
+    ("kl", {}),
+    ("kl", {"reverse": True}),
+    ("jsd", {"beta": 0.5}),
+    ("jsd", {"beta": 0.1, "temperature": 2.0}),
+    ("jsd", {"beta": 0.0}),
 ]
 
 
@@ -108,8 +118,7 @@ def test_strided_causal_shift_view():
     z = torch.randn(4, 257, 32000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 32000, (4, 256), device="cuda")
     out = vtp.cross_entropy(z[:, :-1], labels, backend="triton")
-    ref = torch.nn.functional.cross_entropy(z[:, :-1].float().reshape(-1, 32000), labels.reshape(-1),
-                                            reduction="none")
+    ref = torch.nn.functional.cross_entropy(z[:, :-1].float().reshape(-1, 32000), labels.reshape(-1), reduction="none")
     torch.testing.assert_close(out.reshape(-1), ref, rtol=2e-5, atol=2e-5)
     (g,) = torch.autograd.grad(out.sum(), (z,))
     assert torch.equal(g[:, -1], torch.zeros_like(g[:, -1]))

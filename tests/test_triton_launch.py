@@ -119,5 +119,6 @@ def test_unspecialized_ints_are_keyed_by_range_only():
     assert L._key("dev", {"x": 3, "seed": 1}) != L._key("dev", {"x": 3, "seed": 2})  # specialized ints: exactly
     from vtp_runtime.backends.triton import sampling_kernels
 
-    assert L._unspecialized(sampling_kernels.scan_kernel) >= {"seed_key", "seed_lo", "seed_hi"} or \
-        not hasattr(sampling_kernels.scan_kernel, "params")  # the interpreter's function has no params
+    assert L._unspecialized(sampling_kernels.scan_kernel) >= {"seed_key", "seed_lo", "seed_hi"} or not hasattr(
+        sampling_kernels.scan_kernel, "params"
+    )  # the interpreter's function has no params

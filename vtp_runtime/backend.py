@@ -51,7 +51,7 @@ import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -174,11 +174,12 @@ class SavedState:
         return getter(self)
 
     @classmethod
-    def from_tensors(cls, tensors: Sequence[torch.Tensor | None]) -> SavedState:
+    def from_tensors(cls: type[_State], tensors: Sequence[torch.Tensor | None]) -> _State:
         """The state whose ``tensors()`` are ``tensors``."""
         return cls(*tensors)
 
 
+_State = TypeVar("_State", bound=SavedState)
 _GETTERS: dict[type, Callable[[SavedState], tuple]] = {}
 
 

@@ -29,6 +29,7 @@ sequence-parallel Head.
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -86,16 +87,11 @@ def _dtensor():
             _DT = False
             return None
         try:  # torch >= 2.5
-            from torch.distributed import tensor as dt
-            from torch.distributed.tensor._utils import (
-                compute_local_shape_and_global_offset,
-            )
+            dt = importlib.import_module("torch.distributed.tensor")
         except ImportError:  # torch 2.4
-            from torch.distributed import _tensor as dt
-            from torch.distributed._tensor._utils import (
-                compute_local_shape_and_global_offset,
-            )
-        _DT = _Torch(dt.DTensor, dt.Shard, dt.Replicate, dt.Partial, compute_local_shape_and_global_offset)
+            dt = importlib.import_module("torch.distributed._tensor")
+        utils = importlib.import_module(f"{dt.__name__}._utils")
+        _DT = _Torch(dt.DTensor, dt.Shard, dt.Replicate, dt.Partial, utils.compute_local_shape_and_global_offset)
     return _DT or None
 
 

@@ -172,7 +172,12 @@ class EagerBackend(TakesHead, Compiles):
         return state.statistics()
 
     def from_statistics(self, call, inputs, index, mask, statistics):
-        kind = {"cross_entropy": IndexState, "logprobs": IndexState, "entropy": EntropyState}.get(call.op, PairState)
+        kinds: dict[str, type[IndexState | EntropyState]] = {
+            "cross_entropy": IndexState,
+            "logprobs": IndexState,
+            "entropy": EntropyState,
+        }
+        kind = kinds.get(call.op, PairState)
         return kind.from_statistics(call, inputs, index, mask, statistics)
 
 
@@ -392,10 +397,10 @@ def _kl_backward(call, state, grad):
         pa = logpa.exp()
         g = scale[lo:hi, None]
         keep = mask[lo:hi, None] if mask is not None else None
-        if need_a:
+        if grad_a is not None:
             d = _xlogy_rel(pa, logpa - logpb - kl[lo:hi, None]) * g
             grad_a[lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
-        if need_b:
+        if grad_b is not None:
             d = (logpb.exp() - pa) * g
             grad_b[lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
     return (grad_a, grad_b) if reverse else (grad_b, grad_a)
@@ -452,8 +457,8 @@ def _jsd_backward(call, state, grad):
         lm = _log_mixture(lps, lpt, beta)
         g = scale[lo:hi, None]
         keep = mask[lo:hi, None] if mask is not None else None
-        for need, out, lp, kl, w in ((need_s, grad_s, lps, kls[0], 1 - beta), (need_t, grad_t, lpt, kls[1], beta)):
-            if need:
+        for out, lp, kl, w in ((grad_s, lps, kls[0], 1 - beta), (grad_t, lpt, kls[1], beta)):
+            if out is not None:
                 d = _xlogy_rel(lp.exp(), lp - lm - kl[lo:hi, None]) * (w * g)
                 out[lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
     return grad_s, grad_t

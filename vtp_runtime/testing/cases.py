@@ -181,7 +181,7 @@ def laid_out(local: torch.Tensor, view: str, need: bool) -> torch.Tensor:
         base[..., :v] = local.transpose(0, 1)
         return base.requires_grad_(need).transpose(0, 1)[..., :v]
     if view == "expanded_teacher":  # make_inputs gave every token the same teacher row
-        rows = local.reshape(-1, v)
+        rows = local.reshape(math.prod(local.shape[:-1]), v)  # not -1: an empty shard has v = 0
         base = rows[:1].clone()
         return base.requires_grad_(need).expand(rows.shape).reshape(local.shape)
     raise ValueError(f"unknown view {view!r}; known: {', '.join(VIEWS)}")
@@ -366,7 +366,7 @@ def _reference_output(
     # the reference of the reduction, and the upstream gradient it sends to every token
     if reduction == "none":
         topk = flat_index is not None and flat_index.dim() == 2  # [N, k] values
-        per_token_grad = upstream.reshape(n, -1) if topk else upstream.reshape(n)
+        per_token_grad = upstream.reshape(flat_index.shape) if topk else upstream.reshape(n)  # [0, k] too
         ref_out = ref_vals
     else:
         ii = opts.get("ignore_index", -100)

@@ -2,7 +2,8 @@
 
 Starting torch in a process takes seconds, so a pool is started once per world size and
 runs many jobs. Every job has a timeout: a hang fails the job (and the pool is torn down)
-instead of stalling the test run. Gloo's own collective timeout is set short as well.
+instead of stalling the test run. Gloo's own collective timeout is set short as well; a job
+in which it expired also tears the pool down, so that the jobs after it run on a new one.
 
     pool = RankPool(2)
     results = pool.run(my_fn, arg, timeout=60)   # my_fn(rank, world, group, arg) on every rank
@@ -36,6 +37,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _collective_broke(report: str) -> bool:
+    """Whether a rank's failure report is gloo's own: a collective that timed out, or whose
+    peer went away."""
+    return any(s in report for s in ("gloo/transport", "pair closure", "Connection closed by peer"))
 
 
 def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout: float, backend: str) -> None:
@@ -130,6 +137,10 @@ class RankPool:
             if jid == job_id:
                 got[rank] = (ok, value)
         failed = {r: v for r, (ok, v) in got.items() if not ok}
+        if any(_collective_broke(v) for v in failed.values()):
+            # a rank left waiting in a collective (another raised before it) timed out: the
+            # group is out of step, so the next job gets a new pool instead of failing too
+            self.close(force=True)
         if failed:
             raise RankFailure("\n".join(f"--- rank {r} ---\n{v}" for r, v in sorted(failed.items())))
         return [got[r][1] for r in range(self.world_size)]

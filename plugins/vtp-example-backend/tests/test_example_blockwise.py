@@ -9,8 +9,8 @@ everything it does not declare is refused by dispatch.
 import pytest
 import torch
 
-import vtp_runtime as vtp
 import vtp_example_backend
+import vtp_runtime as vtp
 from vtp_runtime.registry import REGISTRY
 from vtp_runtime.testing import conformance
 from vtp_runtime.testing.cases import Case, run_case

@@ -40,6 +40,7 @@ Tensor = torch.Tensor
 
 # -- helpers -------------------------------------------------------------------------------
 
+
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -83,6 +84,7 @@ def _masked(values: Tensor, mask: Tensor | None) -> Tensor:
 # Every field is a tensor (or None for an optional one): the core saves them with autograd's
 # save_for_backward, which also catches an input modified in place before backward.
 
+
 @dataclass
 class EntropyState(SavedState):
     logits: Tensor  # [N, V_local], the input itself (no copy)
@@ -101,6 +103,7 @@ class KLState(SavedState):
 
 
 # -- entropy -------------------------------------------------------------------------------
+
 
 def _entropy_forward(call, z: Tensor, mask):
     n, v = z.shape
@@ -142,6 +145,7 @@ def _entropy_backward(call, state: EntropyState, grad):
 
 
 # -- KL ------------------------------------------------------------------------------------
+
 
 def _kl_forward(call, student: Tensor, teacher: Tensor, mask, reverse: bool):
     """KL(A || B): forward A = teacher, B = student; reverse A = student, B = teacher."""
@@ -188,16 +192,17 @@ def _kl_backward(call, state: KLState, grad, reverse: bool):
         logpa = _x(a_in, lo, hi, temp).sub_(ma[:, None]).sub_(log_sa[:, None])
         logpb = _x(b_in, lo, hi, temp).sub_(mb[:, None]).sub_(log_sb[:, None])
         pa = logpa.exp()
-        if need_a:
+        if grad_a is not None:
             d = _p_times(pa, logpa - logpb - kl[:, None]) * scale
             grad_a[:, lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
-        if need_b:
+        if grad_b is not None:
             d = (logpb.exp() - pa) * scale
             grad_b[:, lo:hi] = d if keep is None else torch.where(keep, d, torch.zeros_like(d))
     return (grad_a, grad_b) if reverse else (grad_b, grad_a)
 
 
 # -- the backend ---------------------------------------------------------------------------
+
 
 class BlockwiseBackend(Backend):
     """Entropy and KL by a one-pass streaming softmax over vocabulary blocks.
@@ -215,11 +220,12 @@ class BlockwiseBackend(Backend):
     # Below eager (0): an example must never win auto-selection by being installed.
     # Use it with VTP_BACKEND=example_blockwise, use_backend(...) or backend=...
     priority = -10
-    _CAP = dict(device_types=None,  # pure PyTorch: any device torch runs on
-                dtypes=frozenset({torch.float32, torch.bfloat16, torch.float64}))
-    ops = {
-        "entropy": OpCapability(**_CAP, features=frozenset({"mask", "temperature"})),
-        "kl": OpCapability(**_CAP, features=frozenset({"mask", "temperature", "reverse", "teacher_grad"})),
+    _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float64})
+    ops = {  # device_types=None: pure PyTorch, any device torch runs on
+        "entropy": OpCapability(device_types=None, dtypes=_DTYPES, features=frozenset({"mask", "temperature"})),
+        "kl": OpCapability(
+            device_types=None, dtypes=_DTYPES, features=frozenset({"mask", "temperature", "reverse", "teacher_grad"})
+        ),
     }
 
     def probe(self, device_type: str) -> list[str]:
@@ -230,7 +236,8 @@ class BlockwiseBackend(Backend):
     def forward(self, call, inputs, index, mask):
         if call.op == "entropy":
             return _entropy_forward(call, inputs[0], mask)
-        return _kl_forward(call, *inputs, mask, reverse=call.options["reverse"])
+        student, teacher = inputs
+        return _kl_forward(call, student, teacher, mask, reverse=call.options["reverse"])
 
     def backward(self, call, state, grad):
         if call.op == "entropy":
