@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .bench_sample import SAMPLE_OPS
-from .timing import copy_bandwidth, fmt, peak, print_rows, time_graph, time_loop, time_stream, version
+from .timing import copy_bandwidth, cuda_missing, fmt, peak, print_rows, time_graph, time_loop, time_stream, version
 
 # logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
 OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
@@ -346,8 +346,7 @@ def run(args) -> int:
         return bench_head.run(args)
     args.ops = args.ops or ",".join(OPS)
     args.peers = "torch,liger" if args.peers is None else args.peers
-    if not torch.cuda.is_available():
-        print("vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    if cuda_missing("cuda"):
         return 2
     ops = [o for o in args.ops.split(",") if o]
     backends = [b for b in args.backends.split(",") if b]

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .timing import fmt, print_rows, time_loop, version
+from .timing import cuda_missing, fmt, print_rows, time_loop, version
 
 HEAD_OPS = ("cross_entropy", "jsd")
 VTP_ARMS = ("materialized", "fused", "fused_none")  # the arms run once per vtp backend
@@ -189,12 +189,7 @@ def run(args) -> int:
     import torch
 
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        print(
-            "vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False); "
-            "pass --device cpu to try --head at tiny sizes on the CPU",
-            file=sys.stderr,
-        )
+    if cuda_missing(device, "try --head at tiny sizes on the CPU"):
         return 2
     ops = [o for o in args.ops.split(",") if o] if args.ops else list(HEAD_OPS)
     unknown = [o for o in ops if o not in HEAD_OPS]

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .timing import copy_bandwidth, time_graph, time_loop, version
+from .timing import copy_bandwidth, cuda_missing, time_graph, time_loop, version
 
 SAMPLE_OPS = ("sample", "sample_top_k", "sample_top_p", "argmax")
 HOST_READS = ("sample_top_k", "sample_top_p")  # a host read per round: no CUDA-graph timing
@@ -112,12 +112,7 @@ def run(args) -> int:
     import torch
 
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        print(
-            "vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False); "
-            "pass --device cpu to try the sampling ops at tiny sizes on the CPU",
-            file=sys.stderr,
-        )
+    if cuda_missing(device, "try the sampling ops at tiny sizes on the CPU"):
         return 2
     ops = [o for o in args.ops.split(",") if o]
     unknown = [o for o in ops if o not in SAMPLE_OPS]

@@ -5,7 +5,20 @@ the text tables."""
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Iterable
+
+
+def cuda_missing(device: str, cpu_hint: str | None = None) -> bool:
+    """Whether a bench asked for CUDA where there is none; says so on stderr (with
+    ``cpu_hint``: what it can do on the CPU instead)."""
+    import torch
+
+    if device != "cuda" or torch.cuda.is_available():
+        return False
+    hint = f"; pass --device cpu to {cpu_hint}" if cpu_hint else ""
+    print(f"vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False){hint}", file=sys.stderr)
+    return True
 
 
 def time_loop(fn, warmup: int, reps: int) -> float:
