@@ -13,6 +13,7 @@
 #   sp      benchmarks/sequence_parallel.py: the sequence-parallel head against the gather by hand
 #           (its GPU tests are among the tests step's)
 #   tune    launch configurations at N=1024, TP=4 (and N=8192) for every op
+#   small   every op at N=1024 on TP 1 and 4: % of copy bandwidth in GPU time, loop against graph time
 #   tp1gpu  the TP-on-one-GPU tests (every backend at TP 2 and 3, gloo ranks sharing the GPU)
 . "$(dirname "$0")/gpu_setup.sh"
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -44,9 +45,13 @@ if [[ $STEPS == *step* ]]; then
     | tee "$OUT/step_hf.log" | tail -20
 fi
 if [[ $STEPS == *tune* ]]; then
-  timeout 120 python3 benchmarks/tune.py --variants default,programs2k,programs4k,bwd8k,programs4k_bwd8k \
-    --shapes cross_entropy:1024:4,logprobs:1024:4,entropy:1024:4,kl:1024:4,jsd:1024:4,cross_entropy:8192:1,jsd:8192:1 \
+  timeout 240 python3 benchmarks/tune.py --variants ${VARIANTS:-default,programs2k,programs4k,bwd8k,programs4k_bwd8k} \
+    --shapes ${SHAPES:-cross_entropy:1024:4,logprobs:1024:4,entropy:1024:4,kl:1024:4,jsd:1024:4,cross_entropy:8192:1,jsd:8192:1} \
     2>&1 | tee "$OUT/tune.log" | tail -40
+fi
+if [[ $STEPS == *small* ]]; then
+  timeout 150 vtp-runtime bench --tokens 1024 --tp 1,4 --reps 50 --peers torch \
+    --json "$OUT/small.json" 2>"$OUT/small.err" | tee "$OUT/small.log" | tail -40
 fi
 if [[ $STEPS == *tp1gpu* ]]; then
   timeout 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 200 tests/test_tp_one_device.py -k V151936 2>&1 \

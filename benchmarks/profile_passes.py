@@ -1,9 +1,13 @@
 """Per-kernel GPU time of the triton backend (torch.profiler, CUPTI) for a few launch
 configurations, and a CPU profile of the dispatch path. Output: one line per kernel with its
 mean duration and achieved GB/s on the bytes it must move. See benchmarks/NOTES.md.
-    python benchmarks/profile_passes.py
+    python benchmarks/profile_passes.py [--shapes op:N:TP,...] [--variants name,...] [--no-cpu]
+
+Every kernel the step runs is listed, torch's own small ops too; ``gaps`` is the step's GPU
+time in a CUDA graph less the sum of its kernels: what running them one after another costs.
 """
 
+import argparse
 import cProfile
 import dataclasses
 import io
@@ -16,19 +20,26 @@ from torch.profiler import ProfilerActivity, profile
 import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
 from vtp_runtime.tools.bench import make_inputs, vtp_arm
+from vtp_runtime.tools.timing import time_graph
 
 V = 151936
 BASE = tb.CUDA_CONFIG
 VARIANTS = {
     "default": BASE,
     "stats2k_w4": dataclasses.replace(BASE, block_stats=2048, warps_stats=4),
+    "stats8k_w16": dataclasses.replace(BASE, block_stats=8192, warps_stats=16),
+    "stats4k_w16": dataclasses.replace(BASE, warps_stats=16),
+    "programs2k": dataclasses.replace(BASE, target_programs=2048),
+    "programs4k": dataclasses.replace(BASE, target_programs=4096),
 }
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
 
 
 def per_kernel(op, n, v, reps=10):
+    """(kernel times as ``kernel_times`` gives them, the step's CUDA-graph replay µs)."""
     z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
-    return kernel_times(vtp_arm("triton", op, z, other, beta=0.5), reps)
+    fn = vtp_arm("triton", op, z, other, beta=0.5)
+    return kernel_times(fn, reps), 1e3 * time_graph(fn, 50)
 
 
 def kernel_times(step, reps=10):
@@ -50,6 +61,17 @@ def kernel_times(step, reps=10):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=None, help="op:N:TP,...")
+    p.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--no-cpu", action="store_true", help="skip the CPU profile of the dispatch path")
+    args = p.parse_args()
+    shapes = (
+        SHAPES
+        if not args.shapes
+        else [(o, int(n), int(t)) for o, n, t in (x.split(":") for x in args.shapes.split(","))]
+    )
+    variants = {k: VARIANTS[k] for k in (args.variants.split(",") if args.variants else VARIANTS)}
     nbytes_pass = {
         "stats2_kernel": 2,
         "jsd_div_kernel": 2,
@@ -57,11 +79,11 @@ def main():
         "stats1_kernel": 1,
         "backward1_kernel": 2,
     }
-    for name, cfg in VARIANTS.items():
+    for name, cfg in variants.items():
         tb.CUDA_CONFIG = cfg
-        for op, n, tp in SHAPES:
+        for op, n, tp in shapes:
             v = V // tp
-            res = per_kernel(op, n, v)
+            res, graph_us = per_kernel(op, n, v)
             total = sum(us * c for us, c in res.values())
             parts = []
             for k, (us, _) in sorted(res.items(), key=lambda kv: -kv[1][0]):
@@ -69,8 +91,15 @@ def main():
                 mult = next((m for kk, m in nbytes_pass.items() if kk in k), None)
                 bw = f" {mult * n * v * 2 / us / 1e3:.0f}GB/s" if mult else ""
                 parts.append(f"{short}={us:.1f}us{bw}")
-            print(f"{name:14s} {op:13s} N={n:5d} TP={tp} sum={total:7.1f}us | " + " ".join(parts), flush=True)
+            launches = sum(c for _, c in res.values())
+            print(
+                f"{name:14s} {op:13s} N={n:5d} TP={tp} graph={graph_us:6.1f}us kernels={total:6.1f}us "
+                f"({launches} launches) gaps={graph_us - total:5.1f}us | " + " ".join(parts),
+                flush=True,
+            )
     tb.CUDA_CONFIG = BASE
+    if args.no_cpu:
+        return
     # CPU profile of steady-state dispatch, tiny inputs
     z = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)

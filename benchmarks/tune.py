@@ -1,4 +1,5 @@
-"""Launch-configuration sweep of the triton backend on the GPU (loop time, CUDA events).
+"""Launch-configuration sweep of the triton backend on the GPU (loop time, CUDA events, and
+CUDA-graph replay time: the GPU time, which the percentages of copy bandwidth use).
 
 Replaces ``CUDA_CONFIG`` between runs and times JSD and cross entropy fwd+bwd at the
 target shapes; prints one line per (config, shape). Used to pick the defaults in
@@ -14,7 +15,7 @@ import torch
 
 import vtp_runtime.backends.triton.backend as tb
 from vtp_runtime.tools.bench import make_inputs, model_bytes, vtp_arm
-from vtp_runtime.tools.timing import time_loop
+from vtp_runtime.tools.timing import time_graph, time_loop
 
 V = 151936
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
@@ -30,6 +31,10 @@ VARIANTS = {
     "programs4k": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096),
     "bwd8k": dataclasses.replace(tb.CUDA_CONFIG, bwd_target_programs=8192),
     "programs4k_bwd8k": dataclasses.replace(tb.CUDA_CONFIG, target_programs=4096, bwd_target_programs=8192),
+    "bwd2k": dataclasses.replace(tb.CUDA_CONFIG, bwd_target_programs=2048),
+    "bwd16k": dataclasses.replace(tb.CUDA_CONFIG, bwd_target_programs=16384),
+    "bwd4k_w16": dataclasses.replace(tb.CUDA_CONFIG, block_bwd=4096, warps_bwd=16),
+    "stats2k_w4": dataclasses.replace(tb.CUDA_CONFIG, block_stats=2048, warps_stats=4),
 }
 
 
@@ -63,11 +68,13 @@ def main():
         for op, n, tp in shapes:
             v = V // tp
             z, other = make_inputs(op, n, v, torch.bfloat16, "cuda", seed=0)
-            ms = time_ms(vtp_arm("triton", op, z, other, beta=0.5))
+            fn = vtp_arm("triton", op, z, other, beta=0.5)
+            ms = time_ms(fn)
+            graph = time_graph(fn, 50)
             nbytes = model_bytes(op, n, v, 2)
             print(
-                f"{name:14s} {op:14s} N={n:5d} TP={tp} {ms:7.3f} ms {nbytes / ms / 1e6:6.0f} GB/s "
-                f"{100 * nbytes / ms / 1e6 / copy:4.0f}%",
+                f"{name:16s} {op:14s} N={n:5d} TP={tp} loop {ms:7.3f} ms graph {graph:7.3f} ms "
+                f"{nbytes / graph / 1e6:6.0f} GB/s {100 * nbytes / graph / 1e6 / copy:4.0f}%",
                 flush=True,
             )
             del z, other
