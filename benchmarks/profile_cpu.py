@@ -25,7 +25,9 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,7 +115,8 @@ def main() -> None:
     noop.grad = torch.zeros_like(s)
     idx = y[:, None].expand(-1, 4).contiguous()
     # every op, as a training step calls it: a mean over the tokens, then its backward
-    calls = {
+    # (each call gives a 0-d loss tensor; logprobs' annotation also admits its entropy pair)
+    calls: dict[str, Callable[[str], Callable[[], Any]]] = {
         "cross_entropy": lambda b: lambda: vtp.cross_entropy(s, y, reduction="mean", backend=b),
         "logprobs": lambda b: lambda: vtp.logprobs(s, y, reduction="mean", backend=b),
         "logprobs_entropy": lambda b: lambda: sum(vtp.logprobs(s, y, return_entropy=True, reduction="mean", backend=b)),

@@ -82,6 +82,7 @@ def _step(arm, op, h, w, y, ht, wt, group):
     if op == "cross_entropy":
         loss = vtp.cross_entropy(student, y, reduction="mean", tp_group=group)
     else:
+        assert teacher is not None, "jsd needs the teacher's hidden states and weight"
         loss = vtp.jsd(student, teacher, beta=0.5, reduction="mean", tp_group=group)
     gh, gw = torch.autograd.grad(loss, (h, w))
     return loss.detach(), gh, gw

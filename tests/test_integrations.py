@@ -2,6 +2,8 @@
 region, DTensor logits (torch.chunk layout: uneven and empty shards), and the causal-LM
 loss on them, against the float64 reference. Only torch is needed."""
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,7 @@ def _expected(logits, labels, num_items):
         target,
         grad_output=torch.full(target.shape, 1 / denominator, dtype=torch.float64),
     )
+    assert grad is not None
     return value.sum() / denominator, grad.view(logits.shape)
 
 
@@ -91,12 +94,13 @@ def test_dtensor_logits_causal_lm_loss(ranks, world, v, num_items):
 def _dtensor_errors_job(rank, world, group):
     """The DTensor path is the ops' own: a DTensor carries its bounds, and pending sums are refused."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Partial, Shard
+    from torch.distributed.tensor import DTensor, Partial, Placement, Shard
 
     mesh = DeviceMesh.from_group(group, "cpu")
     local, labels = torch.randn(1, 3, 4), torch.zeros(1, 3, dtype=torch.long)
     errors = []
-    for placement, kw in ((Shard(2), {"vocab_start": 0, "vocab_end": 2}), (Partial(), {})):
+    cases: list[tuple[Placement, dict[str, Any]]] = [(Shard(2), {"vocab_start": 0, "vocab_end": 2}), (Partial(), {})]
+    for placement, kw in cases:
         full = DTensor.from_local(local, mesh, [placement], run_check=False)
         try:
             causal_lm_loss(full, labels, **kw)

@@ -37,8 +37,9 @@ def _engine(rank, world, model):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     # On CPU ranks DeepSpeed JIT-compiles a shared-memory all-reduce kernel when its comm
     # backend starts (minutes with a C++ compiler); plain gloo does the same job here.
-    # (``deepspeed.comm.torch`` as an attribute is torch itself, re-exported: import the module)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    # (``deepspeed.comm.torch`` as an attribute is torch itself, re-exported: import the module;
+    # mypy sees a bare ModuleType there, whose attributes it cannot know)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # type: ignore[attr-defined]
     deepspeed.init_distributed(dist_backend="gloo")  # reuses the ranks' process group
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -122,6 +123,7 @@ def _deepspeed_job(rank, world, group):
             vocab_end=head.vocab_end_index,
         )
         want_lp = torch.log_softmax(reference(input_ids=ids).logits[:, :-1].double(), -1)
+        assert isinstance(lp, torch.Tensor)  # no return_entropy: the log-probs alone
         torch.testing.assert_close(lp.double(), want_lp.gather(-1, ids[:, 1:, None])[..., 0], rtol=1e-5, atol=1e-5)
     return results, (head.vocab_start_index, head.vocab_end_index)
 

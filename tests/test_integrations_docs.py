@@ -6,6 +6,7 @@ tests/test_docs.py)."""
 import importlib.util
 import pathlib
 import re
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ def _run_example(rank, world, group, block, path):
 
     import vtp_runtime as vtp
 
-    namespace = {"__name__": "__doc_example__"}
+    namespace: dict[str, Any] = {"__name__": "__doc_example__"}
     exec(compile(block, "<docs/integrations.md example>", "exec"), namespace)
     main = namespace["main"]
     kwargs = {"path": path} if "path" in inspect.signature(main).parameters else {}  # where it saves a model

@@ -82,7 +82,8 @@ def _load(path, **kw):
 def _reference(path):
     """Per data-parallel rank: the single-process loss of its batch; and the mean gradients."""
     ref = _load(path)
-    losses, grads = [], {}
+    losses: list[torch.Tensor] = []
+    grads: dict[str, torch.Tensor] = {}
     for ids, labels in _batches():
         ref.zero_grad(set_to_none=True)
         loss = ref(input_ids=ids, labels=labels).loss

@@ -15,6 +15,7 @@ eager backend: the adapters are under test here, not the kernels.
 
 import copy
 import importlib.util
+from typing import Any
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ SMALL = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-FAMILIES = {  # the decoder families fuse_lm_head claims; extra config, tied head or not
+FAMILIES: dict[str, dict[str, Any]] = {  # the decoder families fuse_lm_head claims; extra config, tied head or not
     "Llama": {"tie_word_embeddings": False},
     "Llama-tied": {"tie_word_embeddings": True},
     "Qwen2": {},

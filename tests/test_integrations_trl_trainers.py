@@ -22,6 +22,7 @@ fp32 throughout (``bf16=False``): the adapters are under test, not bf16 rounding
 
 import importlib.util
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(61)]  # V = 64: 32
 KINDS = ("SFT", "DPO", "KTO", "GRPO", "RLOO", "GKD")
 # what each trainer is run with: DPO with WPO's weights (log Σp²), GRPO/RLOO with a reference
 # model (beta > 0) and a sampling temperature, GKD on-policy (the student samples each batch)
-EXTRA = {
+EXTRA: dict[str, dict[str, Any]] = {
     "SFT": {},
     "DPO": {"use_weighting": True},
     "KTO": {},
@@ -117,11 +118,14 @@ def _reward(completions, **kwargs):
 def _config(kind, out, **extra):
     import trl
 
+    config: Any
     if kind == "GKD":
         try:
-            from trl.experimental.gkd import GKDConfig as config
+            from trl.experimental.gkd import GKDConfig
+
+            config = GKDConfig
         except ImportError:
-            config = trl.GKDConfig
+            config = trl.GKDConfig  # type: ignore[attr-defined]  # older trl's top-level name (newer: trl.experimental)
     else:
         config = getattr(trl, f"{kind}Config")
     fields = {
@@ -160,7 +164,7 @@ def _train(kind, trainer_class, path, out, tp=None, plan=None, sampler=False, ge
     warnings.simplefilter("ignore")
 
     def load(seed):
-        kw = {}
+        kw: dict[str, Any] = {}
         if tp is not None:
             from transformers.distributed import DistributedConfig
 
@@ -200,6 +204,9 @@ def _train(kind, trainer_class, path, out, tp=None, plan=None, sampler=False, ge
             model.generate = _recorded(model, who, generated)
     trainer.train()
     return [{k: v for k, v in entry.items() if not any(s in k for s in SKIP)} for entry in trainer.state.log_history]
+
+
+Generation = tuple[str, torch.Tensor, bool]  # what _recorded appends: who, sequences, sampler on
 
 
 def _recorded(model, who, into):
@@ -242,7 +249,7 @@ def _run_ours(kind, path, out, tp=None, **kw):
     import vtp_runtime as vtp
     import vtp_runtime.integrations.trl as vtp_trl
 
-    calls = []
+    calls: list[int] = []
     saved = vtp_trl.per_token_outputs, vtp_trl.generalized_jsd_loss
     vtp_trl.per_token_outputs = _counted(saved[0], calls)
     vtp_trl.generalized_jsd_loss = _counted(saved[1], calls)
@@ -337,7 +344,7 @@ ON_POLICY = {  # case: (trainer, config fields over EXTRA)
 
 
 def _colwise_job(rank, world, group, kind, path, out, extra, ours=True):
-    generated = []
+    generated: list[Generation] = []
     out = os.path.join(out, f"{'ours' if ours else 'stock'}{rank}")
     if ours:
         logs, calls = _run_ours(kind, path, out, tp=world, plan=COLWISE, generated=generated, **extra)
@@ -362,9 +369,9 @@ def _assert_same_generations(got, want):
 def test_on_policy_generation_from_a_sharded_head_at_tp2(case, models, pool, tmp_path):
     kind, extra = ON_POLICY[case]
     steps = extra.get("max_steps", 2)
-    want = []  # the stock trainer on one process, vtp's sampler on its models
+    want: list[Generation] = []  # the stock trainer on one process, vtp's sampler on its models
     stock = _run_stock(kind, models, str(tmp_path / "stock"), generated=want, **extra)
-    tp1 = []  # ours on one process: the sampler is turned on by the trainer, at TP=1 too
+    tp1: list[Generation] = []  # ours on one process: the sampler is turned on by the trainer, at TP=1 too
     logs, _ = _run_ours(kind, models, str(tmp_path / "tp1"), generated=tp1, **extra)
     _assert_same_generations(tp1, want)
     _assert_same_logs(logs, stock, steps)

@@ -249,7 +249,8 @@ def test_sampling_ops_are_not_losses_and_sample_takes_no_head():
     with pytest.raises(TypeError, match="returns token ids, not a loss"):
         vtp.loss("sample", torch.zeros(2, 5), seed=1)
     with pytest.raises(vtp.BackendUnavailable, match="head inputs not supported"):
-        vtp.sample(vtp.Head(torch.zeros(2, 4), torch.zeros(5, 4)), seed=1)
+        # a Head is outside sample's annotation on purpose: this checks the refusal
+        vtp.sample(vtp.Head(torch.zeros(2, 4), torch.zeros(5, 4)), seed=1)  # type: ignore[arg-type]
     ex = vtp.explain("sample", torch.zeros(2, 5), seed=1, top_p=0.9)
     assert ex.backend == "triton" and ex.request.op == "sample"
     assert "`liger`" in str(ex) and "does not implement op 'sample'" in str(ex)
@@ -321,7 +322,8 @@ def misuse_job(rank, world, group):
     attempt("top_k", lambda: vtp.sample(z, seed=1, top_k=0 if bad else 3, tp_group=group, backend="eager"))
     attempt("top_p", lambda: vtp.sample(z, seed=1, top_p=1.5, tp_group=group, backend="eager"))
     attempt("temperature", lambda: vtp.sample(z, seed=1, temperature=-1.0 if bad else 1.0, tp_group=group))
-    attempt("seed_type", lambda: vtp.sample(z, seed=1.0 if bad else 1, tp_group=group, backend="eager"))
+    # a float seed on one rank on purpose (the TypeError and the other rank's ShardError are checked)
+    attempt("seed_type", lambda: vtp.sample(z, seed=1.0 if bad else 1, tp_group=group, backend="eager"))  # type: ignore[arg-type]
     attempt("options", lambda: vtp.sample(z, seed=1, top_p=0.5 if bad else 0.6, tp_group=group, backend="eager"))
     for backend in BACKENDS:
         vtp.sample(z, seed=1, tp_group=group, backend=backend)  # planned: later seeds are per-call data
@@ -362,6 +364,7 @@ def dtensor_job(rank, world, group):
     ids = vtp.sample(dt, seed=3, top_k=4, backend="eager")
     top = vtp.argmax(dt)
     assert isinstance(ids, DTensor) and ids.placements == (Replicate(),) and ids.shape == (2, 5)
+    assert isinstance(top, DTensor)
     return ids.to_local(), top.to_local()
 
 

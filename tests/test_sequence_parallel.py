@@ -10,6 +10,7 @@ able to make the next call."""
 
 import datetime
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -176,7 +177,8 @@ def test_the_same_numbers_as_megatron_column_parallel_linear(ranks, reduction, o
 def never_all_hidden(rank, world, group):
     """With several chunks no gather buffer holds every rank's hidden rows, and a chunk's
     gather is issued before the previous chunk's rows are used (one chunk ahead)."""
-    events, gathered = [], []
+    events: list[tuple[str, int]] = []
+    gathered: list[int] = []
     original_start, original_rows = sequence.HiddenChunks._start, sequence.HiddenChunks.rows
 
     def start(self, c):
@@ -190,7 +192,8 @@ def never_all_hidden(rank, world, group):
         gathered.extend(b.shape[0] for b in self._gathered if b is not None)
         return out
 
-    sequence.HiddenChunks._start, sequence.HiddenChunks.rows = start, rows
+    # spies patched onto the class for this job, restored below (mypy refuses assigning to a method)
+    sequence.HiddenChunks._start, sequence.HiddenChunks.rows = start, rows  # type: ignore[method-assign]
     try:
         n, h = 24, 8
         x = torch.randn(n // world, h, requires_grad=True)
@@ -200,7 +203,7 @@ def never_all_hidden(rank, world, group):
             vtp.Head(x, w, sequence_parallel=True, chunk_rows=8), y, reduction="mean", tp_group=group
         ).backward()
     finally:
-        sequence.HiddenChunks._start, sequence.HiddenChunks.rows = original_start, original_rows
+        sequence.HiddenChunks._start, sequence.HiddenChunks.rows = original_start, original_rows  # type: ignore[method-assign]
     return events, max(gathered)
 
 
@@ -421,7 +424,7 @@ def sp_group_call(rank, world, group, op, options, split, reduction, normalizer,
     mine = slice(first, first + rows[sp_rank])
     opts = dict(options)
     dtype = torch.float64 if backend == "eager" else torch.float32
-    tol = dict(rtol=1e-10, atol=1e-12) if backend == "eager" else dict(rtol=2e-5, atol=1e-6)
+    tol: dict[str, Any] = dict(rtol=1e-10, atol=1e-12) if backend == "eager" else dict(rtol=2e-5, atol=1e-6)
     x = student[mine, vocab].to(dtype).requires_grad_(True)
     tensors = [x]
     kw = dict(opts, reduction=reduction, tp_group=tp, sp_group=sp, backend=backend)
@@ -528,6 +531,8 @@ def heads_on_the_grid(rank, world, group, megatron):
     ref_h, ref_w, ref_b = (t_.clone().requires_grad_(True) for t_ in (hidden, weight, bias))
     ref = torch.nn.functional.cross_entropy(ref_h @ ref_w.T + ref_b, labels, label_smoothing=0.1)
     ref.backward()
+    assert ref_h.grad is not None and ref_w.grad is not None and ref_b.grad is not None
+    assert w.grad is not None and b.grad is not None
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(x.grad, ref_h.grad[mine], rtol=1e-10, atol=1e-12)
     # weight and bias: this rank's vocabulary rows, from its TP group's tokens (the SP ranks'
@@ -549,7 +554,7 @@ def dtensor_on_a_2d_mesh(rank, world, group, reduction):
     """Logits DTensor on an (sp, tp) mesh: tokens on "sp", the vocabulary on "tp"; sp_group
     is the group of "sp". A reduced result is the loss of every token, Replicate() on both."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     if "mesh" not in _GROUPS:
         _GROUPS["mesh"] = DeviceMesh("cpu", torch.arange(4).reshape(2, 2), mesh_dim_names=("sp", "tp"))
@@ -559,11 +564,13 @@ def dtensor_on_a_2d_mesh(rank, world, group, reduction):
     x = distribute_tensor(student, mesh, [Shard(0), Shard(1)]).requires_grad_(True)
     y = distribute_tensor(labels, mesh, [Shard(0), Replicate()])
     loss = vtp.cross_entropy(x, y, label_smoothing=0.1, reduction=reduction, sp_group=mesh.get_group("sp"))
+    assert isinstance(loss, DTensor)
     assert tuple(loss.placements) == (Replicate(), Replicate())
     loss.backward()
     ref = student.clone().requires_grad_(True)
     want = torch.nn.functional.cross_entropy(ref, labels, label_smoothing=0.1, reduction=reduction)
     want.backward()
+    assert isinstance(x.grad, DTensor)
     torch.testing.assert_close(loss.full_tensor(), want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(x.grad.full_tensor(), ref.grad, rtol=1e-10, atol=1e-12)
     wrong = _outcome(lambda: vtp.cross_entropy(x, y, reduction="mean", sp_group=mesh.get_group("tp")))
@@ -633,6 +640,7 @@ def sp_mismatches(rank, world, group, once):
         os.environ["VTP_CHECK"] = "once"
     try:
         x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 6, (4,))
+        smoothing: dict[str, Any] = {("label_smothing" if rank == 1 else "label_smoothing"): 0.1}  # rank 1 misspells it
         out = [
             _outcome(
                 lambda: vtp.cross_entropy(x, y, label_smoothing=[0.1, 0.2][rank], reduction="sum", sp_group=group)
@@ -645,7 +653,7 @@ def sp_mismatches(rank, world, group, once):
                     y,
                     sp_group=group,
                     reduction="mean",
-                    **{("label_smothing" if rank == 1 else "label_smoothing"): 0.1},
+                    **smoothing,
                 )
             ),
             _outcome(lambda: vtp.cross_entropy(x.float() if rank else x, y, reduction="mean", sp_group=group)),
@@ -749,6 +757,7 @@ def test_sequence_sum_backward_is_the_identity():
 
     out = SequenceSum.apply(parts, None)  # no group: the sum of one rank
     (out * torch.tensor([5.0, 7.0], dtype=torch.float64)).sum().backward()
+    assert parts.grad is not None
     assert parts.grad.tolist() == [5.0, 7.0]
     assert not math.isnan(out.sum().item())
 
@@ -758,7 +767,7 @@ def dtensor_sequence_parallel_head(rank, world, group, two_d):
     is a sequence-parallel Head (the placement says so); on an (sp, tp) mesh with sp_group
     the sequence's tokens are split over both."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     key = ("sp_mesh", two_d)
     if key not in _GROUPS:
@@ -782,10 +791,12 @@ def dtensor_sequence_parallel_head(rank, world, group, two_d):
     ref_h, ref_w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     want = torch.nn.functional.cross_entropy((ref_h @ ref_w.T).reshape(-1, v), labels.reshape(-1))
     want.backward()
+    assert isinstance(loss, DTensor) and isinstance(x.grad, DTensor) and isinstance(w.grad, DTensor)
     torch.testing.assert_close(loss.full_tensor(), want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(x.grad.full_tensor(), ref_h.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(w.grad.full_tensor(), ref_w.grad, rtol=1e-10, atol=1e-12)
     per_token = vtp.cross_entropy(vtp.Head(x.detach(), w.detach()), y)
+    assert isinstance(per_token, DTensor)
     torch.testing.assert_close(
         per_token.full_tensor(),
         torch.nn.functional.cross_entropy(
@@ -1019,7 +1030,7 @@ def _guide_examples():
 
 
 def _run_guide_example(rank, world, group, block):
-    namespace = {"__name__": "__doc_example__"}
+    namespace: dict[str, Any] = {"__name__": "__doc_example__"}
     exec(compile(block, "<docs/guide.md example>", "exec"), namespace)
     with vtp.use_backend("eager"):
         return float(namespace["main"]())

@@ -143,14 +143,15 @@ def jsd(student_logits: Logits, teacher_logits: Logits, *, beta: float = 0.5, **
     return loss("jsd", student_logits, teacher_logits, beta=beta, **options)
 
 
-def argmax(logits: Tensor, **options: Any) -> Tensor:
+def argmax(logits: Logits, **options: Any) -> Tensor:
     """The global id of each row's largest logit, ties to the lowest id, as
     ``torch.argmax(full_logits, -1)`` gives it: int64 ``logits.shape[:-1]``, identical on
     every rank of ``tp_group``.
 
     ``logits``: this rank's ``[..., V_local]`` shard (fp32/bf16/fp16; fp64 on the eager
-    backend), or a DTensor sharded over its last dimension (the result is then a DTensor
-    on its mesh, ``Replicate()`` on the vocabulary's mesh dimension). Options: ``tp_group``,
+    backend), a ``vtp.Head`` standing for it (not a sequence-parallel one), or a DTensor
+    sharded over its last dimension (the result is then a DTensor on its mesh,
+    ``Replicate()`` on the vocabulary's mesh dimension). Options: ``tp_group``,
     ``vocab_start``/``vocab_end``, ``global_vocab_size``, ``backend`` (as for the losses);
     ``temperature`` is accepted and changes nothing. One all-gather of ``[N, 6]`` numbers
     per call. NaN counts as ``+inf``; a row of all ``-inf`` gives 0. Inside a compiled

@@ -213,7 +213,9 @@ def add_fused_lm_head(
             logits, labels, temperature, outputs, dtype=torch.float32 if cast_lm_head_to_fp32 else None
         )
         count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        loss = -fields["log_probs"].sum() / count
+        log_probs = fields["log_probs"]
+        assert log_probs is not None  # per_token_outputs always fills it
+        loss = -log_probs.sum() / count
         aux_loss = out.get("aux_loss") if kwargs.get("output_router_logits") else None
         if aux_loss is not None:
             loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
