@@ -55,7 +55,6 @@ import multiprocessing as mp
 import os
 import queue
 import random
-import socket
 import sys
 import threading
 import time
@@ -542,12 +541,6 @@ def parse(argv: list[str]):
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
@@ -564,9 +557,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     print_header(args, argv)
+    from vtp_runtime.testing.distributed import free_port
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, args.world, port, args, results)) for r in range(args.world)]
     for p in procs:
         p.start()

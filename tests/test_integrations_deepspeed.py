@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.models import tiny_llama_config
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(
@@ -65,23 +66,13 @@ def _deepspeed_job(rank, world, group):
 
     warnings.simplefilter("ignore")
     from deepspeed.utils import groups
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     import vtp_runtime as vtp
     from vtp_runtime.integrations.transformers import VtpCausalLMLoss, fuse_lm_head, use_vocab_parallel_loss
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=V,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
-    )
+    model = LlamaForCausalLM(tiny_llama_config(V))
     reference = copy.deepcopy(model)
     engine = _engine(rank, world, model)
     head = engine.module.get_output_embeddings()

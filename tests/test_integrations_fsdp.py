@@ -19,6 +19,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.models import tiny_llama_config
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(
@@ -30,17 +31,8 @@ V, DP, TP = 1001, 2, 2
 
 
 def _config():
-    from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-    )
+    return tiny_llama_config(V)
 
 
 def _save_job(rank, world, group, path):

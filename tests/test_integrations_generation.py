@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.models import tiny_llama_config
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(
@@ -24,22 +25,11 @@ V, WORLD = 1000, 2
 
 def _save_job(rank, world, group, path):
     import torch.distributed as dist
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if rank == 0:
         torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=V,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-            bos_token_id=1,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+        config = tiny_llama_config(V, 64, bos_token_id=1, eos_token_id=None, pad_token_id=0)
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier(group)
 

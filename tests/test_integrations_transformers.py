@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vtp_runtime as vtp
+from tests.models import tiny_llama_config
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(
@@ -309,19 +310,11 @@ def test_trainer_with_gradient_accumulation(tmp_path):
 
 
 def _save_job(rank, world, group, path):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     if rank == 0:
         torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=V,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
+        config = tiny_llama_config(V)
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier(group)
 

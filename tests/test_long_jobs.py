@@ -20,7 +20,6 @@ and leaves the shared pool of the other test files alone; a job that re-initiali
 world gets a pool of its own. Runtime internals are read only by the helpers right below.
 """
 
-import contextlib
 import datetime
 import gc
 import os
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 import vtp_runtime as vtp
 from tests.test_dtensor import _dt
-from vtp_runtime.testing.distributed import RankPool, _free_port
+from vtp_runtime.testing.distributed import RankPool, environ, free_port, outcome
 from vtp_runtime.testing.reference import topk_kl
 from vtp_runtime.testing.reference import values as reference
 
@@ -94,28 +93,6 @@ def _alive(refs) -> list[str]:
     """The names of the objects whose weak references are still alive after a collection."""
     gc.collect()
     return [name for name, ref in refs if ref() is not None]
-
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test compares what each rank raised
-        return type(exc).__name__, str(exc)
-    return "no error", ""
-
-
-@contextlib.contextmanager
-def _env(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # -- this file's rank pool: a short collective timeout, so that a hang fails fast ----------
@@ -517,8 +494,8 @@ def reinitialized_world(rank, world, group, port):
         timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
     )
     second: dict = {}
-    outcome = _outcome(lambda: second.update(_world_calls(seed=2)[0]))
-    return first, outcome, second, _alive(old_groups)
+    result = outcome(lambda: second.update(_world_calls(seed=2)[0]))
+    return first, result, second, _alive(old_groups)
 
 
 def test_reinitialized_world_never_gets_the_old_groups():
@@ -530,12 +507,12 @@ def test_reinitialized_world_never_gets_the_old_groups():
     old world's group is freed. Runs in a pool of its own, closed after."""
     pool = RankPool(2, collective_timeout=COLLECTIVE_TIMEOUT)
     try:
-        results = pool.run(reinitialized_world, _free_port(), timeout=90)
+        results = pool.run(reinitialized_world, free_port(), timeout=90)
     finally:
         pool.close(force=True)
-    for first, outcome, second, alive in results:
+    for first, result, second, alive in results:
         assert max(first.values()) < 1e-10, first
-        assert outcome == ("no error", ""), outcome
+        assert result == ("no error", ""), result
         wrong = {call: err for call, err in second.items() if not err < 1e-10}
         assert not wrong, f"deviation from float64 in the new world: {wrong}"
         assert not alive, f"alive after del and gc.collect(): {alive}"
@@ -582,7 +559,7 @@ def dtensor_failure_on_one_rank(rank, world, group, case, bad_rank):
         placement = Shard(0) if bad else Replicate()
         teacher = vtp.TopK(dt(d.lp, placement), dt(d.ids, placement))
         call = lambda: vtp.kl(z, teacher)  # noqa: E731
-    got = _outcome(call)
+    got = outcome(call)
     after = _err(_dt(vtp.cross_entropy(z, d.y)).to_local(), reference("cross_entropy", (d.z,), d.y))
     return got, max(after, _healthy(rank, world, group))
 
@@ -624,7 +601,7 @@ def local_calls_on_rank0(rank, world, group, n_local):
     only (a local metric); the same group calls again."""
     _clear_plans()
     worst = 0.0
-    with _env(VTP_CHECK="once"):
+    with environ(VTP_CHECK="once"):
         worst = max(worst, _group_calls(rank, world, group, seed=0))
         if rank == 0:
             for i in range(n_local):
@@ -679,7 +656,7 @@ def topk_failure_on_one_rank(rank, world, group, case, bad_rank):
         out.sum().backward()
         return out
 
-    got = _outcome(lambda: call(lp, ids))
+    got = outcome(lambda: call(lp, ids))
     err = _err(call(d.lp, d.ids), topk_kl(d.h @ d.w.T, d.lp, d.ids, tail=tail))
     return got, max(err, _healthy(rank, world, group))
 

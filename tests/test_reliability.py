@@ -17,6 +17,7 @@ from vtp_runtime import plans as plan
 from vtp_runtime.backend import ALL_DTYPES, Backend, OpCapability
 from vtp_runtime.errors import PluginError
 from vtp_runtime.registry import REGISTRY, hookimpl, registered
+from vtp_runtime.testing.distributed import outcome
 from vtp_runtime.testing.reference import values as reference
 
 # uneven shards of the vocabulary at each TP size, one of them empty at TP=4
@@ -47,14 +48,6 @@ def _healthy(rank, world, group) -> float:
         (ce - reference("cross_entropy", (student,), labels)).abs().max().item(),
         (jsd - reference("jsd", (student, teacher), beta=0.3)).abs().max().item(),
     )
-
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test compares what each rank raised
-        return type(exc).__name__, str(exc)
-    return "no error", ""
 
 
 # -- 1. a failure on one rank before the metadata gather --------------------------------------
@@ -137,7 +130,7 @@ ONE_RANK_FAILURES = {
 
 def fail_on_one_rank(rank, world, group, case, bad_rank):
     student, teacher, labels = _inputs(world)
-    got = _outcome(
+    got = outcome(
         lambda: _one_rank_call(
             case, rank == bad_rank, group, _shard(student, rank, world), _shard(teacher, rank, world), labels
         )
@@ -163,13 +156,13 @@ def fail_on_several_ranks(rank, world, group):
     student, teacher, labels = _inputs(world)
     s, t = _shard(student, rank, world), _shard(teacher, rank, world)
     out = [
-        _outcome(lambda: _one_rank_call("unknown_op", rank == 2, group, s, t, labels)),
-        _outcome(
+        outcome(lambda: _one_rank_call("unknown_op", rank == 2, group, s, t, labels)),
+        outcome(
             lambda: _one_rank_call(
                 "misspelled_option" if rank == 0 else "missing_teacher", rank in (0, 3), group, s, t, labels
             )
         ),
-        _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, label_smoothing=2.0)),
+        outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, label_smoothing=2.0)),
     ]
     return out, _healthy(rank, world, group)
 
@@ -256,9 +249,9 @@ def options_disagree(rank, world, group):
     student, teacher, labels = _inputs(world)
     s, t = _shard(student, rank, world), _shard(teacher, rank, world)
     out = [
-        _outcome(lambda: vtp.jsd(s, t, beta=[0.3, 0.4][rank], temperature=2.0, tp_group=group)),
-        _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, backend=["eager", None][rank])),
-        _outcome(lambda: vtp.cross_entropy(s.detach().clone().requires_grad_(rank == 1), labels, tp_group=group)),
+        outcome(lambda: vtp.jsd(s, t, beta=[0.3, 0.4][rank], temperature=2.0, tp_group=group)),
+        outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group, backend=["eager", None][rank])),
+        outcome(lambda: vtp.cross_entropy(s.detach().clone().requires_grad_(rank == 1), labels, tp_group=group)),
     ]
     return out, _healthy(rank, world, group)
 
@@ -369,15 +362,15 @@ def check_inputs(rank, world, group, check_on):
     os.environ["VTP_CHECK"] = "1" if check_on == "all" or (check_on == "rank0" and rank == 0) else "0"
     try:
         out = [
-            _outcome(lambda: vtp.cross_entropy(s, mine, tp_group=group)),
-            _outcome(lambda: vtp.logprobs(s, mine[:, None].expand(5, 2), tp_group=group)),
-            _outcome(lambda: vtp.entropy(s, mask=mask, tp_group=group)),
-            _outcome(
+            outcome(lambda: vtp.cross_entropy(s, mine, tp_group=group)),
+            outcome(lambda: vtp.logprobs(s, mine[:, None].expand(5, 2), tp_group=group)),
+            outcome(lambda: vtp.entropy(s, mask=mask, tp_group=group)),
+            outcome(
                 lambda: vtp.jsd(
                     s, t, labels=labels, reduction="sum", tp_group=group, normalizer=torch.tensor(2.0 + rank)
                 )
             ),
-            _outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group)),
+            outcome(lambda: vtp.cross_entropy(s, labels, tp_group=group)),
         ]
     finally:
         if saved is None:
@@ -451,10 +444,10 @@ def on_gpu(rank, world, group, device="cuda"):
     fp32 tensors (the triton backend where it is available), then a valid call."""
     student, _, labels = (t.to(device) for t in _inputs(world))
     z = _shard(student, rank, world).float()
-    out = [_outcome(lambda: _one_rank_call("misspelled_option", rank == 1, group, z, None, labels))]
+    out = [outcome(lambda: _one_rank_call("misspelled_option", rank == 1, group, z, None, labels))]
     os.environ["VTP_CHECK"] = "1"
     try:
-        out.append(_outcome(lambda: vtp.cross_entropy(z, labels + rank, tp_group=group)))
+        out.append(outcome(lambda: vtp.cross_entropy(z, labels + rank, tp_group=group)))
     finally:
         os.environ.pop("VTP_CHECK")
     nan = vtp.cross_entropy(z, labels, reduction="sum", normalizer=torch.tensor(0, device=device), tp_group=group)

@@ -22,6 +22,7 @@ from vtp_runtime import sequence
 from vtp_runtime.backend import ALL_DTYPES, HeadSupport, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.registry import registered
+from vtp_runtime.testing.distributed import outcome
 from vtp_runtime.testing.head_cases import HeadCase, run_head_case, token_split
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's -inf arithmetic
@@ -216,14 +217,6 @@ def test_never_holds_every_ranks_hidden_rows(ranks):
 # -- what the ranks must agree on, and what is refused ------------------------------------------
 
 
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # the test compares what each rank raised
-        return type(exc).__name__, str(exc)
-    return "no error", ""
-
-
 def _healthy_sp_head(rank, world, group) -> float:
     """A normal call on every rank afterwards: its largest deviation from float64."""
     g = torch.Generator().manual_seed(11)
@@ -247,19 +240,19 @@ def sp_head_mismatches(rank, world, group):
     y = torch.randint(0, 5 * world, (3 * world,))
     out = [
         # H differs between the ranks
-        _outcome(
+        outcome(
             lambda: vtp.cross_entropy(
                 vtp.Head(torch.randn(3, 4 + rank), torch.randn(5, 4 + rank), sequence_parallel=True), y, tp_group=group
             )
         ),
         # labels that do not cover every rank's tokens
-        _outcome(lambda: vtp.cross_entropy(vtp.Head(h, w, sequence_parallel=True), y[:-1], tp_group=group)),
+        outcome(lambda: vtp.cross_entropy(vtp.Head(h, w, sequence_parallel=True), y[:-1], tp_group=group)),
         # a sequence-parallel Head on one rank only
-        _outcome(lambda: vtp.entropy(vtp.Head(h, w, sequence_parallel=rank == 0), tp_group=group)),
+        outcome(lambda: vtp.entropy(vtp.Head(h, w, sequence_parallel=rank == 0), tp_group=group)),
         # the other token dims differ
-        _outcome(lambda: vtp.entropy(vtp.Head(torch.randn(3, 1 + rank, 4), w, sequence_parallel=True), tp_group=group)),
+        outcome(lambda: vtp.entropy(vtp.Head(torch.randn(3, 1 + rank, 4), w, sequence_parallel=True), tp_group=group)),
         # reduce_hidden_grad=False on one rank: refused there before the gather
-        _outcome(
+        outcome(
             lambda: vtp.entropy(vtp.Head(h, w, reduce_hidden_grad=rank != 1, sequence_parallel=True), tp_group=group)
         ),
     ]
@@ -573,7 +566,7 @@ def dtensor_on_a_2d_mesh(rank, world, group, reduction):
     assert isinstance(x.grad, DTensor)
     torch.testing.assert_close(loss.full_tensor(), want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(x.grad.full_tensor(), ref.grad, rtol=1e-10, atol=1e-12)
-    wrong = _outcome(lambda: vtp.cross_entropy(x, y, reduction="mean", sp_group=mesh.get_group("tp")))
+    wrong = outcome(lambda: vtp.cross_entropy(x, y, reduction="mean", sp_group=mesh.get_group("tp")))
     return wrong
 
 
@@ -642,12 +635,10 @@ def sp_mismatches(rank, world, group, once):
         x, y = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 6, (4,))
         smoothing: dict[str, Any] = {("label_smothing" if rank == 1 else "label_smoothing"): 0.1}  # rank 1 misspells it
         out = [
-            _outcome(
-                lambda: vtp.cross_entropy(x, y, label_smoothing=[0.1, 0.2][rank], reduction="sum", sp_group=group)
-            ),
-            _outcome(lambda: vtp.cross_entropy(x, y, reduction=["sum", "none"][rank], sp_group=group)),
-            _outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", normalizer=[3, 4][rank], sp_group=group)),
-            _outcome(
+            outcome(lambda: vtp.cross_entropy(x, y, label_smoothing=[0.1, 0.2][rank], reduction="sum", sp_group=group)),
+            outcome(lambda: vtp.cross_entropy(x, y, reduction=["sum", "none"][rank], sp_group=group)),
+            outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", normalizer=[3, 4][rank], sp_group=group)),
+            outcome(
                 lambda: vtp.cross_entropy(
                     x,
                     y,
@@ -656,9 +647,9 @@ def sp_mismatches(rank, world, group, once):
                     **smoothing,
                 )
             ),
-            _outcome(lambda: vtp.cross_entropy(x.float() if rank else x, y, reduction="mean", sp_group=group)),
+            outcome(lambda: vtp.cross_entropy(x.float() if rank else x, y, reduction="mean", sp_group=group)),
             # equal values of other types agree
-            _outcome(
+            outcome(
                 lambda: vtp.cross_entropy(
                     x,
                     y,
@@ -668,7 +659,7 @@ def sp_mismatches(rank, world, group, once):
                     sp_group=group,
                 )
             ),
-            _outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", tp_group=group, sp_group=group)),
+            outcome(lambda: vtp.cross_entropy(x, y, reduction="sum", tp_group=group, sp_group=group)),
         ]
         return out, _healthy_sp(rank, group)
     finally:
@@ -699,12 +690,12 @@ def grid_failures(rank, world, group):
     tp, sp, s, t = _grid(rank)
     x = torch.randn(4, VOCAB_SIZES[t], dtype=torch.float64)
     y = torch.randint(0, sum(VOCAB_SIZES), (4,))
-    bad = _outcome(
+    bad = outcome(
         lambda: vtp.cross_entropy(
             x, y, tp_group=tp, sp_group=sp, reduction="mean", label_smoothing=2.0 if rank == 0 else 0.0
         )
     )
-    differ = _outcome(
+    differ = outcome(
         lambda: vtp.cross_entropy(x, y, tp_group=tp, sp_group=sp, reduction="mean", label_smoothing=0.1 * s)
     )
     return (bad, differ), _healthy_sp(rank, sp, tp, t)
@@ -803,7 +794,7 @@ def dtensor_sequence_parallel_head(rank, world, group, two_d):
             (hidden @ weight.T).reshape(-1, v), labels.reshape(-1), reduction="none"
         ).reshape(s, b),
     )
-    plain = _outcome(lambda: vtp.entropy(vtp.Head(hidden[:2], w, sequence_parallel=True)))
+    plain = outcome(lambda: vtp.entropy(vtp.Head(hidden[:2], w, sequence_parallel=True)))
     return plain
 
 

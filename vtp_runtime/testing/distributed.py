@@ -14,6 +14,7 @@ in which it expired also tears the pool down, so that the jobs after it run on a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import multiprocessing as mp
@@ -21,7 +22,7 @@ import os
 import queue
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -33,7 +34,8 @@ class RankTimeout(AssertionError):
     """A job did not finish on every rank in time (a hang, or a rank that died)."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -72,6 +74,31 @@ def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout:
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """``os.environ`` with ``values`` set inside the block, restored after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
+    """What ``fn()`` raised, as (exception type name, message), or ("no error", ""): for a
+    job whose ranks must all raise the same error, each rank returning its own."""
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
 class RankPool:
     """``world_size`` spawned processes in one process group (gloo on CPU; "nccl" puts rank r
     on GPU r), running jobs in lockstep. With gloo, jobs may also use CUDA tensors: every rank
@@ -89,10 +116,8 @@ class RankPool:
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._ids = itertools.count()
-        port = _free_port()
-        saved = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
-        try:
+        port = free_port()
+        with environ(**(env or {})):
             self._procs = [
                 ctx.Process(
                     target=_worker,
@@ -103,12 +128,6 @@ class RankPool:
             ]
             for p in self._procs:
                 p.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self.alive = True
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
