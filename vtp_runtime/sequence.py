@@ -247,10 +247,12 @@ class SequenceLayout:
         return torch.cat(parts)
 
 
-def _scatters_by_all_reduce(group: Any, device: torch.device) -> bool:
-    """Whether the reduce-scatters of ``group`` on ``device`` run on gloo, which implements
-    them as an all-reduce of a copy of the input: then an all-reduce in place is the same
-    traffic without the copy."""
+def _on_gloo(group: Any, device: torch.device) -> bool:
+    """Whether the collectives of ``group`` on ``device`` run on gloo. Its reduce-scatter is an
+    all-reduce of a copy of the input, so an all-reduce in place is the same traffic without
+    the copy; and its all-gather allocates a tensor the size of its whole output (on the
+    output's device) each time it is issued (``getOutputTensors`` of its work, called when
+    the work is queued), so each rank's block is broadcast instead, which allocates nothing."""
     backend = str(dist.get_backend(group)).lower()
     return backend == "gloo" or (device.type == "cpu" and "gloo" in backend)
 
@@ -272,12 +274,16 @@ class HiddenChunks:
     chunk; with even shards ``m = per_rank`` and no padding), issued asynchronously one chunk
     ahead, so that chunk ``c + 1``'s gather runs while chunk ``c``'s matmuls do (on NCCL its
     stream waits for the compute stream when issued and the compute stream for it at
-    ``wait``: no host sync; gloo runs it on its own threads); and, where the hidden gradient
-    is needed, one reduce-scatter of ``[tp, m, H]`` (asynchronous as well, waited for in
-    ``finish``; torch's gloo runs it as an all-reduce, twice the bytes). Their number and
-    sizes derive from the layout only, never from V_local. Memory: two gather buffers of
-    ``[tp * per_rank, H]``, and one compaction buffer where blocks are padded; never the
-    ``[N, H]`` of every rank's tokens. A chunk's partial hidden gradient is written over its
+    ``wait``: no host sync); on gloo, which runs them on its own threads, one broadcast of
+    each rank's block instead, straight into its place in the chunk (no padding, no
+    compaction), since torch's gloo all-gather allocates a second tensor of its whole output
+    whenever it is issued (one more chunk buffer at the peak, on the GPU too); and, where the
+    hidden gradient is needed, one
+    reduce-scatter of ``[tp, m, H]`` (asynchronous as well, waited for in ``finish``; torch's
+    gloo runs it as an all-reduce, twice the bytes). Their number and sizes derive from the
+    layout only, never from V_local. Memory: two gather buffers of ``[tp * per_rank, H]``,
+    and one compaction buffer where blocks are padded (not on gloo); never the ``[N, H]`` of
+    every rank's tokens. A chunk's partial hidden gradient is written over its
     hidden rows (``grad_rows``: the chunk's weight gradient is computed first), and the
     gather two chunks later writes that buffer only after the reduce-scatter has read it:
     on NCCL and XCCL the collectives of a group run in issue order, on one stream; on gloo,
@@ -291,10 +297,11 @@ class HiddenChunks:
         self.world, self.width = layout.tp_size, hidden.shape[-1]
         self._starts = layout.starts()
         self._gathered: list[Tensor | None] = [None, None]
-        self._in_flight: dict[int, tuple[Any, Tensor, Tensor]] = {}  # chunk -> (work, output, input)
+        self._in_flight: dict[int, tuple[list[Any], Tensor, Tensor]] = {}  # chunk -> (works, output, input)
         self._compact: Tensor | None = None
         self._current: tuple[int, Tensor] | None = None  # the chunk rows() gave last
-        self._in_place = _scatters_by_all_reduce(group, hidden.device)
+        # gloo: gathers by broadcasts (compact, no padding), scatters by an all-reduce in place
+        self._in_place = _on_gloo(group, hidden.device)
         self._scatters: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []  # work, input, output, place
 
     def chunk_at(self, lo: int) -> int:
@@ -321,20 +328,33 @@ class HiddenChunks:
         counts = self.layout.counts(c)
         m, mine, lo = max(counts), counts[self.layout.rank], c * self.layout.per_rank
         send = self.hidden[lo : lo + mine]
+        if self._in_place:  # each rank's rows broadcast into their place in the chunk order
+            out = self._buffer(self._gathered, c % 2)[: sum(counts)]
+            at = sum(counts[: self.layout.rank])
+            out[at : at + mine].copy_(send)
+            works, at = [], 0
+            for r, k in enumerate(counts):
+                if k:
+                    src = dist.get_global_rank(self.group, r)
+                    works.append(dist.broadcast(out[at : at + k], src=src, group=self.group, async_op=True))
+                at += k
+            self._in_flight[c] = (works, out, send)
+            return
         if mine < m:  # every rank sends a block of the chunk's largest size
             send = torch.cat([send, send.new_zeros(m - mine, self.width)])
         out = self._buffer(self._gathered, c % 2)[: self.world * m]
         work = _gather_fn()(out, send.contiguous(), group=self.group, async_op=True)
-        self._in_flight[c] = (work, out, send)
+        self._in_flight[c] = ([work], out, send)
 
     def rows(self, c: int) -> Tensor:
         """The hidden rows of chunk ``c``, ``[tokens of the chunk, H]`` in chunk order (rank
         0's block first), valid until ``rows(c + 1)``; starts the gather of chunk ``c + 1``."""
         self._start(c)
-        work, out, _ = self._in_flight.pop(c)
-        work.wait()
+        works, out, _ = self._in_flight.pop(c)
+        for work in works:
+            work.wait()
         self._start(c + 1)
-        if not self._padded(c):
+        if self._in_place or not self._padded(c):  # broadcast into place: compact already
             self._current = (c, out)
             return out
         counts = self.layout.counts(c)
@@ -391,8 +411,9 @@ class HiddenChunks:
     def release(self) -> None:
         """Wait for what is in flight and drop every buffer."""
         self._wait()
-        for work, _, _ in self._in_flight.values():
-            work.wait()
+        for works, _, _ in self._in_flight.values():
+            for work in works:
+                work.wait()
         self._in_flight.clear()
         self._gathered, self._compact, self._current = [None, None], None, None
 
