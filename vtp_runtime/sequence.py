@@ -278,12 +278,12 @@ class HiddenChunks:
     each rank's block instead, straight into its place in the chunk (no padding, no
     compaction), since torch's gloo all-gather allocates a second tensor of its whole output
     whenever it is issued (one more chunk buffer at the peak, on the GPU too); and, where the
-    hidden gradient is needed, one
-    reduce-scatter of ``[tp, m, H]`` (asynchronous as well, waited for in ``finish``; torch's
-    gloo runs it as an all-reduce, twice the bytes). Their number and sizes derive from the
-    layout only, never from V_local. Memory: two gather buffers of ``[tp * per_rank, H]``,
-    and one compaction buffer where blocks are padded (not on gloo); never the ``[N, H]`` of
-    every rank's tokens. A chunk's partial hidden gradient is written over its
+    hidden gradient is needed, one reduce-scatter of ``[tp, m, H]`` (asynchronous as well,
+    waited for in ``finish``; torch's gloo runs it as an all-reduce, twice the bytes). Their
+    number and sizes derive from the layout only, never from V_local. Memory: two gather
+    buffers of ``[tp * per_rank, H]``, and one compaction buffer where blocks are padded (not
+    on gloo); never the ``[N, H]`` of every rank's tokens. A chunk's partial hidden gradient
+    is written over its
     hidden rows (``grad_rows``: the chunk's weight gradient is computed first), and the
     gather two chunks later writes that buffer only after the reduce-scatter has read it:
     on NCCL and XCCL the collectives of a group run in issue order, on one stream; on gloo,
@@ -301,7 +301,7 @@ class HiddenChunks:
         self._compact: Tensor | None = None
         self._current: tuple[int, Tensor] | None = None  # the chunk rows() gave last
         # gloo: gathers by broadcasts (compact, no padding), scatters by an all-reduce in place
-        self._in_place = _on_gloo(group, hidden.device)
+        self._gloo = _on_gloo(group, hidden.device)
         self._scatters: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []  # work, input, output, place
 
     def chunk_at(self, lo: int) -> int:
@@ -323,12 +323,12 @@ class HiddenChunks:
     def _start(self, c: int) -> None:
         if c >= self.layout.chunks or c in self._in_flight:
             return
-        if self._in_place:  # an all-reduce in place may still be reading this buffer
+        if self._gloo:  # an all-reduce in place may still be reading this buffer
             self._wait()
         counts = self.layout.counts(c)
         m, mine, lo = max(counts), counts[self.layout.rank], c * self.layout.per_rank
         send = self.hidden[lo : lo + mine]
-        if self._in_place:  # each rank's rows broadcast into their place in the chunk order
+        if self._gloo:  # each rank's rows broadcast into their place in the chunk order
             out = self._buffer(self._gathered, c % 2)[: sum(counts)]
             at = sum(counts[: self.layout.rank])
             out[at : at + mine].copy_(send)
@@ -354,7 +354,7 @@ class HiddenChunks:
         for work in works:
             work.wait()
         self._start(c + 1)
-        if self._in_place or not self._padded(c):  # broadcast into place: compact already
+        if self._gloo or not self._padded(c):  # broadcast into place: compact already
             self._current = (c, out)
             return out
         counts = self.layout.counts(c)
@@ -389,7 +389,7 @@ class HiddenChunks:
                 blocks[r, :k].copy_(partial[at : at + k])
                 at += k
         place = out[lo : lo + mine]
-        if self._in_place:  # this rank's block of the sum, copied into place when it is done
+        if self._gloo:  # this rank's block of the sum, copied into place when it is done
             work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._scatters.append((work, send, send.view(self.world, m, self.width)[self.layout.rank], place))
             return
