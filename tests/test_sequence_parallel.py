@@ -980,14 +980,6 @@ def memory_against_the_gather(rank, world, group):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(
-    reason="measured on one H200 over gloo before the fix (benchmarks/results/h200_round5_gpu_tests_sp.log): cross "
-    "entropy saved 25 of the 32 MiB at H = 2048 (48 of 64 MiB at H = 4096): the quarter of [N, H] was torch's gloo "
-    "all-gather allocating a second tensor of its whole output (one chunk buffer, on the GPU) each time a chunk's "
-    "gather was issued; the chunks are now broadcast on gloo (checked on CPU by "
-    "test_the_chunk_collectives_allocate_no_chunk_buffer_on_gloo), not yet measured again on a GPU",
-    strict=False,
-)
 def test_sequence_parallel_head_memory_on_one_gpu(ranks):
     """By hand a rank holds the gathered [N, H] and its [N, H] gradient; the sequence-parallel
     Head two chunk buffers and this rank's [N / TP, H] gradient: at TP 2 with four chunks,
