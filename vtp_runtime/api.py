@@ -8,7 +8,7 @@ autograd node and reduces the result; ``docs/architecture.md`` draws the whole f
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
@@ -88,6 +88,20 @@ def cross_entropy(
         z_loss=z_loss,
         **options,
     )
+
+
+@overload
+def logprobs(
+    logits: Logits, index: Tensor, *, ignore_index: int = ..., return_entropy: Literal[False] = ..., **options: Any
+) -> Tensor: ...
+@overload
+def logprobs(
+    logits: Logits, index: Tensor, *, ignore_index: int = ..., return_entropy: Literal[True], **options: Any
+) -> tuple[Tensor, Tensor]: ...
+@overload
+def logprobs(
+    logits: Logits, index: Tensor, *, ignore_index: int = ..., return_entropy: bool, **options: Any
+) -> Tensor | tuple[Tensor, Tensor]: ...
 
 
 def logprobs(
