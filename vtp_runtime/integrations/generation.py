@@ -61,6 +61,7 @@ import torch.distributed as dist
 import vtp_runtime as vtp
 from vtp_runtime.comm import group_size
 
+from .lm_head import is_vocab_parallel_linear, lm_head_layout
 from .tensor_parallel import is_dtensor
 
 _STATE = "_vtp_generation"
@@ -91,9 +92,6 @@ def _hook(model) -> _Hook:
 def _head_layout(model) -> tuple[Any, int | None, int | None, int | None]:
     """``(tp_group, vocab_start, vocab_end, V)`` of the model's output head (None, ... when it
     is not split over the vocabulary; V None where the head does not say)."""
-    from .lm_head import is_vocab_parallel_linear
-    from .transformers import lm_head_layout
-
     group, start, end = lm_head_layout(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight: Any = getattr(head, "weight", None)

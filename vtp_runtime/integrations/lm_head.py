@@ -39,7 +39,7 @@ from torch import nn
 import vtp_runtime as vtp
 
 from ..comm import group_size
-from .tensor_parallel import is_dtensor
+from .tensor_parallel import dtensor_vocab_layout, is_dtensor
 
 
 class UnfusableLogits(AttributeError, ValueError):
@@ -51,6 +51,34 @@ class UnfusableLogits(AttributeError, ValueError):
 def is_vocab_parallel_linear(module: nn.Module) -> bool:
     """DeepSpeed AutoTP's vocabulary-parallel head (``tensor_parallel.vocab_parallel_lm_head``)."""
     return bool(getattr(module, "is_vocab_parallel_lm_head", False))
+
+
+def head_layout(head: Any) -> tuple[object, int | None, int | None]:
+    """``(tp_group, vocab_start, vocab_end)`` of an output head module on this rank, now (see
+    ``lm_head_layout``)."""
+    if is_vocab_parallel_linear(head):
+        return head.mp_group, int(head.vocab_start_index), int(head.vocab_end_index)
+    weight = getattr(head, "weight", None)
+    if is_dtensor(weight):
+        group, start, end, _ = dtensor_vocab_layout(weight, 0)  # weight: [V, hidden]
+        if group is not None:
+            return group, start, end
+    return None, None, None
+
+
+def lm_head_layout(model) -> tuple[object, int | None, int | None]:
+    """``(tp_group, vocab_start, vocab_end)`` of a model's output head on this rank, now.
+
+    Read from the head's weight when it is a DTensor sharded over the vocabulary
+    (transformers' ``tp_plan``; FSDP2's ``_StridedShard`` over the data-parallel dimension
+    leaves the TP bounds as they are), or from DeepSpeed AutoTP's vocabulary-parallel head
+    (``mp_group``, ``vocab_start_index``, ``vocab_end_index``); ``(None, None, None)`` for a
+    head that is not split over the vocabulary.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:
+        return None, None, None
+    return head_layout(head)
 
 
 def output_head(model: nn.Module) -> nn.Module:

@@ -33,7 +33,8 @@ import vtp_runtime as vtp
 from ..comm import group_size
 from . import generation
 from . import lm_head as heads
-from .tensor_parallel import dtensor_vocab_layout, is_dtensor
+from .lm_head import lm_head_layout
+from .tensor_parallel import is_dtensor
 
 
 def causal_lm_loss(
@@ -120,7 +121,7 @@ class VtpCausalLMLoss:
     def layout(self) -> tuple[object, int | None, int | None]:
         if self.tp_group is not None or self.vocab_start is not None or self.head is None:
             return self.tp_group, self.vocab_start, self.vocab_end
-        return _module_layout(self.head)
+        return heads.head_layout(self.head)
 
     def __call__(
         self,
@@ -169,32 +170,6 @@ class VocabParallelCausalLMLoss(VtpCausalLMLoss):
             stacklevel=2,
         )
         super().__init__(*args, **kwargs)
-
-
-def _module_layout(head: Any) -> tuple[object, int | None, int | None]:
-    if heads.is_vocab_parallel_linear(head):
-        return head.mp_group, int(head.vocab_start_index), int(head.vocab_end_index)
-    weight = getattr(head, "weight", None)
-    if is_dtensor(weight):
-        group, start, end, _ = dtensor_vocab_layout(weight, 0)  # weight: [V, hidden]
-        if group is not None:
-            return group, start, end
-    return None, None, None
-
-
-def lm_head_layout(model) -> tuple[object, int | None, int | None]:
-    """``(tp_group, vocab_start, vocab_end)`` of a model's output head on this rank, now.
-
-    Read from the head's weight when it is a DTensor sharded over the vocabulary
-    (transformers' ``tp_plan``; FSDP2's ``_StridedShard`` over the data-parallel dimension
-    leaves the TP bounds as they are), or from DeepSpeed AutoTP's vocabulary-parallel head
-    (``mp_group``, ``vocab_start_index``, ``vocab_end_index``); ``(None, None, None)`` for a
-    head that is not split over the vocabulary.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None:
-        return None, None, None
-    return _module_layout(head)
 
 
 def use_vocab_parallel_loss(model, tp_group=None, vocab_start: int | None = None, vocab_end: int | None = None):
