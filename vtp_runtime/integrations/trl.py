@@ -42,7 +42,7 @@ from ..comm import group_size
 from . import generation
 from . import lm_head as heads
 from .tensor_parallel import is_dtensor
-from .transformers import lm_head_layout, warn_on_generation_if_split
+from .transformers import warn_on_generation_if_split
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -409,7 +409,7 @@ class VocabParallelGKDMixin:
         num_items_in_batch=None,
     ):
         if self.vtp_layout is None and not is_dtensor(student_logits):
-            group, start, end = lm_head_layout(self.model)  # type: ignore[attr-defined]
+            group, start, end = heads.lm_head_layout(self.model)  # type: ignore[attr-defined]
         else:
             group, start, end = self.vtp_layout or (None, None, None)
         return generalized_jsd_loss(
