@@ -7,15 +7,14 @@ Every kernel the step runs is listed, torch's own small ops too; ``gaps`` is the
 time in a CUDA graph less the sum of its kernels: what running them one after another costs.
 """
 
-import argparse
 import cProfile
-import dataclasses
 import io
 import pstats
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from tune import sweep  # benchmarks/tune.py: the variants, the shapes, the command line
 
 import vtp_runtime as vtp
 import vtp_runtime.backends.triton.backend as tb
@@ -24,15 +23,7 @@ from vtp_runtime.tools.timing import time_graph
 
 V = 151936
 BASE = tb.CUDA_CONFIG
-VARIANTS = {
-    "default": BASE,
-    "stats2k_w4": dataclasses.replace(BASE, block_stats=2048, warps_stats=4),
-    "stats8k_w16": dataclasses.replace(BASE, block_stats=8192, warps_stats=16),
-    "stats4k_w16": dataclasses.replace(BASE, warps_stats=16),
-    "programs2k": dataclasses.replace(BASE, target_programs=2048),
-    "programs4k": dataclasses.replace(BASE, target_programs=4096),
-}
-SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
+DEFAULT_VARIANTS = ["default", "stats2k_w4"]
 
 
 def per_kernel(op, n, v, reps=10):
@@ -61,17 +52,9 @@ def kernel_times(step, reps=10):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default=None, help="op:N:TP,...")
-    p.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(VARIANTS)}")
-    p.add_argument("--no-cpu", action="store_true", help="skip the CPU profile of the dispatch path")
-    args = p.parse_args()
-    shapes = (
-        SHAPES
-        if not args.shapes
-        else [(o, int(n), int(t)) for o, n, t in (x.split(":") for x in args.shapes.split(","))]
+    args, shapes, variants = sweep(
+        __doc__.splitlines()[0], DEFAULT_VARIANTS, no_cpu="skip the CPU profile of the dispatch path"
     )
-    variants = {k: VARIANTS[k] for k in (args.variants.split(",") if args.variants else VARIANTS)}
     nbytes_pass = {
         "stats2_kernel": 2,
         "jsd_div_kernel": 2,

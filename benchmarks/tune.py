@@ -1,5 +1,7 @@
-"""Launch-configuration sweep of the triton backend on the GPU (loop time, CUDA events, and
-CUDA-graph replay time: the GPU time, which the percentages of copy bandwidth use).
+"""Launch-configuration sweep of the triton backend on the GPU: loop and CUDA-graph time.
+
+Loop time by CUDA events; CUDA-graph replay time is the GPU time, which the percentages of
+copy bandwidth use.
 
 Replaces ``CUDA_CONFIG`` between runs and times JSD and cross entropy fwd+bwd at the
 target shapes; prints one line per (config, shape). Used to pick the defaults in
@@ -15,7 +17,7 @@ import torch
 
 import vtp_runtime.backends.triton.backend as tb
 from vtp_runtime.tools.bench import make_inputs, model_bytes, vtp_arm
-from vtp_runtime.tools.timing import time_graph, time_loop
+from vtp_runtime.tools.timing import copy_bandwidth, time_graph, time_loop
 
 V = 151936
 SHAPES = [("jsd", 1024, 2), ("jsd", 8192, 1), ("jsd", 1024, 8), ("cross_entropy", 1024, 1), ("cross_entropy", 8192, 2)]
@@ -35,6 +37,7 @@ VARIANTS = {
     "bwd16k": dataclasses.replace(tb.CUDA_CONFIG, bwd_target_programs=16384),
     "bwd4k_w16": dataclasses.replace(tb.CUDA_CONFIG, block_bwd=4096, warps_bwd=16),
     "stats2k_w4": dataclasses.replace(tb.CUDA_CONFIG, block_stats=2048, warps_stats=4),
+    "stats4k_w16": dataclasses.replace(tb.CUDA_CONFIG, warps_stats=16),
 }
 
 
@@ -42,25 +45,27 @@ def time_ms(fn, reps=20):
     return time_loop(fn, warmup=3, reps=reps)
 
 
-def copy_bandwidth() -> float:
-    """GB/s of a 1 GiB device copy (read + write), the yardstick of the percentages; the
-    buffers are freed on return."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * 2**30 / (time_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def sweep(description: str, default_variants=None, **extra) -> tuple[argparse.Namespace, list, dict]:
+    """The command line of a launch-configuration sweep (this script's, profile_passes.py's):
+    ``--shapes op:N:TP,...`` and ``--variants name,...`` (default: ``default_variants``, or all
+    of ``VARIANTS``), plus ``extra`` flags (name: help). Returns (args, shapes, variants)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--shapes", default=None, help="op:N:TP,... (default: the design's target shapes)")
     p.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(VARIANTS)}")
+    for flag, text in extra.items():
+        p.add_argument(f"--{flag.replace('_', '-')}", action="store_true", help=text)
     args = p.parse_args()
     shapes = (
         SHAPES
         if not args.shapes
         else [(o, int(n), int(t)) for o, n, t in (x.split(":") for x in args.shapes.split(","))]
     )
-    variants = {k: VARIANTS[k] for k in (args.variants.split(",") if args.variants else VARIANTS)}
+    names = args.variants.split(",") if args.variants else default_variants or list(VARIANTS)
+    return args, shapes, {k: VARIANTS[k] for k in names}
+
+
+def main():
+    _, shapes, variants = sweep(__doc__.splitlines()[0])
     copy = copy_bandwidth()
     print(f"copy {copy:.0f} GB/s")
     for name, cfg in variants.items():

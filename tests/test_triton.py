@@ -8,6 +8,8 @@ cases are 6 tokens, and the launch configuration for CPU (INTERPRETER_CONFIG) us
 chunks (splits) per row.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,19 +34,7 @@ def test_conformance(ranks, conformance_case):
 # Rows that are neither split nor sharded are finished by the program that reads them (one
 # launch: stats1/stats2 with FINISH, jsd_row_kernel). A backend whose configuration never
 # splits a row takes that path for every call at TP 1, on the same test matrix and edges.
-ROW_CONFIG = LaunchConfig(
-    block_stats=16,
-    warps_stats=1,
-    block_div=16,
-    warps_div=1,
-    block_bwd=32,
-    warps_bwd=1,
-    target_programs=1,
-    max_splits=1,
-    bwd_target_programs=16,
-    block_rows=16,
-    warps_finish=1,
-)
+ROW_CONFIG = dataclasses.replace(INTERPRETER_CONFIG, target_programs=1, max_splits=1)
 
 
 class _WholeRows(TritonBackend):
