@@ -188,3 +188,24 @@ def test_launch_config_is_a_parameter():
             rtol=1e-5,
             atol=1e-6,
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("upstream", [1.0, 0.375, -3.0])
+def test_scaling_a_heads_gradients_matches_torch(dtype, upstream):
+    """The fused head's gradients (computed in forward) times the upstream gradient as torch's
+    multi-tensor multiply gives them, fp32 math rounded once: sizes that are not a whole
+    number of tiles, more tiles than programs (each program strides), one element, none.
+    Triton's interpreter rounds fp32 to bf16 toward zero where the GPU rounds to nearest
+    even, so a bf16 element may also be the product truncated."""
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g).to(dtype) for n in (203, 37, 1, 0)] + [torch.randn(5, 7, generator=g)]
+    products = [x.float() * upstream for x in grads]
+    want = [x.clone() for x in grads]
+    scale = torch.tensor([upstream], dtype=torch.float32).reshape(-1)[0]  # a 0-dim view, as backward passes it
+    torch._foreach_mul_(want, scale)
+    TritonBackend().scale_gradients(grads, scale)
+    for got, ref, product in zip(grads, want, products):
+        assert got.dtype == ref.dtype
+        truncated = (product.view(torch.int32) & -65536).view(torch.float32).to(got.dtype)
+        assert bool(((got == ref) | ((got == truncated) & (got.dtype == torch.bfloat16))).all())

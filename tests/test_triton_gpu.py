@@ -192,3 +192,30 @@ def test_logprobs_with_entropy_v151936(dtype, k):
     ref_g = ref_g_lp.double() + ref_g_h.double()
     err = (grad.double() - ref_g).norm() / ref_g.norm().clamp_min(1e-30)
     assert err.item() < GRAD_TOL[dtype], f"k={k} {dtype}: gradient relative L2 error {err.item():.3g}"
+
+
+@pytest.mark.parametrize("upstream", [1.0, 0.375])
+def test_scaling_a_heads_gradients_on_gpu(upstream):
+    """The fused head's weight-sized gradient times the upstream gradient, bit for bit as
+    torch's multi-tensor multiply rounds it (nearest even), past 2**31 elements (64-bit
+    offsets) and over more tiles than programs; inside a CUDA graph too (the scale read on
+    the device)."""
+    from vtp_runtime.backends.triton import TritonBackend
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    grads = [
+        torch.randn(151936 * 4096 + 7, device="cuda", generator=g).bfloat16(),
+        torch.randn(8192, 4096, device="cuda"),
+    ]
+    want = [x.clone() for x in grads]
+    scale = torch.full((1,), upstream, device="cuda").reshape(-1)[0]
+    torch._foreach_mul_(want, scale)
+    backend = TritonBackend()
+    backend.scale_gradients(grads, scale)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.scale_gradients(grads, scale)
+    graph.replay()
+    torch._foreach_mul_(want, scale)
+    assert all(torch.equal(a, b) for a, b in zip(grads, want))

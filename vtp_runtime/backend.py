@@ -314,6 +314,14 @@ class TakesHead(Backend):
         calls ``backward``."""
         return self.backward(call, state, grad)
 
+    def scale_gradients(self, grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+        """Multiply, in place, the gradients a scalar (sum/mean) Head call computed in its
+        forward pass by the upstream gradient ``scale`` (0-dim, on their device, read there:
+        no host synchronization). The default is one multi-tensor pass in fp32 math (a
+        ``mul_`` by a 0-dim fp32 tensor would send bf16 gradients through torch's unvectorized
+        casting kernel); a backend may skip the pass on the device where ``scale`` is 1."""
+        torch._foreach_mul_(grads, scale)
+
 
 class Compiles(Backend):
     """A ``Backend`` that runs inside a ``torch.compile``'d graph

@@ -16,8 +16,9 @@ How a call runs (the generic driver, ``ChunkedDriver``):
 - Scalar results (``reduction="sum"``/``"mean"``): the upstream gradient is one number, so
   the backend's ``head_backward`` runs on the chunk right away with an upstream of ones, and
   ``dh = dlogits @ W``, ``dW += dlogits.T @ h``, ``db += sum(dlogits)`` accumulate chunk by
-  chunk in the forward pass. Backward only scales them by the upstream gradient (in place:
-  the gradients are handed over, so a second backward through the same graph raises).
+  chunk in the forward pass. Backward only scales them by the upstream gradient (in place,
+  through the backend's ``scale_gradients``: the gradients are handed over, so a second
+  backward through the same graph raises).
 - Per-token results (``reduction="none"``): the backend's per-chunk state (O(rows)
   statistics, and the logits buffer it refers to) is kept; backward recomputes each chunk's
   logits into the same buffer (one more matmul per Head input) and runs ``head_backward``
@@ -625,9 +626,7 @@ class HeadRunner:
                 )
             if grad.numel():
                 scale = grad.reshape(-1)[0]  # the upstream gradient of a sum/mean is one number
-                # one multi-tensor pass in fp32 math, the scale read on the device (a mul_ by a
-                # 0-dim fp32 tensor sends bf16 gradients through torch's unvectorized casting kernel)
-                torch._foreach_mul_([g for g in grads if g is not None], scale)
+                run.backend.scale_gradients([g for g in grads if g is not None], scale)
         else:
             self.driver.backward(run, run.to_chunk_order(grad))
             grads = run.finish_grads()

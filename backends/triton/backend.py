@@ -282,6 +282,29 @@ class TritonBackend(TakesHead, Compiles):
             return self._backward2(call, state, grad, fields.KL, reverse, scratch)
         return self._backward2(call, state, grad, fields.JSD, False, scratch)
 
+    def scale_gradients(self, grads, scale):
+        """One launch per gradient that returns at once where ``scale`` is 1: a plain
+        ``loss.backward()`` then reads and writes no gradient again."""
+        if not all(g.is_contiguous() and g.dtype in LOW_DTYPES for g in grads):
+            super().scale_gradients(grads, scale)
+            return
+        cfg = self.config_for(scale.device)
+        k = _kernels()
+        for g in grads:
+            if g.numel():
+                programs = min(cfg.scale_programs, _cdiv(g.numel(), cfg.block_scale))
+                launch(
+                    k.scale_kernel,
+                    (programs,),
+                    cfg.fast_launch,
+                    x_ptr=g,
+                    n=g.numel(),
+                    scale_ptr=scale,
+                    programs=programs,
+                    BLOCK=cfg.block_scale,
+                    num_warps=cfg.warps_scale,
+                )
+
     def _forward1(self, call: Call, z: torch.Tensor, index, mask):
         kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]

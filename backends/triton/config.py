@@ -28,6 +28,9 @@ class LaunchConfig:
     bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
     block_rows: int = 128  # finishing kernels: rows per program
     warps_finish: int = 4
+    block_scale: int = 2048  # scaling a fused head's gradients in backward: tile, warps, programs
+    warps_scale: int = 4
+    scale_programs: int = 8192
     # JSD: the hardware lg2.approx through inline PTX. NVIDIA only, so off unless a config
     # asks for it (CUDA_CONFIG does); other targets get Triton's portable tl.log2.
     fast_log2: bool = False
@@ -51,4 +54,7 @@ INTERPRETER_CONFIG = LaunchConfig(
     bwd_target_programs=16,
     block_rows=16,
     warps_finish=1,
+    block_scale=16,
+    warps_scale=1,
+    scale_programs=4,
 )

@@ -941,3 +941,18 @@ def backward2_kernel(
             if NEED_B:
                 db = pb * ((tl.maximum(lpb, LOGP_FLOOR) - lm) * LN2 - kl_b) * (beta * coef)
                 tl.store(db_ptr + out_off + cols, tl.where(keep, db, 0.0).to(db_ptr.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def scale_kernel(x_ptr, n, scale_ptr, programs, BLOCK: tl.constexpr):
+    """``x *= scale`` in fp32 math, in place, over a contiguous ``x`` of ``n`` elements, each
+    of ``programs`` programs striding over the tiles. Where the 0-dim ``scale`` is 1 (the
+    upstream gradient of a plain ``loss.backward()``) every program returns having read it
+    alone."""
+    scale = tl.load(scale_ptr).to(tl.float32)
+    if scale != 1.0:
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, programs * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            keep = offs < n
+            x = tl.load(x_ptr + offs, mask=keep)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * scale).to(x.dtype), mask=keep)
