@@ -11,6 +11,8 @@ gradients are set to None between steps). Arms:
 - ``torch_fp32``: ``F.cross_entropy((h @ W.T).float(), y)``
 - ``vtp_triton``: ``vtp.cross_entropy(h @ W.T, y, backend="triton")`` on the bf16 logits
 - ``vtp_head``: ``vtp.cross_entropy(vtp.Head(h, W), y)`` (the fused head, default backend)
+- ``vtp_head_lean``: the same with ``chunk_rows=256`` (a ``[256, V]`` chunk buffer, 74 MiB at
+  V=151936, for more passes over the weight gradient)
 - ``cce``: cut-cross-entropy's ``linear_cross_entropy(h, W, y)`` (CUDA, if installed)
 - ``liger``: Liger's ``LigerFusedLinearCrossEntropyLoss`` (CUDA, if installed)
 
@@ -55,6 +57,7 @@ ARMS = (
     "torch_fp32",
     "vtp_triton",
     "vtp_head",
+    "vtp_head_lean",
     "cce",
     "liger",
     "hf_torch",
@@ -134,6 +137,8 @@ def loss_fn(arm: str):
         return lambda h, w, y: vtp.cross_entropy(h @ w.T, y, reduction="mean", backend="triton")
     if arm == "vtp_head":
         return lambda h, w, y: vtp.cross_entropy(vtp.Head(h, w), y, reduction="mean")
+    if arm == "vtp_head_lean":
+        return lambda h, w, y: vtp.cross_entropy(vtp.Head(h, w, chunk_rows=256), y, reduction="mean")
     if arm == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
@@ -210,8 +215,9 @@ def restore_llama(saved) -> None:
     module.LlamaForCausalLM.forward = forward
 
 
-def measure(model, arm: str, tokens, labels, warmup: int, reps: int) -> dict:
-    """Median step ms, peak GiB above what was held before the step, and the first loss."""
+def measure(model, arm: str, tokens, labels, warmup: int, reps: int, profile: int = 0) -> dict:
+    """Median step ms, peak GiB above what was held before the step, and the first loss; with
+    ``profile``, that many of one step's costliest device kernels printed to stderr."""
     cuda = tokens.device.type == "cuda"
     if arm in HF_ARMS:
 
@@ -235,6 +241,7 @@ def measure(model, arm: str, tokens, labels, warmup: int, reps: int) -> dict:
         model.zero_grad(set_to_none=True)
         step()
     times = []
+    before = torch.cuda.memory_stats() if cuda else {}
     for _ in range(reps):
         model.zero_grad(set_to_none=True)
         if cuda:
@@ -248,6 +255,10 @@ def measure(model, arm: str, tokens, labels, warmup: int, reps: int) -> dict:
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
+    if cuda and profile:  # the caching allocator's device calls during the timed steps
+        after = torch.cuda.memory_stats()
+        counts = {k: v - before.get(k, 0) for k, v in after.items() if k.startswith("num_") and v != before.get(k, 0)}
+        print(f"{arm}: allocator counters over {reps} steps: {counts or 'unchanged'}", file=sys.stderr)
     peak = None
     if cuda:
         model.zero_grad(set_to_none=True)
@@ -257,6 +268,17 @@ def measure(model, arm: str, tokens, labels, warmup: int, reps: int) -> dict:
         step()
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    if profile:
+        model.zero_grad(set_to_none=True)
+        kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=kinds) as prof:
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+        table = prof.key_averages()
+        for key in ("self_device_time_total", "self_cpu_time_total")[0 if cuda else 1 :]:
+            print(f"{arm}: one step, the {profile} first by {key}", file=sys.stderr)
+            print(table.table(sort_by=key, row_limit=profile), file=sys.stderr)
     return {"ms": statistics.median(times), "peak_gib": peak, "loss": first}
 
 
@@ -275,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run at tiny sizes (no memory)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--json", help="write the rows and the setup to this file")
+    p.add_argument("--profile", type=int, default=0, help="print this many of each arm's costliest kernels (stderr)")
     args = p.parse_args(argv)
 
     arms = [a for a in args.arms.split(",") if a]
@@ -323,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 subject = None
                 try:
                     subject = hf_model(arm, args, ffn) if arm in HF_ARMS else model
-                    row.update(measure(subject, arm, tokens, labels, max(args.warmup, 1), args.reps))
+                    row.update(measure(subject, arm, tokens, labels, max(args.warmup, 1), args.reps, args.profile))
                 except Exception as exc:  # an OOM (or a failing arm) is a result; the next arm runs
                     row["note"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
                 finally:
