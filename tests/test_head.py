@@ -203,6 +203,63 @@ def test_scalar_results_hand_their_gradients_over_once():
         loss.backward()
 
 
+# (op, vtp call on Head inputs, the float64 reference reduction of reference.values on h @ W.T)
+_SCALAR_CASES = {
+    "ce_mean_ignored": lambda h, w, y, m, ref: (
+        vtp.cross_entropy(vtp.Head(h, w, chunk_rows=4), y, reduction="mean", backend="eager"),
+        ref("cross_entropy", (h @ w.T,), y).sum() / (y != -100).sum(),
+    ),
+    "ce_sum": lambda h, w, y, m, ref: (
+        vtp.cross_entropy(vtp.Head(h, w, chunk_rows=4), y, reduction="sum", backend="eager"),
+        ref("cross_entropy", (h @ w.T,), y).sum(),
+    ),
+    "entropy_masked_mean": lambda h, w, y, m, ref: (
+        vtp.entropy(vtp.Head(h, w), mask=m, reduction="mean", backend="eager"),
+        (ref("entropy", (h @ w.T,)) * m).sum() / m.sum(),
+    ),
+    "logprobs_topk_mean": lambda h, w, y, m, ref: (
+        vtp.logprobs(vtp.Head(h, w), torch.stack([y.clamp(min=0), y.clamp(min=1) - 1], 1), reduction="mean"),
+        ref("logprobs", (h @ w.T,), torch.stack([y.clamp(min=0), y.clamp(min=1) - 1], 1)).mean(),
+    ),
+    "jsd_mean": lambda h, w, y, m, ref: (
+        vtp.jsd(vtp.Head(h, w), vtp.Head(h.detach() * 2, w.detach()), reduction="mean", backend="eager"),
+        ref("jsd", (h @ w.T, (h.detach() * 2) @ w.detach().T)).mean(),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_SCALAR_CASES))
+def test_a_plain_backward_of_a_scalar_result_scales_by_exactly_one(monkeypatch, case):
+    """The gradients a sum/mean computes in forward are for the upstream gradient a plain
+    ``loss.backward()`` sends each token (1 / count for a mean), so the backward's scale is
+    exactly 1 (the triton backend then skips its pass); another upstream gradient is the
+    scale itself. The gradients equal the float64 reference's either way."""
+    from vtp_runtime.testing import reference
+
+    seen: list[float] = []
+    original = EagerBackend.scale_gradients
+
+    def spy(self, grads, scale):
+        seen.append(float(scale))
+        original(self, grads, scale)
+
+    monkeypatch.setattr(EagerBackend, "scale_gradients", spy)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 11, (7,), generator=g)
+    y[2] = -100
+    m = torch.tensor([True, False, True, True, False, True, True])
+    for upstream in (1.0, 2.5):
+        ours, ref = _SCALAR_CASES[case](h, w, y, m, reference.values)
+        got = torch.autograd.grad(ours * upstream, (h, w))
+        want = torch.autograd.grad(ref * upstream, (h, w))
+        torch.testing.assert_close(ours, ref.to(ours.dtype), rtol=1e-12, atol=1e-12)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert seen[0] == 1.0 and seen[1] == pytest.approx(2.5, rel=1e-15) and len(seen) == 2
+
+
 def test_per_token_results_release_their_buffers_until_backward(monkeypatch):
     sizes = []
     original = head_mod.ChunkedDriver.backward

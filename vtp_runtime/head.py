@@ -347,6 +347,9 @@ class HeadRun:
     states: list = dataclasses.field(default_factory=list)  # per chunk, per-token results only
     sequence: SequenceLayout | None = None  # a sequence-parallel Head's layout (TP > 1)
     order: Tensor | None = None  # [N] int64: the token at each position of the chunk order
+    # scalar results: the per-token upstream gradient the forward's gradients are computed
+    # for, 0-dim (a plain backward of a mean sends 1 / count); None: ones
+    upstream: Tensor | None = None
 
     @property
     def needs_grad(self) -> bool:
@@ -364,6 +367,12 @@ class HeadRun:
             return
         for lo in range(0, self.num_tokens, self.rows):
             yield lo, min(lo + self.rows, self.num_tokens)
+
+    def upstream_like(self, values: Tensor) -> Tensor:
+        """The upstream gradient of a chunk's ``values`` for the gradients computed in forward."""
+        if self.upstream is None:
+            return torch.ones_like(values)
+        return torch.empty_like(values).fill_(self.upstream)
 
     def chunk_call(self, rows: int) -> Call:
         return dataclasses.replace(self.call, request=dataclasses.replace(self.call.request, num_tokens=rows))
@@ -521,9 +530,11 @@ class HeadRun:
 class HeadDriver:
     """How a call with Head inputs runs on a backend. ``forward`` returns the per-token values
     (fp32, fp64 for fp64 inputs; ``[N]`` or ``[N, k]``) and, when ``run.scalar`` and
-    ``run.needs_grad``, leaves the gradients for an upstream gradient of ones in the inputs'
-    accumulators (after ``run.start_grads()``). ``backward`` (per-token results only) does
-    the same for the upstream gradient ``grad``. The caller all-reduces hidden gradients.
+    ``run.needs_grad``, leaves the gradients for the upstream gradient
+    ``run.upstream_like(values)`` in the inputs' accumulators (after ``run.start_grads()``);
+    a driver that computes them for ones sets ``run.upstream = None``. ``backward``
+    (per-token results only) does the same for the upstream gradient ``grad``. The caller
+    all-reduces hidden gradients.
 
     A driver of a backend declaring ``HeadSupport(sequence_parallel=True)`` also gets calls
     with a sequence-parallel Head (``run.sequence`` set): it runs over ``run.chunks()`` after
@@ -554,7 +565,7 @@ class ChunkedDriver(HeadDriver):
                 vals, state = run.backend.forward(call, inputs, run.index_at(lo, hi), run.mask_at(lo, hi))
                 values.append(vals)
                 if grad_now:
-                    run.accumulate(lo, hi, run.backend.head_backward(call, state, torch.ones_like(vals), run.scratch))
+                    run.accumulate(lo, hi, run.backend.head_backward(call, state, run.upstream_like(vals), run.scratch))
                 elif run.needs_grad:
                     run.states.append(state)
             if grad_now:
@@ -626,6 +637,8 @@ class HeadRunner:
                 )
             if grad.numel():
                 scale = grad.reshape(-1)[0]  # the upstream gradient of a sum/mean is one number
+                if run.upstream is not None:  # exactly 1 for a plain backward of the result
+                    scale = scale / run.upstream
                 run.backend.scale_gradients([g for g in grads if g is not None], scale)
         else:
             self.driver.backward(run, run.to_chunk_order(grad))
@@ -643,12 +656,15 @@ def run_heads(
     scalar: bool,
     rows: int,
     sequence: SequenceLayout | None = None,
+    upstream: Tensor | None = None,
 ) -> Tensor:
     """Values ``[N]`` (``[N, k]``) of ``call`` whose ``inputs`` are each a Head or logits
     ``[..., V_local]``; ``rows`` tokens per chunk (the same on every rank); ``scalar``: the
-    result is reduced to one number (gradients during forward); ``sequence``: the layout of
-    the sequence-parallel Heads among ``inputs`` (at TP > 1)."""
+    result is reduced to one number (gradients during forward, for the per-token upstream
+    gradient ``upstream``, 0-dim, or ones); ``sequence``: the layout of the
+    sequence-parallel Heads among ``inputs`` (at TP > 1)."""
     run = _head_run(backend, call, inputs, index, mask, scalar, rows, sequence)
+    run.upstream = upstream if scalar else None
     flat: list[Tensor | None] = []
     for x in inputs:
         flat += [x.hidden, x.weight, x.bias] if isinstance(x, Head) else [x]

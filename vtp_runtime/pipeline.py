@@ -32,7 +32,7 @@ from .backend import TakesHead
 from .checks import Check
 from .comm import group_rank, group_size, is_group
 from .head import Head
-from .outputs import finish, head_reduction
+from .outputs import finish, head_reduction, plain_upstream
 
 Tensor = torch.Tensor
 
@@ -99,7 +99,15 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
     elif made.head_rows is not None:
         assert isinstance(made.backend, TakesHead)  # dispatch gave Head inputs to a backend taking them
         scalar = head_reduction(given) != "none"
-        values = head.run_heads(made.backend, call, inputs_, index, mask, scalar, made.head_rows, made.sequence)
+        upstream = None
+        if scalar:  # the gradients computed in forward are for what a plain backward sends
+            k = index.shape[-1] if made.topk and index is not None else 1
+            # the values are fp32 (fp64 for fp64 inputs), as the mean of them is
+            dtype = torch.float64 if inputs_[0].dtype == torch.float64 else torch.float32
+            upstream = plain_upstream(given, index, mask, n * k, dtype, inputs_[0].device)
+        values = head.run_heads(
+            made.backend, call, inputs_, index, mask, scalar, made.head_rows, made.sequence, upstream
+        )
     else:
         values = autograd.run_logits(made.backend, call, inputs_, index, mask)
     return finish(values, made.lead, made.topk, index, mask, given)
