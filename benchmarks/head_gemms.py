@@ -195,6 +195,51 @@ def scale_at(tp: int, args) -> None:
     print(line + f"  | upstream 1: {t_one * 1e3:.1f} us", flush=True)
 
 
+def kernels_at(tp: int, args) -> None:
+    """One fused and one materialized JSD (frozen teacher head) call, forward + backward,
+    under torch.profiler: each kernel's total device time, side by side."""
+    import vtp_runtime as vtp
+
+    n, hid, v = args.tokens, args.hidden, args.vocab // tp
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, hid, device="cuda", dtype=dt, generator=g).requires_grad_(True)
+    w = (torch.randn(v, hid, device="cuda", dtype=dt, generator=g) * hid**-0.5).requires_grad_(True)
+    ht = torch.randn(n, hid, device="cuda", dtype=dt, generator=g)
+    wt = torch.randn(v, hid, device="cuda", dtype=dt, generator=g) * hid**-0.5
+
+    def materialized():
+        with torch.no_grad():
+            zt = ht @ wt.t()
+        return torch.autograd.grad(vtp.jsd(h @ w.t(), zt, beta=0.5, reduction="mean", backend="triton"), (h, w))
+
+    def fused():
+        loss = vtp.jsd(vtp.Head(h, w), vtp.Head(ht, wt), beta=0.5, reduction="mean", backend="triton")
+        return torch.autograd.grad(loss, (h, w))
+
+    tables, wall = {}, {}
+    for name, fn in (("materialized", materialized), ("fused", fused)):
+        wall[name] = time_loop(fn, 3, args.reps)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        tables[name] = {
+            e.key: (e.self_device_time_total / 1e3, e.count) for e in prof.key_averages() if e.self_device_time_total
+        }
+    print(f"TP{tp} jsd, ms (launches) per kernel: materialized | fused")
+    for key in sorted(
+        set(tables["materialized"]) | set(tables["fused"]),
+        key=lambda k: -max(tables["fused"].get(k, (0, 0))[0], tables["materialized"].get(k, (0, 0))[0]),
+    ):
+        a, b = tables["materialized"].get(key, (0.0, 0)), tables["fused"].get(key, (0.0, 0))
+        print(f"  {a[0]:7.3f} ({a[1]:2d}) | {b[0]:7.3f} ({b[1]:2d})  {key[:90]}")
+    totals = [sum(t for t, _ in tables[k].values()) for k in ("materialized", "fused")]
+    print(
+        f"  kernels {totals[0]:.2f} | {totals[1]:.2f} ms; call {wall['materialized']:.2f} | {wall['fused']:.2f} ms",
+        flush=True,
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8192)
@@ -207,6 +252,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--fused", action="store_true")
     p.add_argument("--scale", action="store_true", help="the backward's scaling pass alone")
+    p.add_argument("--kernels", action="store_true", help="JSD's kernels, fused against materialized (torch.profiler)")
     p.add_argument("--upstream", type=float, default=1.0, help="--fused: the loss's upstream gradient")
     args = p.parse_args()
     print(
@@ -215,6 +261,9 @@ def main() -> None:
     for tp in map(int, args.tp.split(",")):
         if args.scale:
             scale_at(tp, args)
+            continue
+        if args.kernels:
+            kernels_at(tp, args)
             continue
         if args.fused:
             fused_at(tp, args)
