@@ -14,11 +14,13 @@ How a call runs (the generic driver, ``ChunkedDriver``):
   count is the same on every rank because ``rows`` derives only from what every rank
   shares (N, the dtype, the largest V_local of the gathered layout, ``chunk_rows``).
 - Scalar results (``reduction="sum"``/``"mean"``): the upstream gradient is one number, so
-  the backend's ``head_backward`` runs on the chunk right away with an upstream of ones, and
+  the backend's ``head_backward`` runs on the chunk right away, with the upstream a plain
+  backward of the result will send each token (``run.upstream``: 1 / count for a mean), and
   ``dh = dlogits @ W``, ``dW += dlogits.T @ h``, ``db += sum(dlogits)`` accumulate chunk by
-  chunk in the forward pass. Backward only scales them by the upstream gradient (in place,
-  through the backend's ``scale_gradients``: the gradients are handed over, so a second
-  backward through the same graph raises).
+  chunk in the forward pass. Backward only scales them by the upstream gradient it gets over
+  that one (exactly 1 for a plain backward; in place, through the backend's
+  ``scale_gradients``: the gradients are handed over, so a second backward through the same
+  graph raises).
 - Per-token results (``reduction="none"``): the backend's per-chunk state (O(rows)
   statistics, and the logits buffer it refers to) is kept; backward recomputes each chunk's
   logits into the same buffer (one more matmul per Head input) and runs ``head_backward``
