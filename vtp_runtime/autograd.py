@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from . import second_order
-from .backend import Backend, Call, SavedState, meets_layout
+from .backend import Backend, Call, SavedState, meets_layout, value_dtype
 
 Tensor = torch.Tensor
 
@@ -110,7 +110,7 @@ def no_tokens(call: Call, values_shape: tuple[int, ...], parts: tuple[Tensor | N
     empty tensor of ``values_shape``, differentiable in ``parts`` (each gets a zero
     gradient). Nothing is communicated: every rank knows N is 0."""
     like = next(t for t in parts if t is not None)
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    dtype = value_dtype(like.dtype)
     out = torch.zeros(values_shape, dtype=dtype, device=like.device)
     for t in parts:
         if t is not None and t.requires_grad and torch.is_grad_enabled():

@@ -60,6 +60,13 @@ from .ops import FEATURES, OPS, dtype_name
 ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64})
 LOW_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
+
+def value_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the values, statistics and accumulations of a call on inputs of
+    ``dtype``: fp64 for fp64 inputs, fp32 for every other."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # The memory layouts a backend can declare for its inputs (``Backend.input_layout``).
 INPUT_LAYOUTS = {
     "contiguous": "[N, V_local], contiguous",

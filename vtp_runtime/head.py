@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from .autograd import OpFunction
-from .backend import Call, TakesHead, meets_layout
+from .backend import Call, TakesHead, meets_layout, value_dtype
 from .comm import all_reduce
 from .sequence import HiddenChunks, SequenceLayout
 
@@ -447,7 +447,7 @@ class HeadRun:
                 x.grads = [None, None, None, torch.empty_like(x.logits_rows()) if nl else None]
                 continue
             hidden, weight, bias = x.head_parts()
-            acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+            acc = value_dtype(weight.dtype)
             # dh and dW are written by the first chunk (lo = 0); a sequence-parallel Head's dh
             # (this rank's rows) by the chunks' reduce-scatters
             x.grads = [

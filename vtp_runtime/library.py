@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from . import checks, dispatch, inputs, metadata, plans
-from .backend import Call, Compiles, Request
+from .backend import Call, Compiles, Request, value_dtype
 from .checks import Check
 from .ops import OPS, OpSpec, features_of, get_spec
 from .outputs import finish
@@ -146,7 +146,7 @@ def _forward(
     call = made.call(given["tp_group"])
     n = made.num_tokens
     width = _width(op, made.backend_options)
-    dtype = torch.float64 if rows[0].dtype == torch.float64 else torch.float32
+    dtype = value_dtype(rows[0].dtype)
     chosen = torch.tensor(
         [
             metadata.backend_key(backend.name, backend.priority),
@@ -192,7 +192,7 @@ def _(op, inputs, index, mask, *scalars):
     spec = get_spec(op)
     z = inputs[0]
     n = z.shape[0]
-    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+    dtype = value_dtype(z.dtype)
     width = _width(op, _backend_options(spec, a))
     chosen = torch.empty((len(_CHOSEN),), dtype=torch.int64, device="cpu")
     return z.new_empty(_values_shape(op, n, index, a), dtype=dtype), z.new_empty((n, width), dtype=dtype), chosen

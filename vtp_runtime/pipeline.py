@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import torch
 
 from . import autograd, checks, dispatch, head, inputs, library, metadata, plans, sequence
-from .backend import TakesHead
+from .backend import TakesHead, value_dtype
 from .checks import Check
 from .comm import group_rank, group_size, is_group
 from .head import Head
@@ -102,9 +102,7 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
         upstream = None
         if scalar:  # the gradients computed in forward are for what a plain backward sends
             k = index.shape[-1] if made.topk and index is not None else 1
-            # the values are fp32 (fp64 for fp64 inputs), as the mean of them is
-            dtype = torch.float64 if inputs_[0].dtype == torch.float64 else torch.float32
-            upstream = plain_upstream(given, index, mask, n * k, dtype, inputs_[0].device)
+            upstream = plain_upstream(given, index, mask, n * k, value_dtype(inputs_[0].dtype), inputs_[0].device)
         values = head.run_heads(
             made.backend, call, inputs_, index, mask, scalar, made.head_rows, made.sequence, upstream
         )

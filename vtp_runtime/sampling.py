@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from . import plans
-from .backend import Call
+from .backend import Call, value_dtype
 from .comm import all_gather_stack, group_size
 from .errors import ShardError
 
@@ -435,5 +435,6 @@ def _candidates(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limi
 
 
 def _empty_top(z: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
-    return torch.empty(n, 0, dtype=dtype, device=z.device), torch.empty(n, 0, dtype=torch.int64, device=z.device)
+    return torch.empty(n, 0, dtype=value_dtype(z.dtype), device=z.device), torch.empty(
+        n, 0, dtype=torch.int64, device=z.device
+    )

@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from vtp_runtime.backend import ALL_DTYPES, Call, Compiles, HeadSupport, OpCapability, SavedState, TakesHead
+from vtp_runtime.backend import (
+    ALL_DTYPES,
+    Call,
+    Compiles,
+    HeadSupport,
+    OpCapability,
+    SavedState,
+    TakesHead,
+    value_dtype,
+)
 from vtp_runtime.comm import all_reduce
 from vtp_runtime.ops import LOSSES, OPS, kl_direction
 from vtp_runtime.registry import hookimpl
@@ -32,10 +41,6 @@ CHUNK_ELEMENTS = 1 << 24
 Tensor = torch.Tensor
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _row_chunks(n: int, v: int):
     step = max(1, CHUNK_ELEMENTS // max(v, 1))
     for lo in range(0, n, step):
@@ -44,7 +49,7 @@ def _row_chunks(n: int, v: int):
 
 def _scaled(z: Tensor, lo: int, hi: int, call: Call) -> Tensor:
     """``z[lo:hi] / T`` in the accumulation dtype (a new tensor; inputs are never modified)."""
-    x = z[lo:hi].to(_acc_dtype(z.dtype), copy=True)
+    x = z[lo:hi].to(value_dtype(z.dtype), copy=True)
     t = call.options["temperature"]
     return x.div_(t) if t != 1.0 else x
 
@@ -53,7 +58,7 @@ def _global_max(call: Call, inputs: tuple[Tensor, ...]) -> Tensor:
     """``[len(inputs), N]`` global row maxima of ``x``; rows of all ``-inf`` get 0 so that
     ``x - m`` stays ``-inf`` rather than NaN."""
     n, v = inputs[0].shape
-    m = torch.full((len(inputs), n), -math.inf, dtype=_acc_dtype(inputs[0].dtype), device=inputs[0].device)
+    m = torch.full((len(inputs), n), -math.inf, dtype=value_dtype(inputs[0].dtype), device=inputs[0].device)
     if v:
         for lo, hi in _row_chunks(n, v):
             for i, z in enumerate(inputs):

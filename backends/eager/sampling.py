@@ -9,16 +9,12 @@ import math
 import torch
 
 from vtp_runtime import sampling
-from vtp_runtime.backend import Call
+from vtp_runtime.backend import Call, value_dtype
 from vtp_runtime.sampling import FIELDS, ID, KEY, MAX, MAX_ID, NONE_ID, SEED_WORDS, SUM, Scan, X
 
 Tensor = torch.Tensor
 
 CHUNK_ELEMENTS = 1 << 22
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _chunks(n: int, v: int):
@@ -29,7 +25,7 @@ def _chunks(n: int, v: int):
 
 def _read(z: Tensor, lo: int, hi: int) -> Tensor:
     """Rows ``lo:hi`` in the accumulation dtype, NaN as ``+inf`` (a new tensor)."""
-    x = z[lo:hi].to(_acc_dtype(z.dtype), copy=True)
+    x = z[lo:hi].to(value_dtype(z.dtype), copy=True)
     return x.masked_fill_(torch.isnan(x), math.inf)
 
 
@@ -50,7 +46,7 @@ class EagerKernels:
 
     def scan(self, call: Call, z: Tensor, scan: Scan) -> Tensor:
         n, v = z.shape
-        acc = _acc_dtype(z.dtype)
+        acc = value_dtype(z.dtype)
         payload = torch.empty(n * FIELDS + SEED_WORDS, dtype=acc, device=z.device)
         part = payload[:-SEED_WORDS].view(n, FIELDS)
         none = sampling.id_bits(torch.full((n,), NONE_ID, device=z.device), acc)
@@ -101,7 +97,7 @@ class EagerKernels:
 
     def top(self, call: Call, z: Tensor, c: int) -> tuple[Tensor, Tensor]:
         n, v = z.shape
-        vals = torch.empty(n, c, dtype=_acc_dtype(z.dtype), device=z.device)
+        vals = torch.empty(n, c, dtype=value_dtype(z.dtype), device=z.device)
         ids = torch.empty(n, c, dtype=torch.int64, device=z.device)
         for lo, hi in _chunks(n, v):
             got = _read(z, lo, hi).topk(c, dim=1)

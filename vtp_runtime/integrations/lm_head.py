@@ -38,6 +38,7 @@ from torch import nn
 
 import vtp_runtime as vtp
 
+from ..backend import value_dtype
 from ..comm import group_size
 from .tensor_parallel import dtensor_vocab_layout, is_dtensor
 
@@ -357,7 +358,7 @@ def mean_logits(logits: HeadLogits, temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
         weight: Any = module.weight
         bias: Any = module.bias
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        acc = value_dtype(weight.dtype)
         if is_dtensor(weight):
             sums = weight.sum(0, dtype=acc).full_tensor()
             bias_sum = bias.sum(dtype=acc).full_tensor() if bias is not None else 0.0
