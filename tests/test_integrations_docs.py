@@ -4,15 +4,12 @@ suite's own process runs every block too, defining ``main`` without calling it:
 tests/test_docs.py)."""
 
 import importlib.util
-import pathlib
-import re
-from typing import Any
 
 import pytest
 
+from tests.doc_examples import ROOT, run_main, torchrun_examples
 from vtp_runtime.testing.distributed import RankPool
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
     reason="transformers is not installed (pip install -e '.[integrations]')",
@@ -20,27 +17,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _examples():
-    text = (ROOT / "docs/integrations.md").read_text()
-    out = []
-    for block in re.findall(r"```python\n(.*?)```", text, re.S):
-        ranks = re.search(r"torchrun --nproc-per-node (\d+)", block)
-        if "def main(" in block and ranks:
-            out.append((int(ranks.group(1)), block))
-    return out
+    return torchrun_examples((ROOT / "docs/integrations.md").read_text())
 
 
 def _run_example(rank, world, group, block, path):
-    import inspect
-
-    import vtp_runtime as vtp
-
-    namespace: dict[str, Any] = {"__name__": "__doc_example__"}
-    exec(compile(block, "<docs/integrations.md example>", "exec"), namespace)
-    main = namespace["main"]
-    kwargs = {"path": path} if "path" in inspect.signature(main).parameters else {}  # where it saves a model
-    with vtp.use_backend("eager"):
-        loss = main(**kwargs)
-    return float(loss)
+    return run_main(block, "docs/integrations.md", path=path)  # ``path``: where it saves a model
 
 
 def test_the_docs_have_multi_rank_examples():

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
+from tests.doc_examples import ROOT, run_main, torchrun_examples
 from vtp_runtime import sequence
 from vtp_runtime.backend import ALL_DTYPES, HeadSupport, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
@@ -900,41 +901,24 @@ def _need_cuda(devices=1):
         pytest.skip(f"needs {devices} CUDA GPU(s) with compiled Triton: TRITON_INTERPRET=0 python -m pytest -m gpu")
 
 
+def _on_gpu(op, sequence, shape, **kw):
+    """A case on CUDA tensors: bf16 on the triton backend, V = 32003, H = 256, 128-row
+    chunks, unless ``kw`` says otherwise."""
+    fields = dict(vocab=32003, hidden=256, dtype="bfloat16", backend="triton", chunk_rows=128) | kw
+    return _sp(op, sequence, shape, device="cuda", **fields)
+
+
 GPU_CASES = [
-    HeadCase(
-        "cross_entropy",
-        shape=(512,),
-        vocab=32003,
-        hidden=256,
-        dtype="bfloat16",
-        backend="triton",
-        device="cuda",
-        sequence="uneven",
-        chunk_rows=128,
-        bias=True,
-        options=(("label_smoothing", 0.1), ("reduction", "mean")),
-    ),
-    HeadCase(
-        "jsd",
-        shape=(384,),
-        vocab=32003,
-        hidden=256,
-        dtype="bfloat16",
-        backend="triton",
-        device="cuda",
-        sequence="empty",
-        chunk_rows=128,
-        options=(("beta", 0.3),),
-    ),
-    HeadCase(
+    _on_gpu("cross_entropy", "uneven", (512,), bias=True, options=(("label_smoothing", 0.1), ("reduction", "mean"))),
+    _on_gpu("jsd", "empty", (384,), options=(("beta", 0.3),)),
+    _on_gpu(
         "logprobs",
-        shape=(256, 2),
+        "uneven",
+        (256, 2),
         vocab=5003,
         hidden=128,
         dtype="float32",
         backend="eager",
-        device="cuda",
-        sequence="uneven",
         chunk_rows=100,
         topk=3,
         options=(("return_entropy", True),),
@@ -1036,24 +1020,12 @@ def test_no_host_sync_over_nccl_on_two_gpus():
 
 
 def _guide_examples():
-    import pathlib
-    import re
-
-    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "guide.md").read_text()
-    section = text.split("## Sequence parallelism", 1)[1].split("\n## ", 1)[0]
-    out = []
-    for block in re.findall(r"```python\n(.*?)```", section, re.S):
-        world = re.search(r"torchrun --nproc-per-node (\d+)", block)
-        if "def main(" in block and world:
-            out.append((int(world.group(1)), block))
-    return out
+    section = (ROOT / "docs" / "guide.md").read_text().split("## Sequence parallelism", 1)[1].split("\n## ", 1)[0]
+    return torchrun_examples(section)
 
 
 def _run_guide_example(rank, world, group, block):
-    namespace: dict[str, Any] = {"__name__": "__doc_example__"}
-    exec(compile(block, "<docs/guide.md example>", "exec"), namespace)
-    with vtp.use_backend("eager"):
-        return float(namespace["main"]())
+    return run_main(block, "docs/guide.md")
 
 
 def test_the_guide_has_both_examples():
