@@ -90,23 +90,24 @@ def plain_upstream(
     options: Mapping[str, Any],
     index: Tensor | None,
     mask: Tensor | None,
-    num_values: int,
+    num_tokens: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> Tensor | None:
-    """The gradient a backward from 1 through ``reduce`` sends to each of ``num_values``
-    per-token values of ``dtype``, as a 0-dim tensor on ``device``, bit for bit what torch's
-    backward of that reduction computes: 1 for "sum", 1 / the count for "mean". None where
-    it is not one number known before the reduction runs: per-token results, a
-    ``normalizer``, sums over ``sp_group``."""
+    """The gradient a backward from 1 through ``reduce`` sends to each per-token value (of
+    ``dtype``) of a call on ``num_tokens`` tokens, as a 0-dim tensor on ``device``, bit for
+    bit what torch's backward of that reduction computes: 1 for "sum", 1 / the count for
+    "mean" (without index or mask, one value per token). None where it is not one number
+    known before the reduction runs: per-token results, a ``normalizer``, sums over
+    ``sp_group``."""
     reduction = options.get("reduction", "none")
     if reduction == "none" or options.get("normalizer") is not None or group_size(options.get("sp_group")) > 1:
         return None
     one = torch.ones((), dtype=dtype, device=device)
-    if reduction == "sum" or num_values == 0:  # a mean over nothing is a sum over nothing
+    if reduction == "sum" or num_tokens == 0:  # a mean over nothing is a sum over nothing
         return one
     if index is None and mask is None:  # values.mean(): its backward divides by the count of values
-        return one / num_values
+        return one / num_tokens
     return one / _count(one, index, mask, options.get("ignore_index", -100)).clamp(min=1)
 
 

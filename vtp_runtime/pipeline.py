@@ -101,8 +101,7 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
         scalar = head_reduction(given) != "none"
         upstream = None
         if scalar:  # the gradients computed in forward are for what a plain backward sends
-            k = index.shape[-1] if made.topk and index is not None else 1
-            upstream = plain_upstream(given, index, mask, n * k, value_dtype(inputs_[0].dtype), inputs_[0].device)
+            upstream = plain_upstream(given, index, mask, n, value_dtype(inputs_[0].dtype), inputs_[0].device)
         values = head.run_heads(
             made.backend, call, inputs_, index, mask, scalar, made.head_rows, made.sequence, upstream
         )
