@@ -241,7 +241,7 @@ def measure(model, arm: str, tokens, labels, warmup: int, reps: int, profile: in
         model.zero_grad(set_to_none=True)
         step()
     times = []
-    before = torch.cuda.memory_stats() if cuda else {}
+    before = torch.cuda.memory_stats() if cuda and profile else {}
     for _ in range(reps):
         model.zero_grad(set_to_none=True)
         if cuda:
