@@ -348,6 +348,7 @@ def _loss_and_grads(model, ids, labels, num_items):
     model.zero_grad(set_to_none=True)
     kw = {} if num_items is None else {"num_items_in_batch": num_items}
     out = model(input_ids=ids, labels=labels, **kw)
+    out.loss *= 1  # as transformers' Trainer scales it (average_tokens_across_devices): in place
     out.loss.backward()
     return out, {name: p.grad for name, p in model.named_parameters()}
 

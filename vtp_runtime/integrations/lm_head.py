@@ -398,9 +398,13 @@ def is_top1(logits: HeadLogits, labels: torch.Tensor) -> torch.Tensor:
 
 
 def local(t: Any) -> Any:
-    """A result replicated over the TP group as a plain tensor (this rank's copy)."""
+    """A result replicated over the TP group as a plain tensor (this rank's copy), which the
+    caller may modify in place: transformers' Trainer scales its loss with ``loss *= ...``,
+    and MoE forwards add their router loss with ``loss += ...``. ``DTensor.to_local()`` is a
+    view made inside an autograd Function, which autograd forbids modifying in place, so
+    the copy is a clone (a scalar, or one value per token)."""
     if is_dtensor(t):
         if not all(p.is_replicate() for p in t.placements):
             return t
-        return t.to_local()
+        return t.to_local().clone()
     return t
