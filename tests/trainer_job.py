@@ -37,8 +37,9 @@ def rows(vocab_size: int) -> list[dict[str, list[int]]]:
     return out
 
 
-def train(model, out_dir: str, average: bool, batch: int = BATCH) -> dict[str, Any]:
-    """Train ``model`` with the Trainer; its logs and its weights afterwards (full tensors)."""
+def train(model, out_dir: str, average: bool = True, batch: int = BATCH) -> dict[str, Any]:
+    """Train ``model`` with the Trainer (a model, or a function that builds one: the
+    Trainer's ``model_init``); its logs and its weights afterwards (full tensors)."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
@@ -60,12 +61,14 @@ def train(model, out_dir: str, average: bool, batch: int = BATCH) -> dict[str, A
         disable_tqdm=True,
         seed=0,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows(model.config.vocab_size)))
+    init = None if isinstance(model, torch.nn.Module) else model
+    trainer = Trainer(model=None if init else model, model_init=init, args=args)
+    trainer.train_dataset = Dataset.from_list(rows(trainer.model.config.vocab_size))
     trainer.train()
     logs = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
     weights = {
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for name, p in model.named_parameters()
+        for name, p in trainer.model.named_parameters()
     }
     return {"logs": logs, "weights": weights}
 
