@@ -328,7 +328,9 @@ def intercepted(model: nn.Module, layout: dict | None = None, chunk_rows: int | 
     if not stand.calls:  # the forward projected without calling the module: it formed the logits itself
         raise RuntimeError(
             f"{type(model).__name__}'s forward did not call its output head module ({type(head).__name__}); "
-            f"vtp_runtime cannot fuse the head of this model (use use_vocab_parallel_loss on its logits)"
+            f"vtp_runtime cannot fuse the head of this model (use use_vocab_parallel_loss on its logits). A patched "
+            f"forward that computes the loss from the head's weight itself does this: Liger's, for one; "
+            f"apply_liger_kernel_to_*(fused_linear_cross_entropy=False) keeps Liger's other kernels"
         )
 
 
