@@ -11,6 +11,7 @@
 
 import importlib.util
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -84,7 +85,8 @@ def _migrating_names() -> dict:
     teacher = torch.randn(2, 8, vocab)
     labels = torch.randint(0, vocab, (2, 8))
     labels[:, :3] = -100
-    names = {"V": vocab, "g": None, "group": None, "tp_group": None, "vocab_start_index": 0, "vocab_end_index": vocab}
+    names: dict[str, Any] = {"V": vocab, "g": None, "group": None, "tp_group": None}
+    names.update(vocab_start_index=0, vocab_end_index=vocab)
     names.update(logits=logits, s=logits, student_logits=logits, t=teacher, teacher_logits=teacher)
     names.update(target=labels, labels=labels, shift_labels=labels)
     names.update(beta=0.5, temperature=2.0, reduction="batchmean", num_items_in_batch=None, z=1e-4, eps=0.1, alpha=0.1)

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(
 
 V, WORLD = 1001, 2
 SPLIT = 345  # the hand-split head's boundary: not torch.chunk's
-SMALL = {
+SMALL: dict[str, Any] = {
     "vocab_size": 101,
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -82,6 +82,7 @@ def _step(model, **kw):
     model.zero_grad(set_to_none=True)
     out = model(**kw)
     loss = out.loss if not isinstance(out, tuple) else out[0]
+    loss *= 1  # as transformers' Trainer scales it (average_tokens_across_devices): in place
     loss.backward()
     return out, loss.detach(), _grads(model)
 

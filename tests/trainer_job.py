@@ -63,12 +63,14 @@ def train(model, out_dir: str, average: bool = True, batch: int = BATCH) -> dict
     )
     init = None if isinstance(model, torch.nn.Module) else model
     trainer = Trainer(model=None if init else model, model_init=init, args=args)
-    trainer.train_dataset = Dataset.from_list(rows(trainer.model.config.vocab_size))
+    built: Any = trainer.model
+    trainer.train_dataset = Dataset.from_list(rows(built.config.vocab_size))
     trainer.train()
+    trained: Any = trainer.model  # with model_init, built again by train()
     logs = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
     weights = {
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for name, p in trainer.model.named_parameters()
+        for name, p in trained.named_parameters()
     }
     return {"logs": logs, "weights": weights}
 

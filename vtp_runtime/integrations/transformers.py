@@ -356,7 +356,7 @@ def apply_fused_lm_head(*model_types: str | type, chunk_rows: int | None = None)
     Idempotent: the same call again changes nothing; another ``chunk_rows`` for a type already
     on raises ``ValueError``. ``revert_fused_lm_head`` undoes it.
     """
-    keys = [_model_class(t) for t in model_types] or [None]
+    keys: list[type | None] = [_model_class(t) for t in model_types] or [None]
     options = {"chunk_rows": chunk_rows}
     for key in keys:
         if key in _SWITCHED and _SWITCHED[key] != options:
