@@ -1,6 +1,7 @@
 """The docs against the code: every Python example in the README, the user guide and the
 integrations page runs (each file's ```python blocks in order, in one namespace, as a reader
-would paste them; ```py blocks need a launcher and several ranks and are shown, not run),
+would paste them; ```py blocks are fragments that cannot run as they stand, each saying why:
+tests/test_integrations_docs.py, which also runs docs/migrating.md's examples),
 and every environment variable, `vtp-runtime` command line and op option the docs name exists."""
 
 import importlib.util

@@ -3,18 +3,26 @@ model's own ``model(labels=...)``, without the logits, for every decoder family 
 (tied and untied heads, Cohere's and Granite's logit factors folded into a temperature),
 called every way transformers calls it (num_items_in_batch as int or tensor, shift_labels,
 tuples, skip_logits, the Trainer with gradient accumulation); refuses what it cannot fuse;
-is idempotent and reversible; and never allocates a ``[tokens, V_local]`` tensor.
+is idempotent and reversible; and never allocates a ``[tokens, V_local]`` tensor. A deep copy
+of a fused model runs on its own weights. ``apply_fused_lm_head`` (the class-level switch)
+fuses every model of the types it names built afterwards -- Llama, Qwen2, Qwen3, Mistral,
+Gemma, Phi-3, a class transformers does not know, the Trainer's ``model_init`` -- and every
+causal LM without a name; it composes with Liger's layer kernels.
 
 On 2 gloo ranks, a tiny Llama (V=1001: uneven 501/500 shards) sharded over the vocabulary
 gives the single process's loss and gradients with the head split every way a user gets
 there: transformers' ``tp_plan`` (``"colwise"`` and the default ``"colwise_gather_output"``),
 torch's ``ColwiseParallel`` (a DTensor weight), and by hand (``copy_to_tp_region`` in front,
-without which the backbone gradients are silently wrong -- shown too). The ranks use the
-eager backend: the adapters are under test here, not the kernels.
+without which the backbone gradients are silently wrong -- shown too), and under the
+switch. The ranks use the eager backend: the adapters are under test here, not the kernels.
+Any loss the adapters hand to transformers is scaled in place first, as the Trainer does.
+The Trainer itself at TP > 1, launched with torchrun: tests/test_integrations_trainer.py.
 """
 
 import copy
+import functools
 import importlib.util
+import os
 from typing import Any
 
 import pytest
@@ -35,7 +43,7 @@ pytestmark = pytest.mark.skipif(
 
 V, WORLD = 1001, 2
 SPLIT = 345  # the hand-split head's boundary: not torch.chunk's
-SMALL = {
+SMALL: dict[str, Any] = {
     "vocab_size": 101,
     "hidden_size": 32,
     "intermediate_size": 64,
@@ -74,6 +82,7 @@ def _step(model, **kw):
     model.zero_grad(set_to_none=True)
     out = model(**kw)
     loss = out.loss if not isinstance(out, tuple) else out[0]
+    loss *= 1  # as transformers' Trainer scales it (average_tokens_across_devices): in place
     loss.backward()
     return out, loss.detach(), _grads(model)
 
@@ -187,6 +196,24 @@ def test_fuse_is_idempotent_and_reversible():
         unfuse_lm_head(model)
 
 
+def test_a_copy_of_a_fused_model_runs_on_its_own_weights():
+    """A deep copy (TRL's reference model, ``copy.deepcopy(model)``) is fused and computes
+    with its own weights, with labels and without (the logits of the copy, not of the model
+    it was copied from)."""
+    from vtp_runtime.integrations.transformers import fuse_lm_head, is_fused
+
+    model = fuse_lm_head(_family("Llama"))
+    twin, reference = copy.deepcopy(model), _family("Llama")
+    with torch.no_grad():
+        for m in (twin, reference):
+            m.lm_head.weight.mul_(2)
+    assert is_fused(twin)
+    ids, labels = _small_batch()
+    with vtp.use_backend("eager"):
+        torch.testing.assert_close(twin(input_ids=ids).logits, reference(input_ids=ids).logits)
+    _assert_fused_like(twin, reference)
+
+
 def test_what_cannot_be_fused_is_refused():
     from vtp_runtime.integrations.lm_head import UnfusableLogits
     from vtp_runtime.integrations.transformers import fuse_lm_head
@@ -267,43 +294,201 @@ def test_fused_step_never_allocates_the_logits():
 
 def test_trainer_with_gradient_accumulation(tmp_path):
     """transformers' Trainer (num_items_in_batch over two accumulated micro-batches) logs
-    the same losses and gradient norms with the head fused."""
-    from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
+    the same losses and gradient norms, and leaves the same weights, with the head fused:
+    by ``fuse_lm_head``, and by the switch on a model the Trainer builds (``model_init``)."""
+    from tests.trainer_job import train
+    from vtp_runtime.integrations.transformers import apply_fused_lm_head, fuse_lm_head, is_fused, revert_fused_lm_head
 
-    from vtp_runtime.integrations.transformers import fuse_lm_head
+    def assert_same(got, want):
+        torch.testing.assert_close(torch.tensor(got["logs"]), torch.tensor(want["logs"]), rtol=1e-5, atol=1e-6)
+        for name, w in want["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
 
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for _ in range(8):
-        ids = torch.randint(0, 101, (7,), generator=g)
-        labels = ids.clone()
-        labels[: int(torch.randint(1, 5, (), generator=g))] = -100  # prompts of different lengths
-        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    built = []
 
-    def logs(model, out):
-        args = TrainingArguments(
-            output_dir=str(out),
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=2,
-            logging_steps=1,
-            learning_rate=1e-2,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-        )
-        trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
-        trainer.train()
-        return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+    def model_init():
+        built.append(_family("Llama"))
+        return built[-1]
 
-    want = logs(_family("Llama"), tmp_path / "hf")
+    want = train(_family("Llama"), str(tmp_path / "hf"))
+    assert len(want["logs"]) == 2
     with vtp.use_backend("eager"):
-        got = logs(fuse_lm_head(_family("Llama")), tmp_path / "vtp")
-    assert len(want) == 2
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        assert_same(train(fuse_lm_head(_family("Llama")), str(tmp_path / "vtp")), want)
+        apply_fused_lm_head("llama")
+        try:
+            assert_same(train(model_init, str(tmp_path / "init")), want)
+        finally:
+            revert_fused_lm_head()
+    assert built and all(is_fused(m) for m in built)
+
+
+# -- the switch: every model of a class fused as it is built ------------------------------------------
+
+SWITCHED = {
+    "Llama": "llama",
+    "Qwen2": "qwen2",
+    "Qwen3": "qwen3",
+    "Mistral": "mistral",
+    "Gemma": "gemma",
+    "Phi3": "phi3",
+}
+
+
+@pytest.fixture
+def switch():
+    """``apply_fused_lm_head``, reverted after the test whatever it left on."""
+    from vtp_runtime.integrations.transformers import apply_fused_lm_head, revert_fused_lm_head
+
+    yield apply_fused_lm_head
+    revert_fused_lm_head()
+
+
+def _assert_fused_like(model, reference):
+    """``model`` fused (no logits) with ``reference``'s loss and gradients, ``reference``
+    unfused; both with the same weights."""
+    from vtp_runtime.integrations.transformers import is_fused
+
+    assert is_fused(model) and not is_fused(reference)
+    device = next(model.parameters()).device
+    ids, labels = (t.to(device) for t in _small_batch())
+    with vtp.use_backend("eager"):
+        _, want_loss, want_grads = _step(reference.train(), input_ids=ids, labels=labels)
+        got, got_loss, got_grads = _step(model.train(), input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", list(SWITCHED))
+def test_switch_fuses_models_built_afterwards(family, switch, tmp_path):
+    """``apply_fused_lm_head(model_type)``: a model of that type built afterwards -- by
+    ``from_config``, ``from_pretrained``, or a copy of one (a reference model) -- is fused,
+    with the unpatched model's loss and gradients; one built before is not."""
+    from transformers import AutoModelForCausalLM
+
+    reference = _family(family)
+    reference.save_pretrained(tmp_path)
+    switch(SWITCHED[family])
+    torch.manual_seed(0)
+    built = AutoModelForCausalLM.from_config(reference.config)
+    _assert_fused_like(built, reference)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    _assert_fused_like(loaded, reference)
+    _assert_fused_like(copy.deepcopy(loaded), reference)
+
+
+@functools.cache
+def _tiny_class():
+    """A causal LM transformers does not know: an embedding, a tanh and a biased head."""
+    from transformers import LlamaConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class TinyForCausalLM(PreTrainedModel):
+        config_class = LlamaConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size)
+            self.post_init()
+
+        def get_output_embeddings(self):
+            return self.lm_head
+
+        def forward(self, input_ids, labels=None, **kwargs):
+            logits = self.lm_head(torch.tanh(self.embed(input_ids)))
+            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+            return CausalLMOutput(loss=loss, logits=logits)
+
+    return TinyForCausalLM
+
+
+def _tiny():
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    return _tiny_class()(LlamaConfig(**SMALL))
+
+
+def test_switch_for_every_causal_lm(switch):
+    """No argument: every causal LM built afterwards, a class transformers does not know
+    included (by its name); one that cannot be fused keeps its logits, with one warning."""
+    tiny, qwen = _tiny(), _family("Qwen2")
+    switch()
+    _assert_fused_like(_tiny(), tiny)
+    _assert_fused_like(_family("Qwen2"), qwen)
+    with pytest.warns(UserWarning, match="Gemma2ForCausalLM keeps its logits.*final_logit_softcapping") as seen:
+        capped = [_family("Gemma2", final_logit_softcapping=30.0) for _ in range(2)]
+    assert len([w for w in seen if "keeps its logits" in str(w.message)]) == 1  # once per class
+    ids, labels = _small_batch()
+    with vtp.use_backend("eager"):
+        assert capped[1].train()(input_ids=ids, labels=labels).logits is not None
+
+
+def test_switch_is_idempotent_reversible_and_refuses_what_it_cannot_fuse(switch):
+    from transformers import PreTrainedModel
+
+    from vtp_runtime.integrations.transformers import is_fused, revert_fused_lm_head
+
+    post_init = PreTrainedModel.post_init
+    switch("llama", _tiny_class(), chunk_rows=4)
+    switch("llama", chunk_rows=4)  # the same again: nothing changes
+    with pytest.raises(ValueError, match="already called for LlamaForCausalLM"):
+        switch("llama")
+    with pytest.raises(ValueError, match="'lama' is not a model_type"):
+        switch("lama")
+    with pytest.raises(ValueError, match="takes transformers model classes"):
+        switch(torch.nn.Linear)
+    before = _family("Qwen2")  # not switched
+    switch("gemma2")
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):  # named: refused as it is built
+        _family("Gemma2", final_logit_softcapping=30.0)
+    llama = _family("Llama")
+    assert is_fused(llama) and not is_fused(before)
+    revert_fused_lm_head("llama")
+    assert not is_fused(_family("Llama")) and is_fused(llama)  # built before the revert: still fused
+    assert is_fused(_tiny())
+    revert_fused_lm_head()
+    assert PreTrainedModel.post_init is post_init  # transformers' own again
+    assert not is_fused(_tiny())
+
+
+def _liger_then_vtp(switch, device: str, **kernels: bool) -> None:
+    """Liger's layer kernels with vtp's head, as docs/integrations.md composes them:
+    ``apply_liger_kernel_to_llama`` without its cross entropies, then the switch; a Llama
+    built afterwards has the loss and gradients of the unpatched one (Liger's module
+    patches are undone afterwards)."""
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from transformers.models.llama import modeling_llama
+
+    reference = _family("Llama").to(device)
+    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
+    saved = {name: getattr(modeling_llama, name) for name in names}
+    try:
+        apply_liger_kernel_to_llama(cross_entropy=False, fused_linear_cross_entropy=False, **kernels)
+        patched = [getattr(modeling_llama, name) is not saved[name] for name in names]
+        assert patched == [kernels.get(k, True) for k in ("rope", "rms_norm", "swiglu")]
+        switch("llama")
+        _assert_fused_like(_family("Llama").to(device), reference)
+    finally:
+        for name, value in saved.items():
+            setattr(modeling_llama, name, value)
+
+
+def test_switch_composes_with_liger_layer_kernels(switch):
+    """On CPU only Liger's RoPE runs (in Triton's interpreter; its RMSNorm and SwiGLU
+    kernels do not): the two class patches compose. The GPU test runs every layer kernel."""
+    _liger_then_vtp(switch, "cpu", rope=True, rms_norm=False, swiglu=False)
+
+
+@pytest.mark.gpu
+def test_switch_composes_with_every_liger_layer_kernel_on_gpu(switch):
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with compiled Triton: TRITON_INTERPRET=0 python -m pytest -m gpu")
+    _liger_then_vtp(switch, "cuda")
 
 
 # -- two ranks -------------------------------------------------------------------------------------
@@ -348,6 +533,7 @@ def _loss_and_grads(model, ids, labels, num_items):
     model.zero_grad(set_to_none=True)
     kw = {} if num_items is None else {"num_items_in_batch": num_items}
     out = model(input_ids=ids, labels=labels, **kw)
+    out.loss *= 1  # as transformers' Trainer scales it (average_tokens_across_devices): in place
     out.loss.backward()
     return out, {name: p.grad for name, p in model.named_parameters()}
 
@@ -400,6 +586,18 @@ def _tp_plan_job(rank, world, group, path):
 
         largest, what = _largest_storage(fuse_lm_head(unfuse_lm_head(model), chunk_rows=16), fuse_ids, fuse_labels)
         assert largest < bound, what
+
+    # the switch: a model loaded after it is fused, on the head its tp_plan shards after __init__
+    from vtp_runtime.integrations.transformers import apply_fused_lm_head, is_fused, revert_fused_lm_head
+
+    apply_fused_lm_head("llama")
+    try:
+        switched = _load(path, distributed_config=DistributedConfig(tp_size=world))
+    finally:
+        revert_fused_lm_head()
+    assert is_fused(switched) and switched._tp_size == world
+    for out in _same_as_reference(ref, switched, ids, labels):
+        assert out.logits is None
 
     # the one line that keeps the logits, on the "colwise" plan
     sharded = use_vocab_parallel_loss(

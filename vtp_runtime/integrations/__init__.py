@@ -1,7 +1,8 @@
 """Adapters that let training frameworks use ``vtp_runtime``'s losses with one changed line.
 
 - ``vtp_runtime.integrations.transformers``: ``fuse_lm_head(model)`` (the head fused into the
-  loss: no logits), ``use_vocab_parallel_loss(model)`` and the causal-LM loss behind it
+  loss: no logits), ``apply_fused_lm_head(model_type)`` (the same for every model of a class
+  built afterwards), ``use_vocab_parallel_loss(model)`` and the causal-LM loss behind it
   (transformers' ``tp_plan``, DeepSpeed AutoTP's vocabulary-parallel head, FSDP2 × TP).
 - ``vtp_runtime.integrations.lm_head``: how a model's head is fused (``HeadLogits``).
 - ``vtp_runtime.integrations.trl``: ``VocabParallel<X>Trainer`` for TRL's SFT, DPO, KTO,

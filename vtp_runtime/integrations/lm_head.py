@@ -328,7 +328,9 @@ def intercepted(model: nn.Module, layout: dict | None = None, chunk_rows: int | 
     if not stand.calls:  # the forward projected without calling the module: it formed the logits itself
         raise RuntimeError(
             f"{type(model).__name__}'s forward did not call its output head module ({type(head).__name__}); "
-            f"vtp_runtime cannot fuse the head of this model (use use_vocab_parallel_loss on its logits)"
+            f"vtp_runtime cannot fuse the head of this model (use use_vocab_parallel_loss on its logits). A patched "
+            f"forward that computes the loss from the head's weight itself does this: Liger's, for one; "
+            f"apply_liger_kernel_to_*(fused_linear_cross_entropy=False) keeps Liger's other kernels"
         )
 
 
@@ -398,9 +400,13 @@ def is_top1(logits: HeadLogits, labels: torch.Tensor) -> torch.Tensor:
 
 
 def local(t: Any) -> Any:
-    """A result replicated over the TP group as a plain tensor (this rank's copy)."""
+    """A result replicated over the TP group as a plain tensor (this rank's copy), which the
+    caller may modify in place: transformers' Trainer scales its loss with ``loss *= ...``,
+    and MoE forwards add their router loss with ``loss += ...``. ``DTensor.to_local()`` is a
+    view made inside an autograd Function, which autograd forbids modifying in place, so
+    the copy is a clone (a scalar, or one value per token)."""
     if is_dtensor(t):
         if not all(p.is_replicate() for p in t.placements):
             return t
-        return t.to_local()
+        return t.to_local().clone()
     return t

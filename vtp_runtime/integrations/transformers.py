@@ -14,6 +14,10 @@ works on a full head, on transformers' ``tp_plan`` (``"colwise"`` and the defaul
 vocabulary-parallel head, FSDP2 (with TP) and a head split by hand. ``unfuse_lm_head``
 undoes it.
 
+``apply_fused_lm_head("llama")`` (or a class, or no argument: every causal LM) is the
+class-level switch, as Liger's ``apply_liger_kernel_to_llama()``: every model of that type
+built afterwards comes out fused; ``revert_fused_lm_head`` undoes it.
+
 ``use_vocab_parallel_loss(model)`` keeps the logits and computes the loss on their shards.
 This module does not import transformers.
 """
@@ -235,7 +239,8 @@ def fuse_lm_head(
     ``use_vocab_parallel_sampling`` is off (``warn_on_sharded_generation``).
 
     Idempotent (a second call with the same arguments changes nothing; with others it
-    raises); ``unfuse_lm_head(model)`` restores the forward and the loss function.
+    raises); ``unfuse_lm_head(model)`` restores the forward and the loss function. A deep
+    copy of the model (a trainer's reference model) is fused and runs on its own weights.
     Tied or untied heads alike: the gradient goes to the head's weight, whichever module
     owns it.
     """
@@ -250,10 +255,10 @@ def fuse_lm_head(
                 "fuse_lm_head was already applied to this model with other arguments; call unfuse_lm_head(model) first"
             )
         return model
-    original = model.forward
     signature = inspect.signature(type(model).forward)
 
     def forward(self, *args, skip_logits: bool | None = None, **kwargs):
+        original = _unfused_forward(self)
         try:
             labels = signature.bind_partial(self, *args, **kwargs).arguments.get("labels")
         except TypeError:  # let the model's own forward say what is wrong with the arguments
@@ -286,6 +291,13 @@ def fuse_lm_head(
     return model
 
 
+def _unfused_forward(model):
+    """The forward ``fuse_lm_head`` wraps, bound to ``model`` now: the instance's own as it
+    was (a copy of the model holds its copy, bound to itself), else its class's."""
+    saved = model.__dict__[_STATE]["forward"]
+    return saved if saved is not None else types.MethodType(type(model).forward, model)
+
+
 def unfuse_lm_head(model):
     """Undo ``fuse_lm_head``: the forward and the loss function the model had. Returns
     ``model``; a model that was not fused is returned as it is."""
@@ -312,3 +324,126 @@ def unfuse_lm_head(model):
 def is_fused(model) -> bool:
     """Whether ``fuse_lm_head`` is in effect on ``model``."""
     return _STATE in model.__dict__
+
+
+# -- the switch: every model of a class fused as it is built ---------------------------------------
+
+# model class (None: every causal LM) -> fuse_lm_head's keywords; filled by apply_fused_lm_head
+_SWITCHED: dict[type | None, dict[str, Any]] = {}
+_POST_INIT: list[Any] = []  # PreTrainedModel.post_init as transformers defines it, while the switch is on
+_LEFT_UNFUSED: set[type] = set()  # classes the every-causal-LM switch could not fuse (warned once each)
+
+
+def apply_fused_lm_head(*model_types: str | type, chunk_rows: int | None = None) -> None:
+    """Fuse the LM head of every model of ``model_types`` built from now on, as Liger's
+    ``apply_liger_kernel_to_llama()`` patches a class: whatever builds the model --
+    ``from_pretrained``, ``from_config``, the Trainer's ``model_init``, a trainer loading or
+    copying a reference model -- it comes out as ``fuse_lm_head(model, chunk_rows=chunk_rows)``
+    would leave it (at any TP size: the head's layout is read at every call, so a
+    ``tp_plan`` that shards it after construction is taken as it is).
+
+    ``model_types``: ``model_type`` names as in a model's config (``"llama"``, ``"qwen2"``,
+    ``"qwen3"``, ``"mistral"``, ``"gemma"``, ``"phi3"``: any that ``AutoModelForCausalLM``
+    maps to a class), or classes (a ``*ForCausalLM`` of your own); subclasses included.
+    A model of a named type whose head cannot be fused raises ``ValueError`` as it is built,
+    as ``fuse_lm_head`` does. With none: every causal LM (a class ``AutoModelForCausalLM``
+    maps to, or whose name ends in ``ForCausalLM``); one whose head cannot be fused (not an
+    ``nn.Linear``, final logit soft-capping) is then left as it is, with a warning once per
+    class.
+
+    The hook is ``PreTrainedModel.post_init``, which every transformers model calls at the end
+    of its ``__init__``. Models built before the call are unchanged (``fuse_lm_head`` them).
+    Idempotent: the same call again changes nothing; another ``chunk_rows`` for a type already
+    on raises ``ValueError``. ``revert_fused_lm_head`` undoes it.
+    """
+    keys: list[type | None] = [_model_class(t) for t in model_types] or [None]
+    options = {"chunk_rows": chunk_rows}
+    for key in keys:
+        if key in _SWITCHED and _SWITCHED[key] != options:
+            raise ValueError(
+                f"apply_fused_lm_head was already called for {_switch_name(key)} with {_SWITCHED[key]}; "
+                f"call revert_fused_lm_head first"
+            )
+    if not _POST_INIT:
+        from transformers import PreTrainedModel
+
+        _POST_INIT.append(PreTrainedModel.post_init)
+        PreTrainedModel.post_init = _post_init  # type: ignore[method-assign]
+    for key in keys:
+        _SWITCHED[key] = options
+
+
+def revert_fused_lm_head(*model_types: str | type) -> None:
+    """Undo ``apply_fused_lm_head`` for ``model_types`` (none given: for every type it was
+    called with): models of those types built afterwards keep their logits. Models already
+    built stay fused (``unfuse_lm_head(model)`` each). Once no type is left, transformers'
+    ``post_init`` is restored."""
+    keys = [_model_class(t) for t in model_types] if model_types else list(_SWITCHED)
+    for key in keys:
+        _SWITCHED.pop(key, None)
+    if not _SWITCHED and _POST_INIT:
+        from transformers import PreTrainedModel
+
+        PreTrainedModel.post_init = _POST_INIT.pop()  # type: ignore[method-assign]
+
+
+def _post_init(self) -> None:
+    _POST_INIT[0](self)
+    found = _switch_for(type(self))
+    if found is None or is_fused(self):
+        return
+    key, options = found
+    if key is not None:
+        fuse_lm_head(self, **options)
+    else:
+        try:
+            fuse_lm_head(self, **options)
+        except ValueError as exc:
+            if type(self) not in _LEFT_UNFUSED:
+                _LEFT_UNFUSED.add(type(self))
+                warnings.warn(f"apply_fused_lm_head(): {type(self).__name__} keeps its logits: {exc}", stacklevel=2)
+            return
+    if hasattr(self, "_get_logits_processor"):  # it generates; a tp_plan may split its head after __init__:
+        generation.warn_on_sharded_generation(self)  # generate() warns where its logits come as a shard
+
+
+def _switch_for(cls: type) -> tuple[type | None, dict[str, Any]] | None:
+    for base in cls.__mro__:
+        if base in _SWITCHED:
+            return base, _SWITCHED[base]
+    if None in _SWITCHED and _is_causal_lm(cls):
+        return None, _SWITCHED[None]
+    return None
+
+
+def _causal_lm_names() -> dict[str, str]:
+    """``model_type -> class name`` of ``AutoModelForCausalLM``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return {k: v if isinstance(v, str) else v[0] for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+
+
+def _is_causal_lm(cls: type) -> bool:
+    return cls.__name__.endswith("ForCausalLM") or cls.__name__ in _causal_lm_names().values()
+
+
+def _model_class(model_type: str | type) -> type:
+    if isinstance(model_type, type):
+        from transformers import PreTrainedModel
+
+        if not issubclass(model_type, PreTrainedModel):
+            raise ValueError(f"apply_fused_lm_head takes transformers model classes; {model_type.__name__} is not one")
+        return model_type
+    names = _causal_lm_names()
+    if model_type not in names:
+        raise ValueError(
+            f"{model_type!r} is not a model_type that transformers' AutoModelForCausalLM knows; pass the model "
+            f"class itself (apply_fused_lm_head(MyForCausalLM)), or no argument for every causal LM"
+        )
+    import transformers
+
+    return getattr(transformers, names[model_type])
+
+
+def _switch_name(key: type | None) -> str:
+    return "every causal LM" if key is None else key.__name__
