@@ -20,7 +20,8 @@ vocabulary shard), both ranks must generate one process's completions. TRL seeds
 RLOO's processes with ``set_seed(seed, device_specific=True)`` and shuffles each generation
 batch with torch's generator: unless the trainer seeds the ranks of a TP group alike, they
 hold the same rows in different orders and train on them silently. Ranks that hold different
-rows on purpose must raise a ``ShardError`` naming the trainer and the step, on every rank.
+rows on purpose must raise a ``ShardError`` naming the trainer and the step, on every rank;
+data-parallel replicas must still draw apart as TRL seeds them.
 TRL's own trainer classes behave as the VocabParallel ones after ``use_vtp()``.
 fp32 throughout (``bf16=False``): the adapters are under test, not bf16 rounding.
 """
@@ -489,6 +490,32 @@ def test_tp2_launched_on_policy_trainer_generates_and_logs_what_one_process_does
         assert calls >= steps
         _assert_same_generations(generated, want)  # both ranks, token for token
         _assert_same_logs(logs, stock, steps, skip=PER_PROCESS)
+
+
+def _data_parallel_job(rank, world, group, path, out):
+    """GRPO on two data-parallel replicas (no tensor parallelism): ours and the stock trainer
+    (with vtp's sampler, as ours), each rank its own prompts and seed."""
+    import vtp_runtime as vtp
+
+    generated: list[list[Generation]] = [[], []]
+    logs, _ = _run_ours("GRPO", path, os.path.join(out, f"ours{rank}"), generated=generated[0])
+    with vtp.use_backend("eager"):
+        stock = _train(
+            "GRPO", _stock("GRPO"), path, os.path.join(out, f"stock{rank}"), sampler=True, generated=generated[1]
+        )
+    return logs, stock, generated
+
+
+@pytest.mark.timeout(300)
+def test_dp2_launched_replicas_are_seeded_as_trl_seeds_them(models, launched, tmp_path):
+    """Data-parallel replicas still draw apart: at TP=1 the data-parallel index is the process
+    index, so each rank generates and logs what the stock trainer does there."""
+    per_rank = launched.run(_data_parallel_job, models, str(tmp_path), timeout=200)
+    for logs, stock, (ours, want) in per_rank:
+        _assert_same_generations(ours, want)
+        _assert_same_logs(logs, stock)
+    (_, _, (first, _)), (_, _, (second, _)) = per_rank
+    assert not torch.equal(first[0][1], second[0][1])  # the replicas hold other prompts
 
 
 def _stock_sampler_job(rank, world, group, path, out):
