@@ -518,6 +518,34 @@ def test_dp2_launched_replicas_are_seeded_as_trl_seeds_them(models, launched, tm
     assert not torch.equal(first[0][1], second[0][1])  # the replicas hold other prompts
 
 
+def _data_parallel_index_job(rank, world, group, path):
+    """``data_parallel_index`` of a trainer whose model is sharded by transformers' TP (its
+    head a ``Shard(0)`` DTensor; the Trainer's accelerator not told), and by FSDP2 alone
+    (every weight a ``Shard(0)`` DTensor over the data-parallel ranks between passes)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from vtp_runtime.integrations.trl import data_parallel_index
+
+    def index(model):
+        accelerator = SimpleNamespace(process_index=rank, parallelism_config=None, unwrap_model=lambda m: m)
+        return data_parallel_index(SimpleNamespace(accelerator=accelerator, model=model))
+
+    name = os.path.join(path, "0")
+    tensor_parallel = LlamaForCausalLM.from_pretrained(name, distributed_config=DistributedConfig(tp_size=world))
+    data_parallel = LlamaForCausalLM.from_pretrained(name)
+    fully_shard(data_parallel)
+    return index(tensor_parallel), index(data_parallel)
+
+
+@pytest.mark.timeout(200)
+def test_data_parallel_index_tells_fsdp2_shards_from_tensor_parallel_ones(models, launched):
+    assert launched.run(_data_parallel_index_job, models, timeout=120) == [(0, 0), (0, 1)]
+
+
 def _stock_sampler_job(rank, world, group, path, out):
     """The stock GKD trainer, TRL's own sampler, on a head that keeps its shard."""
     import vtp_runtime as vtp

@@ -323,20 +323,37 @@ def _rows_message(where: str, names: list[str], table: list[list[int]]) -> str:
 
 def data_parallel_index(trainer) -> int:
     """The index of the trainer's data-parallel replica: the process index over the size of
-    the head's TP group, as accelerate hands out batches (every rank of a TP group gets
-    the batch of ``process_index // tp_size``)."""
+    its TP group, as accelerate hands out batches (every rank of a TP group gets the batch
+    of ``process_index // tp_size``)."""
     return trainer.accelerator.process_index // group_size(_tp_group(trainer))
 
 
 def _tp_group(trainer):
-    """The TP group the trainer's ranks must agree over: ``vtp_layout``'s, else the model's head's."""
+    """The TP group the trainer's ranks must agree over: ``vtp_layout``'s; else the TP
+    dimension of accelerate's mesh (the Trainer found the model's ``tp_size``); else that
+    of the model's head (DeepSpeed AutoTP's, a DTensor weight), unless FSDP2 shards the
+    model: between passes its weights are ``Shard(0)`` over data-parallel ranks."""
     layout = getattr(trainer, "_vtp_layout", None) or {}
     if layout.get("tp_group") is not None:
         return layout["tp_group"]
+    accelerator = trainer.accelerator
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and config.tp_enabled:
+        return accelerator.torch_device_mesh["tp"].get_group()
     model = getattr(trainer, "model", None)
     if model is None:
         return None
-    return heads.lm_head_layout(_unwrapped(trainer.accelerator.unwrap_model(model)))[0]
+    model = _unwrapped(accelerator.unwrap_model(model))
+    group = heads.lm_head_layout(model)[0]
+    if group is not None and _sharded_by_fsdp(model):
+        return None
+    return group
+
+
+def _sharded_by_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _where(trainer) -> str:
