@@ -21,8 +21,17 @@ On-policy generation (GRPO and RLOO without vLLM, GKD with ``lmbda > 0``, GKD's 
 ``seq_kd``) runs through the vocabulary-parallel sampler, which the trainers turn on
 (``vtp_runtime.integrations.generation.use_vocab_parallel_sampling``) on every model they
 generate from: right on a head that keeps its vocabulary shard (DeepSpeed's, transformers'
-``"colwise"``), and on any head the same completions for one seed at every TP size. This
-module imports trl only when a trainer class or ``add_fused_lm_head`` is first used.
+``"colwise"``), and on any head the same completions for one seed at every TP size.
+
+The ranks of a TP group hold the same rows at every step: TRL's
+``set_seed(seed, device_specific=True)`` (GRPO, RLOO: it decides each generation batch's
+shuffle) adds the data-parallel index instead of the process index, and every
+``compute_loss`` compares the batch across the group first (``check_same_rows``: a
+``ShardError`` on every rank, naming the trainer and the step, where the rows differ).
+
+``use_vtp()`` does all of this for TRL's own trainer classes, class-level, without the
+changed import. This module imports trl only when a trainer class, ``use_vtp`` or
+``add_fused_lm_head`` is first used.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import contextlib
 import functools
 import sys
 import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +48,9 @@ import torch.distributed as dist
 
 import vtp_runtime as vtp
 
-from ..comm import group_size
+from .. import metadata
+from ..comm import all_gather_stack, group_size
+from ..errors import ShardError
 from . import generation
 from . import lm_head as heads
 from .tensor_parallel import is_dtensor
@@ -256,31 +268,171 @@ def per_token_outputs(
     return out
 
 
+# -- the rows of a tensor-parallel group ----------------------------------------------------------
+
+ROW_SLOTS = 31  # integer inputs compared one by one; any beyond are folded into the last slot
+
+
+def check_same_rows(inputs: Mapping[str, Any], tp_group, where: str) -> None:
+    """Raise the same ``ShardError`` on every rank of ``tp_group`` where its ranks hold
+    different batches: every integer or boolean tensor of ``inputs`` (input ids, labels,
+    completion ids, masks) is compared by its size and a checksum of its values and their
+    positions (rows in another order differ). One all-gather of 64 int64 per rank; nothing
+    without a group of more than one rank. ``where`` begins the message (a trainer and its
+    step). Every rank of the group must call it (it is a collective)."""
+    if group_size(tp_group) <= 1:
+        return
+    names = sorted(
+        k for k, v in inputs.items() if isinstance(v, torch.Tensor) and not (v.is_floating_point() or v.is_complex())
+    )
+    transport = metadata.gather_device(tp_group, inputs[names[0]].device if names else None)
+    sizes = [0] * ROW_SLOTS
+    sums = torch.zeros(ROW_SLOTS, dtype=torch.int64, device=transport)
+    for i, name in enumerate(names):
+        slot, t = min(i, ROW_SLOTS - 1), inputs[name]
+        sizes[slot] += t.numel()
+        # the checksum VTP_CHECK=1 compares labels with: exact integer sums, equal on every rank
+        sums[slot] += metadata.checksums(t, None, None, t.device)[0].to(transport)
+    known = torch.tensor([len(names), metadata.stable_hash(",".join(names)), *sizes], dtype=torch.int64)
+    table = all_gather_stack(torch.cat([known.to(transport), sums]), tp_group).cpu().tolist()
+    if any(row != table[0] for row in table):
+        raise ShardError(_rows_message(where, names, table))
+
+
+def _rows_message(where: str, names: list[str], table: list[list[int]]) -> str:
+    if any(row[:2] != table[0][:2] for row in table):
+        found = "different inputs (the names of their integer tensors differ)"
+    else:
+        labels = names[: ROW_SLOTS - 1] + [", ".join(names[ROW_SLOTS - 1 :])]
+        differ = []
+        for slot, name in enumerate(labels[: len(names)]):
+            values = [(row[2 + slot], row[2 + ROW_SLOTS + slot] & (2**64 - 1)) for row in table]
+            if len(set(values)) > 1:
+                ranks = ", ".join(f"rank {r} = {n} values, checksum {s:#x}" for r, (n, s) in enumerate(values))
+                differ.append(f"{name}: {ranks}")
+        found = "different rows: " + "; ".join(differ)
+    return (
+        f"{where}: the ranks of the tensor-parallel group hold {found}. Every rank of a TP group must train on "
+        f"the same batch, row for row (vocabulary-parallel ops on rows that differ give wrong numbers, and no "
+        f"error). The VocabParallel trainers seed the ranks of a TP group alike (TRL's set_seed(..., "
+        f"device_specific=True) takes the data-parallel index); look for what else gives each process its own "
+        f"rows: a data loader that shards over every process (the Trainer must know the model's tp_size), a "
+        f"collator, reward function or callback that draws random numbers of its own"
+    )
+
+
+def data_parallel_index(trainer) -> int:
+    """The index of the trainer's data-parallel replica: the process index over the size of
+    its TP group, as accelerate hands out batches (every rank of a TP group gets the batch
+    of ``process_index // tp_size``)."""
+    return trainer.accelerator.process_index // group_size(_tp_group(trainer))
+
+
+def _tp_group(trainer):
+    """The TP group the trainer's ranks must agree over: ``vtp_layout``'s; else the TP
+    dimension of accelerate's mesh (the Trainer found the model's ``tp_size``); else that
+    of the model's head (DeepSpeed AutoTP's, a DTensor weight), unless FSDP2 shards the
+    model: between passes its weights are ``Shard(0)`` over data-parallel ranks."""
+    layout = getattr(trainer, "_vtp_layout", None) or {}
+    if layout.get("tp_group") is not None:
+        return layout["tp_group"]
+    accelerator = trainer.accelerator
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and config.tp_enabled:
+        return accelerator.torch_device_mesh["tp"].get_group()
+    model = getattr(trainer, "model", None)
+    if model is None:
+        return None
+    model = _unwrapped(accelerator.unwrap_model(model))
+    group = heads.lm_head_layout(model)[0]
+    if group is not None and _sharded_by_fsdp(model):
+        return None
+    return group
+
+
+def _sharded_by_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _where(trainer) -> str:
+    state = getattr(trainer, "state", None)
+    return f"{type(trainer).__name__}, step {getattr(state, 'global_step', 0) + 1}"
+
+
+def _set_seed_per_tp_group(trainer, set_seed):
+    """``set_seed`` as TRL's trainer module has it, except that ``device_specific=True`` adds
+    the data-parallel index instead of the process index: the ranks of one TP group draw
+    the same random numbers (TRL's shuffle of each generation batch, the generations' base
+    seed, dropout), while data-parallel replicas differ as TRL intends. At TP=1 the two
+    indices are the same."""
+
+    @functools.wraps(set_seed)
+    def set_seed_per_tp_group(seed: int, device_specific: bool = False, **kwargs: Any) -> None:
+        if device_specific:
+            seed += data_parallel_index(trainer)
+        set_seed(seed, **kwargs)
+
+    return set_seed_per_tp_group
+
+
 # -- the trainers ---------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def _vtp_fused_head(trainer_class: type, patch):
-    """While the block runs, ``add_fused_lm_head`` is ``patch`` in every TRL module that
-    defines a class of ``trainer_class``'s MRO (TRL's trainers import it by name)."""
+def _in_trl_modules(trainer_class: type, replacements: dict[str, Callable[[Any], Any]]):
+    """While the block runs, each name of ``replacements`` is ``replacement(original)`` in every
+    TRL module that defines a class of ``trainer_class``'s MRO and has that name (TRL's
+    trainers import ``add_fused_lm_head`` and ``set_seed`` by name). Yields, per name, the
+    modules where it was replaced."""
     modules: list[Any] = []
     for cls in trainer_class.__mro__:
         module: Any = sys.modules.get(cls.__module__)
-        if cls.__module__.startswith("trl.") and hasattr(module, "add_fused_lm_head") and module not in modules:
+        if cls.__module__.startswith("trl.") and module is not None and module not in modules:
             modules.append(module)
-    saved = [module.add_fused_lm_head for module in modules]
-    for module in modules:
-        module.add_fused_lm_head = patch
+    saved = [
+        (module, name, getattr(module, name)) for module in modules for name in replacements if hasattr(module, name)
+    ]
+    for module, name, original in saved:
+        setattr(module, name, replacements[name](original))
     try:
-        yield modules
+        yield {name: [m for m, n, _ in saved if n == name] for name in replacements}
     finally:
-        for module, original in zip(modules, saved):
-            module.add_fused_lm_head = original
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def _unwrapped(model):
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def _engage(trainer, init: Callable[..., None], args: tuple, kwargs: dict, layout: dict | None, chunk_rows) -> None:
+    """Run TRL's ``__init__`` (``init``) with vtp's replacements in its modules, then the
+    mixin's own set-up; what ``VocabParallel<X>Trainer`` and ``use_vtp()`` both do."""
+    unknown = set(layout or {}) - {"tp_group", "vocab_start", "vocab_end"}
+    if unknown:
+        raise ValueError(
+            f"{type(trainer).__name__}: vtp_layout takes tp_group, vocab_start and vocab_end; not {sorted(unknown)}"
+        )
+    trainer._vtp_layout = {k: v for k, v in (layout or {}).items() if v is not None} or None
+    trainer._vtp_chunk_rows = chunk_rows
+    replacements: dict[str, Callable[[Any], Any]] = {
+        "set_seed": lambda set_seed: _set_seed_per_tp_group(trainer, set_seed)
+    }
+    fuses = not isinstance(trainer, VocabParallelGKDMixin)  # GKD's loss is the mixin's own
+    if fuses:
+        fused = functools.partial(add_fused_lm_head, chunk_rows=chunk_rows, **(trainer._vtp_layout or {}))
+        replacements["add_fused_lm_head"] = lambda _: fused
+    with _in_trl_modules(type(trainer), replacements) as replaced:
+        if fuses and not replaced["add_fused_lm_head"]:
+            raise RuntimeError(
+                f"{type(trainer).__name__}: no TRL trainer module in its bases defines "
+                f"add_fused_lm_head; vtp_runtime cannot engage with it"
+            )
+        init(*args, **kwargs)
+    trainer._vtp_set_up()
 
 
 class VocabParallelTrainerMixin:
@@ -292,18 +444,20 @@ class VocabParallelTrainerMixin:
     Raises at construction if the installed trl does not call ``add_fused_lm_head`` (vtp
     would not engage). GRPO and RLOO generating with ``model.generate`` (not vLLM) sample
     with ``use_vocab_parallel_sampling`` on the model (``_connect_sampling``).
+
+    The ranks of a TP group hold the same rows at every step: TRL's
+    ``set_seed(..., device_specific=True)`` gives every rank of a TP group the seed of its
+    data-parallel replica, and each ``compute_loss`` first compares the batch's integer
+    tensors across the group (``check_same_rows``), raising a ``ShardError`` that names the
+    trainer and the step on every rank where they differ.
     """
 
     def __init__(self, *args: Any, vtp_layout: dict | None = None, vtp_chunk_rows: int | None = None, **kwargs: Any):
-        patch = functools.partial(add_fused_lm_head, chunk_rows=vtp_chunk_rows, **(vtp_layout or {}))
-        with _vtp_fused_head(type(self), patch) as modules:
-            if not modules:
-                raise RuntimeError(
-                    f"{type(self).__name__}: no TRL trainer module in its bases defines "
-                    f"add_fused_lm_head; vtp_runtime cannot engage with it"
-                )
-            super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        self._vtp_split_by_hand = bool(vtp_layout) and group_size((vtp_layout or {}).get("tp_group")) > 1
+        _engage(self, super().__init__, args, kwargs, vtp_layout, vtp_chunk_rows)
+
+    def _vtp_set_up(self) -> None:
+        layout = self._vtp_layout  # type: ignore[attr-defined]
+        self._vtp_split_by_hand = bool(layout) and group_size(layout.get("tp_group")) > 1
         model = _unwrapped(self.model)  # type: ignore[attr-defined]
         reference = getattr(self, "ref_model", None)
         for name, m in (("model", model), ("reference model", reference)):
@@ -313,7 +467,11 @@ class VocabParallelTrainerMixin:
                     f"would not be used (this trl version may work differently from 1.16)"
                 )
         if self._vtp_generates():
-            _connect_sampling(self, [model], vtp_layout)
+            _connect_sampling(self, [model], layout)
+
+    def compute_loss(self, model, inputs, *args: Any, **kwargs: Any):
+        check_same_rows(inputs, _tp_group(self), _where(self))
+        return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
 
     def _vtp_generates(self) -> bool:
         """Whether the trainer samples completions with ``model.generate`` (not vLLM, not
@@ -347,24 +505,25 @@ def _connect_sampling(trainer, models, layout: dict | None = None) -> None:
     for m in models:
         if m is None or generation.is_vocab_parallel_sampling(m):
             continue
-        given = {k: v for k, v in (layout or {}).items() if v is not None}
-        generation.use_vocab_parallel_sampling(m, **given)
+        generation.use_vocab_parallel_sampling(m, **(layout or {}))
 
 
 class VocabParallelGKDMixin:
     """Put in front of TRL's ``GKDTrainer`` (``class T(VocabParallelGKDMixin, GKDTrainer)``):
     student and teacher heads are fused, and the loss is ``generalized_jsd_loss`` on two
-    ``vtp.Head``s, neither logits tensor being formed. Set ``vtp_layout = (tp_group,
-    vocab_start, vocab_end)`` on the trainer for heads split by hand (laid out alike).
-    ``generalized_jsd_loss`` on logits (e.g. from a subclass) runs through vtp as well.
+    ``vtp.Head``s, neither logits tensor being formed. Extra keyword arguments, as for the
+    other trainers: ``vtp_layout`` (``{"tp_group": g, "vocab_start": s, "vocab_end": e}``)
+    for heads split by hand (laid out alike), ``vtp_chunk_rows`` for ``vtp.Head``.
+    ``generalized_jsd_loss`` on logits (e.g. from a subclass) runs through vtp as well. The
+    ranks of a TP group hold the same rows, checked at every step, as for the other trainers.
     """
 
-    vtp_layout: tuple | None = None
+    def __init__(self, *args: Any, vtp_layout: dict | None = None, vtp_chunk_rows: int | None = None, **kwargs: Any):
+        _engage(self, super().__init__, args, kwargs, vtp_layout, vtp_chunk_rows)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+    def _vtp_set_up(self) -> None:
         args_ = getattr(self, "args", None)
-        layout = self._vtp_given() or None
+        layout = self._vtp_layout  # type: ignore[attr-defined]
         if getattr(args_, "lmbda", 0) > 0:
             _connect_sampling(self, [_unwrapped(self.model)], layout)  # type: ignore[attr-defined]
         teacher = getattr(self, "teacher_model", None)
@@ -372,21 +531,16 @@ class VocabParallelGKDMixin:
             unwrap = self.accelerator.unwrap_model  # type: ignore[attr-defined]
             _connect_sampling(self, [_unwrapped(unwrap(teacher))], layout)
 
-    def _vtp_given(self) -> dict:
-        if self.vtp_layout is None:
-            return {}
-        group, start, end = self.vtp_layout
-        return {"tp_group": group, "vocab_start": start, "vocab_end": end}
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        check_same_rows(inputs, _tp_group(self), _where(self))
         student = self.accelerator.unwrap_model(model)  # type: ignore[attr-defined]
         teacher_model = self.teacher_model  # type: ignore[attr-defined]
         teacher = self.accelerator.unwrap_model(teacher_model)  # type: ignore[attr-defined]
-        layout = self._vtp_given() or None
-        with heads.intercepted(_unwrapped(student), layout):
+        layout, rows = self._vtp_layout, self._vtp_chunk_rows  # type: ignore[attr-defined]
+        with heads.intercepted(_unwrapped(student), layout, rows):
             student_outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
         teacher_model.eval()
-        with torch.no_grad(), heads.intercepted(_unwrapped(teacher), layout):
+        with torch.no_grad(), heads.intercepted(_unwrapped(teacher), layout, rows):
             teacher_outputs = teacher_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
         # TRL's causal shift (GKDTrainer.compute_loss): position i predicts token i + 1
         loss = generalized_jsd_loss(
@@ -408,10 +562,11 @@ class VocabParallelGKDMixin:
         reduction="batchmean",
         num_items_in_batch=None,
     ):
-        if self.vtp_layout is None and not is_dtensor(student_logits):
+        layout = self._vtp_layout or {}  # type: ignore[attr-defined]
+        if not layout and not is_dtensor(student_logits):
             group, start, end = heads.lm_head_layout(self.model)  # type: ignore[attr-defined]
         else:
-            group, start, end = self.vtp_layout or (None, None, None)
+            group, start, end = (layout.get(k) for k in ("tp_group", "vocab_start", "vocab_end"))
         return generalized_jsd_loss(
             student_logits,
             teacher_logits,
@@ -424,6 +579,60 @@ class VocabParallelGKDMixin:
             vocab_start=start,
             vocab_end=end,
         )
+
+
+# -- the switch: TRL's own trainer classes ---------------------------------------------------------
+
+_SWITCHED: dict[type, Any] = {}  # TRL's trainer class -> its own __init__ (None: inherited), while switched
+_WITH_MIXIN: dict[tuple[type, type], type] = {}
+
+
+def use_vtp(enabled: bool = True) -> None:
+    """Turn vtp on in TRL's own trainer classes (``enabled=False``: off again): class-level,
+    as Liger's ``apply_liger_kernel_to_llama()`` is. Every SFT, DPO, KTO, GRPO, RLOO and GKD
+    trainer built while it is on, and every subclass of one, is what
+    ``VocabParallel<X>Trainer`` would be: its fused LM head through ``vtp.Head`` (GKD: its
+    loss), the same rows on every rank of a TP group, checked at every step, on-policy
+    sampling through vtp's sampler; it takes the same extra keyword arguments
+    (``vtp_layout``, ``vtp_chunk_rows``). A trainer keeps what it was built with; trainers
+    built before the call, or after ``use_vtp(False)``, are TRL's own. Idempotent. Imports trl."""
+    for kind in TRAINERS:
+        cls = _trl_trainer(kind)
+        if enabled and cls not in _SWITCHED:
+            _SWITCHED[cls] = cls.__dict__.get("__init__")
+            cls.__init__ = _switched_init(kind, cls)  # type: ignore[misc]
+        elif not enabled and cls in _SWITCHED:
+            original = _SWITCHED.pop(cls)
+            if original is None:
+                del cls.__init__  # type: ignore[misc]
+            else:
+                cls.__init__ = original  # type: ignore[misc]
+
+
+def uses_vtp(trainer) -> bool:
+    """Whether ``trainer`` runs through vtp (a ``VocabParallel<X>Trainer``, or a TRL trainer
+    built while ``use_vtp()`` was on)."""
+    return isinstance(trainer, (VocabParallelTrainerMixin, VocabParallelGKDMixin))
+
+
+def _switched_init(kind: str, cls: type):
+    original = next(vars(c)["__init__"] for c in cls.__mro__ if "__init__" in vars(c))  # its own, or inherited
+    mixin = VocabParallelGKDMixin if kind == "GKD" else VocabParallelTrainerMixin
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, vtp_layout: dict | None = None, vtp_chunk_rows: int | None = None, **kwargs: Any):
+        if uses_vtp(self):  # a VocabParallel trainer, or a base class's __init__ under this one's
+            return original(self, *args, **kwargs)
+        # the mixin's methods (compute_loss, GKD's loss) in front of the class, whatever subclass it is
+        key = (type(self), mixin)
+        if key not in _WITH_MIXIN:
+            base = type(self)
+            attrs = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+            _WITH_MIXIN[key] = type(base.__name__, (mixin, base), attrs)
+        self.__class__ = _WITH_MIXIN[key]
+        _engage(self, functools.partial(original, self), args, kwargs, vtp_layout, vtp_chunk_rows)
+
+    return __init__
 
 
 def _trl_trainer(kind: str):

@@ -9,7 +9,10 @@ in which it expired also tears the pool down, so that the jobs after it run on a
     results = pool.run(my_fn, arg, timeout=60)   # my_fn(rank, world, group, arg) on every rank
     pool.close()
 
-``my_fn`` must be a module-level function (it is pickled by reference).
+``my_fn`` must be a module-level function (it is pickled by reference). ``RankPool(2,
+launched=True)`` gives each rank the environment ``torchrun`` gives it (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), which accelerate and transformers read:
+a Trainer in a job then runs as it does under ``torchrun --nproc-per-node N``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,29 @@ def _collective_broke(report: str) -> bool:
     return any(s in report for s in ("gloo/transport", "pair closure", "Connection closed by peer"))
 
 
-def _worker(rank: int, world: int, port: int, jobs, results, collective_timeout: float, backend: str) -> None:
+def torchrun_environ(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables ``torchrun --nproc-per-node world`` sets for ``rank`` (one node, no restarts)."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _worker(
+    rank: int, world: int, port: int, jobs, results, collective_timeout: float, backend: str, launched: bool
+) -> None:
+    if launched:
+        os.environ.update(torchrun_environ(rank, world, port))
     import torch
     import torch.distributed as dist
 
@@ -102,7 +127,8 @@ def outcome(fn: Callable[[], Any]) -> tuple[str, str]:
 class RankPool:
     """``world_size`` spawned processes in one process group (gloo on CPU; "nccl" puts rank r
     on GPU r), running jobs in lockstep. With gloo, jobs may also use CUDA tensors: every rank
-    is then on cuda:0 (a fresh process's current device), so TP > 1 runs on a single GPU."""
+    is then on cuda:0 (a fresh process's current device), so TP > 1 runs on a single GPU.
+    ``launched``: each rank gets the environment torchrun would give it (``torchrun_environ``)."""
 
     def __init__(
         self,
@@ -110,6 +136,7 @@ class RankPool:
         collective_timeout: float = 60.0,
         env: dict[str, str] | None = None,
         backend: str = "gloo",
+        launched: bool = False,
     ):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
@@ -122,7 +149,7 @@ class RankPool:
                 ctx.Process(
                     target=_worker,
                     daemon=True,
-                    args=(r, world_size, port, self._jobs[r], self._results, collective_timeout, backend),
+                    args=(r, world_size, port, self._jobs[r], self._results, collective_timeout, backend, launched),
                 )
                 for r in range(world_size)
             ]
