@@ -8,7 +8,7 @@ environment probe, and the launch configuration ``XPU_CONFIG``. Every op and opt
 Availability (``probe``), each missing piece is one reason:
 
 - ``torch.xpu`` exists and ``torch.xpu.is_available()`` (torch's native XPU support, torch
-  >= 2.4). If intel-extension-for-pytorch is installed (extra ``xpu``) it is imported first
+  >= 2.4). If intel-extension-for-pytorch is installed it is imported first
   (older stacks register the XPU device through it); a broken install is a reason.
 - Triton's **active** backend is Intel's: ``triton.runtime.driver.active.get_current_target()``
   returns a ``GPUTarget`` whose ``backend`` is ``"xpu"`` (the same API on triton 3.6 and
