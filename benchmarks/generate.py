@@ -158,6 +158,7 @@ class Arm:
         self.name, self.model, self.prompt, self.kwargs, self.args = name, model, prompt, kwargs, args
         self.compiled = compiled
         self.steps: list[float] = []
+        self.calls: dict[int, list[float]] = {}
         self.ids: torch.Tensor | None = None
         self.short = False
         self.warmup: Counter = Counter()
@@ -197,6 +198,8 @@ class Arm:
         before, compiled = dynamo_state(), self.compiled.count
         long = self.call(self.args.new_tokens, seed)
         short = self.call(1, seed)
+        self.calls.setdefault(self.args.new_tokens, []).append(long * 1e3)
+        self.calls.setdefault(1, []).append(short * 1e3)
         self.timed += dynamo_state() - before
         self.timed_calls += 2
         self.compiled_calls += self.compiled.count - compiled
@@ -207,6 +210,7 @@ class Arm:
         return {
             "ms": statistics.median(self.steps),
             "ms_all": self.steps,
+            "call_ms": {k: statistics.median(v) for k, v in self.calls.items()},  # whole generate() calls
             "compiled": compiled,
             "frames_warmup": self.warmup["frames"],
             "frames_timed": self.timed["frames"],
@@ -239,8 +243,9 @@ def run_row(model, args, cache: str, batch: int, mode: str, compiled: CompiledCa
     for arm in arms:
         row[arm.name] = arm.report()
     torch_arm, vtp_arm = arms
-    row["ratio"] = row["vtp"]["ms"] / row["torch"]["ms"]
-    row["ratio_paired"] = statistics.median(v / t for t, v in zip(torch_arm.steps, vtp_arm.steps))
+    row["ratio"] = row["vtp"]["ms"] / row["torch"]["ms"] if row["torch"]["ms"] > 0 else None
+    paired = [v / t for t, v in zip(torch_arm.steps, vtp_arm.steps) if t > 0]
+    row["ratio_paired"] = statistics.median(paired) if paired else None
     row["same_ids"] = None
     if mode == "greedy" and torch_arm.ids is not None and vtp_arm.ids is not None:
         row["same_ids"] = torch.equal(torch_arm.ids, vtp_arm.ids)
@@ -321,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.new_tokens} new tokens, {args.reps} repetitions",
         file=sys.stderr,
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for cache, batch, mode in args.rows:
         start = time.perf_counter()
         try:
@@ -329,28 +334,35 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a failing row is a result; the next row runs
             row = {"cache": cache, "batch": batch, "mode": mode, "note": f"{type(exc).__name__}: {exc}"[:300]}
         rows.append(row)
-        print(
-            f"{cache} B={batch} {mode}: {row['note'] or 'done'} ({time.perf_counter() - start:.1f} s)", file=sys.stderr
-        )
+        seconds = time.perf_counter() - start
+        if "ratio" in row:
+            done = f"{row['torch']['ms']:.3f} / {row['vtp']['ms']:.3f} ms per step, {row['ratio'] or 0:.3f}x"
+        else:
+            done = row["note"]
+        print(f"{cache} B={batch} {mode}: {done} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+        if args.json:  # after every row: a run cut short keeps what it measured
+            write_json(args.json, args, params, rows)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     print_table(rows)
-    if args.json:
-        import transformers
-
-        setup = {
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "parameters": params,
-            **{k: getattr(args, k) for k in ("dim", "layers", "heads", "ffn", "vocab", "dtype", "prompt")},
-            "new_tokens": args.new_tokens,
-            "reps": args.reps,
-            "argv": sys.argv,
-        }
-        with open(args.json, "w") as f:
-            json.dump({**setup, "rows": rows}, f, indent=1)
     return 0
+
+
+def write_json(path: str, args, params: int, rows: list[dict[str, Any]]) -> None:
+    import transformers
+
+    setup = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "parameters": params,
+        **{k: getattr(args, k) for k in ("dim", "layers", "heads", "ffn", "vocab", "dtype", "prompt")},
+        "new_tokens": args.new_tokens,
+        "reps": args.reps,
+        "argv": sys.argv,
+    }
+    with open(path, "w") as f:
+        json.dump({**setup, "rows": rows}, f, indent=1)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -364,7 +376,7 @@ def print_table(rows: list[dict]) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        ratio = f"{r['ratio']:9.3f}" if "ratio" in r else f"{'-':>9s}"
+        ratio = f"{r['ratio']:9.3f}" if r.get("ratio") is not None else f"{'-':>9s}"
         same = {True: "yes", False: "NO", None: "-"}[r.get("same_ids")]
         if "vtp" in r:
             t, v = r["torch"], r["vtp"]
