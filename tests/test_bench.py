@@ -1,5 +1,6 @@
-"""`vtp-runtime bench` and `benchmarks/step.py` where no GPU is: a clear refusal, the plot redrawn from the
-committed H200 results (the timing itself runs on the GPU machine, never in CI)."""
+"""`vtp-runtime bench`, `benchmarks/step.py` and `benchmarks/generate.py` where no GPU is: a clear refusal, the
+plot redrawn from the committed H200 results, tiny smoke runs (the timing itself runs on the GPU machine, never
+in CI)."""
 
 import importlib.util
 import json
@@ -296,3 +297,42 @@ def test_sampling_peers_draw_from_the_restricted_distributions():
         support = reference.sampling_distribution(x[:1], **options)[0] > 0
         assert support[ids].all() and torch.unique(ids).numel() > 1
     assert torch.equal(bench_sample.peer_arm("argmax", [x])(), x.argmax(-1))
+
+
+def test_generate_benchmark_runs_on_cpu_at_tiny_sizes(tmp_path):
+    """`benchmarks/generate.py` at tiny sizes on the CPU: every row times both arms, greedy
+    decoding gives the same ids with and without vtp's sampler, and with the static cache
+    compiled (dynamo's eager backend here) the vtp arm decodes through the forward the torch
+    arm compiled: no frame compiled, no graph break."""
+    import pytest
+
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install -e '.[integrations]')")
+    out = tmp_path / "generate.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # vtp's eager backend
+    args = ["--device", "cpu", "--tiny", "--batches", "1", "--modes", "greedy,top_p", "--new-tokens", "3"]
+    args += ["--reps", "1", "--compile-backend", "eager", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "generate.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["cache"], r["mode"]) for r in rows] == [
+        ("dynamic", "greedy"),
+        ("dynamic", "top_p"),
+        ("static", "greedy"),
+        ("static", "top_p"),
+    ]
+    for r in rows:
+        # (times at these sizes are noise: a difference of two calls can even come out negative)
+        assert not r["note"] and all(isinstance(r[k]["ms"], float) for k in ("torch", "vtp")), r
+        assert r["same_ids"] is (True if r["mode"] == "greedy" else None), r
+        compiled = "yes" if r["cache"] == "static" else "no"
+        assert r["torch"]["compiled"] == r["vtp"]["compiled"] == compiled, r
+        assert r["vtp"]["frames_warmup"] == r["vtp"]["frames_timed"] == r["torch"]["frames_timed"] == 0, r
+        assert r["torch"]["graph_breaks"] == r["vtp"]["graph_breaks"] == 0, r
+    assert rows[2]["torch"]["frames_warmup"] >= 1  # the compile, in the first static row's torch arm

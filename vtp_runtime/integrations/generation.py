@@ -16,9 +16,14 @@ unsharded model::
 How. ``generate()`` builds its logits processors once per call (``_get_logits_processor``);
 on this model that method is wrapped so that the list holds, instead of the sampling
 warpers (temperature, top-k, top-p, min-p), one processor that draws the token itself and
-returns scores that are 0 at the drawn global id and ``-inf`` elsewhere (``[batch, V]``):
-transformers' own ``argmax``/``multinomial`` then take exactly that id. Everything else of
-the decoding loop (stopping, padding, caches, streamers) is transformers' own.
+returns scores that are 0 at the drawn global id and ``-inf`` elsewhere (``[batch, V]``);
+with ``do_sample=True`` the call's own copy of the generation config is switched to greedy
+decoding once the processors are built, so transformers' loop takes that id with its
+``argmax`` instead of drawing it again with a softmax and a ``multinomial``. Everything else
+of the decoding loop (stopping, padding, caches, streamers, ``torch.compile`` of the
+forward) is transformers' own. The selector runs between forwards, eagerly; beyond vtp's
+draw (whose host reads ``vtp_runtime.sampling`` lists) it adds two kernels a step, the
+scores' fill and the drawn id's write, and reads nothing on the host.
 
 Which logits. At each step the processor looks at the scores it gets: a DTensor, or a
 plain tensor as wide as this rank's shard of a head split over a TP group of more than one
@@ -41,7 +46,8 @@ before any step. ``output_scores`` holds the one-hot scores.
 Without it, a generation on a vocabulary-sharded head is wrong silently;
 ``warn_on_sharded_generation(model)`` makes ``generate()`` warn once where the logits it
 gets are a shard (``fuse_lm_head`` and ``use_vocab_parallel_loss`` call it on a head split
-over the vocabulary).
+over the vocabulary). With the sampler off, a model whose head holds the whole vocabulary
+(a plain weight with a row for every id) decodes with exactly transformers' processors.
 This module does not import transformers.
 """
 
@@ -182,7 +188,7 @@ def _get_logits_processor(self, generation_config=None, *args: Any, **kwargs: An
         args = args[1:]
     if not hook.enabled:
         processors = hook.original(generation_config, *args, **kwargs)
-        if not hook.warned:
+        if not hook.warned and not _holds_the_vocabulary(self):  # nothing to watch for on such a head
             processors.append(_shard_check(self, hook))
         return processors
     _check_supported(generation_config)
@@ -192,7 +198,24 @@ def _get_logits_processor(self, generation_config=None, *args: Any, **kwargs: An
     others = type(processors)(processors)  # run first where the logits hold the whole vocabulary
     processors.clear()
     processors.append(_selector(self, hook, generation_config, kwargs.get("device"), others))
+    if generation_config.do_sample and "model_kwargs" in kwargs:
+        # generate()'s own copy of the config, which its decoding loop reads next: the selector
+        # has drawn the token, so the loop's argmax of the one-hot scores takes it, where its
+        # softmax + multinomial would draw it a second time. (Continuous batching passes the
+        # config alone, and may pass the model's own: that one is left as it is.)
+        generation_config.do_sample = False
     return processors
+
+
+def _holds_the_vocabulary(model) -> bool:
+    """Whether the model's head gives every rank the logits of the whole vocabulary: a weight
+    that is a plain tensor (not a DTensor, not DeepSpeed's vocabulary-parallel head) with a
+    row for every id."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if head is None or not isinstance(weight, torch.Tensor) or is_dtensor(weight) or is_vocab_parallel_linear(head):
+        return False
+    return weight.shape[0] >= _global_vocab(model)
 
 
 def _shard_check(model, hook: _Hook):
