@@ -203,7 +203,7 @@ def sample(
     where the metadata is checked per call (gloo, ``VTP_CHECK=1``) and get -1 in every row
     otherwise (NCCL, ``VTP_CHECK=once``). Inside a compiled function it is a graph break.
     """
-    given = {"seed": _python_int(seed), "temperature": temperature, **options}
+    given = {"seed": seed, "temperature": temperature, **options}
     for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if value is not None:
             given[name] = value
@@ -216,14 +216,3 @@ def sample(
 def _eagerly(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
     # (the decorator's own cost is paid only when compiling)
     return pipeline.run(op, tensors, options)
-
-
-def _python_int(seed: Any) -> Any:
-    """A numpy integer or a 0-d integer CPU tensor as a Python int (so that the call has a
-    plan); anything else as given, for the checks to judge."""
-    if type(seed).__module__ == "numpy" and hasattr(seed, "dtype") and seed.dtype.kind in "iu":
-        return int(seed)
-    if isinstance(seed, Tensor) and seed.dim() == 0 and seed.device.type == "cpu" and seed.dtype.is_signed is not None:
-        if not (seed.is_floating_point() or seed.is_complex() or seed.dtype == torch.bool):
-            return int(seed)
-    return seed

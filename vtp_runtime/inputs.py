@@ -38,13 +38,12 @@ from typing import Any, TypeGuard
 import torch
 
 from .head import Head
-from .ops import OpSpec, get_spec
+from .ops import TENSOR_OPTIONS, OpSpec, get_spec
 from .weak import IdentityMap
 
 Tensor = torch.Tensor
 Wrap = Callable[[Tensor], Any]
 
-_TENSOR_OPTIONS = ("mask", "labels", "normalizer")
 _DT: Any = None  # the torch DTensor names, imported on first use (see _dtensor)
 
 
@@ -61,7 +60,7 @@ def normalize(
     for t in tensors:
         if type(t) is not Tensor:
             return _normalize_or_fail(op, tensors, options)
-    for name in _TENSOR_OPTIONS:
+    for name in TENSOR_OPTIONS:
         t = options.get(name)
         if t is not None and type(t) is not Tensor and isinstance(t, Tensor):
             return _normalize_or_fail(op, tensors, options)
@@ -319,7 +318,7 @@ def _see_group(dt, vocab_dim: int, seen: dict[str, Any]) -> None:
 def _named_tensors(spec, tensors, options):
     names = spec.inputs + ((spec.index,) if spec.index else ())
     yield from zip(names, tensors)
-    for name in _TENSOR_OPTIONS:
+    for name in TENSOR_OPTIONS:
         yield name, options.get(name)
 
 
