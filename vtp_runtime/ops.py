@@ -224,7 +224,17 @@ _MASKING = (
 # Features a call may use beyond the plain op. Most are turned on by an option's value (its
 # ``Option.feature``); ``topk`` by an index with a trailing k dimension, ``teacher_grad`` by
 # a teacher that requires grad. A backend declares the ones it supports, per op.
-FEATURES = ("label_smoothing", "z_loss", "temperature", "topk", "mask", "reverse", "teacher_grad", "return_entropy")
+FEATURES = (
+    "label_smoothing",
+    "z_loss",
+    "temperature",
+    "topk",
+    "mask",
+    "reverse",
+    "teacher_grad",
+    "return_entropy",
+    "row_offset",
+)
 
 
 @dataclass(frozen=True)
@@ -377,8 +387,21 @@ OPS: dict[str, OpSpec] = {
                     lambda v: v is None or _unit(v),
                     backend=True,
                 ),
+                # the number of the call's first row: the noise is keyed by the global row, so
+                # that ranks holding other rows of one batch (data parallel) draw as one call
+                # would; a DTensor sharding its batch adds its shard's offset (inputs.py)
+                Option(
+                    "row_offset",
+                    0,
+                    int,
+                    "an int >= 0 (the number of the call's first row)",
+                    lambda v: _is_int(v) and v >= 0,
+                    backend=True,
+                    feature="row_offset",
+                    type_error=True,
+                ),
             ),
-            (),
+            ("row_offset",),
             returns_ids=True,
         ),
     )
