@@ -32,6 +32,7 @@ TURN_ON: dict[str, tuple[dict[str, Any], bool, bool]] = {
     "reverse": ({"reverse": True}, False, False),
     "teacher_grad": ({}, True, False),
     "return_entropy": ({"return_entropy": True}, False, False),
+    "row_offset": ({"row_offset": 3}, False, False),
 }
 
 
@@ -63,7 +64,9 @@ def test_defaults_turn_nothing_on():
         assert vtp.explain(op, *_tensors(op), temperature=1.0, **defaults).request.features == frozenset()
 
 
-def test_sampling_ops_take_no_features():
-    """argmax and sample: every backend that runs them runs every option they have."""
+def test_sampling_ops_take_one_feature():
+    """argmax and sample: every backend that runs them runs every option they have, but for
+    sample's row_offset (a backend written before it would draw every call from row 0)."""
     request = vtp.explain("sample", *_tensors("sample"), seed=1, top_k=3, top_p=0.5, min_p=0.1, temperature=2.0).request
     assert request.features == frozenset()
+    assert vtp.explain("sample", *_tensors("sample"), seed=1, row_offset=4).request.features == {"row_offset"}

@@ -17,11 +17,12 @@ from vtp_runtime import plans as plan
 from vtp_runtime.backend import ALL_DTYPES, Backend, OpCapability
 from vtp_runtime.errors import PluginError
 from vtp_runtime.registry import REGISTRY, hookimpl, registered
-from vtp_runtime.testing.distributed import outcome
+from vtp_runtime.testing import reference as dense
+from vtp_runtime.testing.distributed import environ, outcome
 from vtp_runtime.testing.reference import values as reference
 
-# uneven shards of the vocabulary at each TP size, one of them empty at TP=4
-SIZES = {2: [4, 7], 4: [5, 0, 6, 4]}
+# uneven shards of the vocabulary at each TP size, one of them empty at TP 3 and 4
+SIZES = {2: [4, 7], 3: [6, 0, 5], 4: [5, 0, 6, 4]}
 
 
 def _shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -267,6 +268,117 @@ def test_disagreement_names_the_option_and_each_value(ranks):
     assert max(err for _, err in results) < 1e-12
 
 
+# -- 5. one value, many spellings: the same call on every rank ---------------------------------
+
+OMIT = object()  # the option left out
+# spellings of one value each; a rank picks a different one on each call, and ranks differ
+SPELLINGS: dict[str, list[Any]] = {
+    "temperature": [2.0, 2, np.float32(2.0), torch.tensor(2.0), np.float64(2.0), torch.tensor(2)],
+    "default_temperature": [OMIT, 1.0, 1, np.float32(1.0), torch.tensor(1.0)],
+    "beta": [0.25, np.float32(0.25), torch.tensor(0.25), np.float64(0.25)],
+    "ignore_index": [OMIT, -100, np.int64(-100), torch.tensor(-100)],
+    "reduction": ["sum", np.str_("sum")],
+    "normalizer": [3, 3.0, np.float32(3.0), np.int32(3)],
+    "label_smoothing": [OMIT, 0.0, -0.0, 0, np.float32(0.0)],
+    "sample_temperature": [0.5, np.float32(0.5), torch.tensor(0.5), np.float64(0.5)],
+    "top_k": [5, np.int64(5), torch.tensor(5), np.int32(5)],
+    "seed": [7, np.int64(7), torch.tensor(7), np.uint64(7)],
+}
+SPELLING_CALLS = 6
+
+
+def _spelled(i: int, rank: int, **names: str) -> dict[str, Any]:
+    """Call ``i`` of ``rank``: each option in one of its spellings (``OMIT``: left out)."""
+    out = {}
+    for j, (option, values) in enumerate(names.items()):
+        value = SPELLINGS[values][(i + rank * (j + 1)) % len(SPELLINGS[values])]
+        if value is not OMIT:
+            out[option] = value
+    return out
+
+
+def spellings(rank, world, group, mode):
+    """Calls whose options every rank spells its own way, changing from call to call (each
+    call must plan, reuse and agree on every rank), against float64; then a value that truly
+    differs on one rank, on a signature not planned yet, which must raise on every rank."""
+    student, teacher, labels = _inputs(world, seed=3)
+    labels[1] = -100
+    s, t = _shard(student, rank, world), _shard(teacher, rank, world)
+    want_jsd = reference("jsd", (student, teacher), temperature=2.0, beta=0.25, labels=labels).sum() / 3
+    want_ce = reference("cross_entropy", (student,), labels)
+    full = student.float()
+    want_ids = vtp.sample(full, seed=7, temperature=0.5, top_k=5)
+    err, same_ids = 0.0, True
+    with environ(VTP_CHECK=mode):
+        for i in range(SPELLING_CALLS):
+            kw = _spelled(i, rank, temperature="temperature", beta="beta", ignore_index="ignore_index")
+            kw |= _spelled(i, rank, reduction="reduction", normalizer="normalizer")
+            got = vtp.jsd(s, t, labels=labels, tp_group=group, **kw)
+            err = max(err, (got - want_jsd).abs().item())
+            kw = _spelled(i, rank, temperature="default_temperature", label_smoothing="label_smoothing")
+            err = max(err, (vtp.cross_entropy(s, labels, tp_group=group, **kw) - want_ce).abs().max().item())
+            kw = _spelled(i, rank, temperature="sample_temperature", top_k="top_k", seed="seed")
+            same_ids &= torch.equal(vtp.sample(s.float(), tp_group=group, **kw), want_ids)
+        fresh = _shard(student[:, None].expand(5, 2 + (mode == "once"), -1), rank, world)  # not planned yet
+        beta: Any = [0.25, np.float32(0.5), torch.tensor(0.75)][rank]
+        differs = outcome(lambda: vtp.jsd(fresh, fresh, beta=beta, tp_group=group))
+    return err, same_ids, differs, _healthy(rank, world, group)
+
+
+@pytest.mark.parametrize("mode", ["once", ""], ids=["VTP_CHECK=once", "default"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_equal_values_spelled_differently_agree_on_every_call(ranks, world, mode):
+    """``VTP_CHECK=once`` is the default on a device-only group (NCCL): a call that the ranks
+    keyed differently would send one rank to the metadata gather and another to the backend's
+    collective (a hang). Uneven shards, an empty one at TP 3."""
+    results = ranks(world, spellings, mode, timeout=240)
+    for err, same_ids, (kind, msg), healthy in results:
+        assert err < 1e-12 and same_ids and healthy < 1e-12
+        assert kind == "ShardError" and "beta: rank 0 = 0.25, rank 1 = 0.5" in msg, (kind, msg)
+
+
+# -- 6. VTP_CHECK=1 on every op: token ids, and Head inputs -------------------------------------
+
+
+def checked_ids_and_heads(rank, world, group):
+    """Under VTP_CHECK=1: argmax and sample of logits, argmax and cross entropy of a Head,
+    against one process and float64; the Head's labels differing on one rank raise on every
+    rank; then a normal call."""
+    student, _, labels = _inputs(world, seed=4)
+    z = _shard(student, rank, world).float()
+    full = student.float()
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    weight = torch.randn(sum(SIZES[world]), 3, generator=g, dtype=torch.float64)
+    head = vtp.Head(hidden, _shard(weight.T, rank, world).T)
+    logits = hidden @ weight.T
+    mine = labels.clone()
+    mine[0] = (mine[0] + rank) % weight.shape[0]
+    with environ(VTP_CHECK="1"):
+        out = {
+            "argmax": torch.equal(vtp.argmax(z, tp_group=group), dense.argmax(full)),
+            "sample": torch.equal(vtp.sample(z, seed=3, tp_group=group), vtp.sample(full, seed=3)),
+            "top_k": torch.equal(vtp.sample(z, seed=3, top_k=4, tp_group=group), vtp.sample(full, seed=3, top_k=4)),
+            "head_argmax": torch.equal(vtp.argmax(head, tp_group=group), dense.argmax(logits)),
+            "head_ce": (vtp.cross_entropy(head, labels, tp_group=group) - reference("cross_entropy", (logits,), labels))
+            .abs()
+            .max()
+            .item()
+            < 1e-12,
+        }
+        differs = outcome(lambda: vtp.cross_entropy(head, mine, tp_group=group))
+    return out, differs, _healthy(rank, world, group)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_check_runs_every_op_and_head_inputs(ranks, world):
+    results = ranks(world, checked_ids_and_heads, timeout=180)
+    for out, (kind, msg), healthy in results:
+        assert all(out.values()), out
+        assert kind == "ShardError" and "labels values, by VTP_CHECK=1 checksum" in msg, (kind, msg)
+        assert healthy < 1e-12
+
+
 # -- 7. a tensor normalizer -------------------------------------------------------------------
 
 
@@ -380,8 +492,9 @@ def check_inputs(rank, world, group, check_on):
     return out, _healthy(rank, world, group)
 
 
-def test_check_catches_inputs_that_differ_between_ranks(ranks):
-    results = ranks(2, check_inputs, "all", timeout=60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_check_catches_inputs_that_differ_between_ranks(ranks, world):
+    results = ranks(world, check_inputs, "all", timeout=90)
     (ce, lp, ent, jsd, same), _ = results[0]
     assert [out for out, _ in results][0] == [out for out, _ in results][1]
     assert ce[0] == "ShardError" and "labels" in ce[1] and "VTP_CHECK" in ce[1]

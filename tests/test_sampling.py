@@ -16,6 +16,7 @@ import vtp_runtime as vtp
 from vtp_runtime import plans as plan
 from vtp_runtime import sampling
 from vtp_runtime.testing import conformance, reference
+from vtp_runtime.testing.distributed import outcome
 
 BACKENDS = ["eager", "triton"]
 
@@ -160,16 +161,16 @@ def test_triton_noise_is_the_reference_noise():
     backend = TritonBackend()
     ids = torch.tensor([[0, 1, 2, 151935, 2**31 - 2], [7, 8, 9, 10, 11]])
     x = torch.zeros(ids.shape)
-    fake = _FakeCall(temperature=1.0)
-    got = TritonKernels(backend.config_for(x.device)).candidate_keys(fake, x, ids, seed=12345)
-    rows = torch.arange(2)[:, None]
+    fake = _FakeCall(temperature=1.0, row_offset=2**32 - 1)  # row numbers wrap: 2**32 - 1, then 0
+    got = TritonKernels(backend.config_for(x.device)).candidate_keys(fake, x, ids, 12345, torch.zeros(2))
+    rows = torch.tensor([2**32 - 1, 0])[:, None]
     want = sampling.gumbel_bits(sampling.uniform(sampling.noise_bits(12345, rows, ids)))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 class _FakeCall:
-    def __init__(self, temperature):
-        self.options = {"temperature": temperature}
+    def __init__(self, temperature, row_offset=0):
+        self.options = {"temperature": temperature, "row_offset": row_offset}
 
 
 def test_noise_is_uniform_and_independent_across_rows_and_ids():
@@ -254,6 +255,134 @@ def test_sampling_ops_are_not_losses_and_sample_takes_no_head():
     ex = vtp.explain("sample", torch.zeros(2, 5), seed=1, top_p=0.9)
     assert ex.backend == "triton" and ex.request.op == "sample"
     assert "`liger`" in str(ex) and "does not implement op 'sample'" in str(ex)
+
+
+# -- the extremes: temperatures near 0 and huge, logits with a large offset -----------------------
+
+
+def _kernels(backend: str) -> Any:
+    if backend == "eager":
+        from vtp_runtime.backends.eager.sampling import KERNELS
+
+        return KERNELS
+    from vtp_runtime.backends.triton import TritonBackend
+    from vtp_runtime.backends.triton.sampling import TritonKernels
+
+    return TritonKernels(TritonBackend().config_for(torch.device("cpu")))
+
+
+EXTREME_LOGITS = [3.4e38, -3.4e38, 1e30, -1e30, 1e7, -1e7, 2.5, -1.0, 1e-30, -1e-45, 0.0, -math.inf, math.inf]
+VALID_TEMPERATURES = [5e-324, 1e-44, 1e-38, 1e-3, 1.0, 1e20, 1e38, 1e300]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_key_of_a_finite_logit_is_finite(backend):
+    """The keys, raw (relative to 0) or relative to the row's max, at every valid temperature:
+    finite for every finite logit, the logit itself where it is infinite."""
+    x = torch.tensor([EXTREME_LOGITS, EXTREME_LOGITS[::-1]])
+    ids = torch.arange(x.shape[1]).expand_as(x).contiguous()
+    finite = torch.isfinite(x)
+    for t in VALID_TEMPERATURES:
+        for anchor in (torch.zeros(2), torch.full((2,), 3.4e38)):
+            keys = _kernels(backend).candidate_keys(_FakeCall(temperature=t), x, ids, 9, anchor)
+            assert torch.isfinite(keys[finite]).all(), (t, anchor[0].item(), keys)
+            assert torch.equal(keys[~finite], x[~finite]), (t, keys)
+
+
+def _tiny_cases(backend: str) -> list[dict[str, Any]]:
+    return [{}, {"top_k": 3}, {"top_p": 0.9}, {"min_p": 0.5}] if backend == "eager" or FULL else [{}, {"top_p": 0.9}]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_temperatures_draw_the_argmax(backend):
+    """As T -> 0 the draw is the argmax. The key x log2(e) / T overflowed fp32: at T = 1e-44
+    every positive logit tied at +inf (id 0 won every row)."""
+    x = _logits(12, V, seed=12, scale=3.0)  # no ties; logits up to about 9
+    for t in (1e-38, 1e-44, 5e-324):
+        for options in _tiny_cases(backend):
+            got = vtp.sample(x, seed=5, temperature=t, backend=backend, **options)
+            assert torch.equal(got, x.argmax(-1)), (t, options, got)
+
+
+def test_tiny_temperatures_draw_tied_maxima_alike():
+    """At any temperature > 0 tokens whose logits are equal have equal probability, so a draw
+    at T = 1e-40 is uniform over a row's tied maxima (temperature=0 takes the lowest id); a
+    logit 1e-6 below them has probability 0 there."""
+    row = torch.zeros(V)
+    row[[3, 11, 17]] = 5.0
+    row[4] = 5.0 - 1e-6
+    ids = vtp.sample(row.expand(3000, V), seed=1, temperature=1e-40, backend="eager")
+    probs = torch.zeros(V, dtype=torch.float64)
+    probs[[3, 11, 17]] = 1 / 3
+    _check_draws(ids, probs)
+
+
+@pytest.mark.parametrize("offset,draws", [(1e6, 100_000), (1e7, 20_000), (1e30, 20_000), (-1e30, 20_000)])
+def test_a_flat_row_at_a_large_offset_is_uniform(offset, draws):
+    """Keys formed on the raw logits lost the noise's resolution at a large offset (their
+    rounding made ties, which the lowest id won): the chi-square test over 16 tokens caught
+    it at 1e6 with 100,000 draws, beyond with 20,000."""
+    ids = vtp.sample(torch.full((draws, 16), offset), seed=1, backend="eager")
+    _check_draws(ids, torch.full((16,), 1 / 16, dtype=torch.float64))
+
+
+OFFSET_CASES: list[tuple[dict[str, Any], float, float]] = [  # (options, scale, offset) of the logits
+    ({}, 1.0, 1e6),
+    ({"top_k": 8}, 1.0, -1e6),
+    ({"top_p": 0.7, "temperature": 1e27}, 1e27, 1e30),
+    ({"min_p": 0.1, "temperature": 0.5}, 1.0, 1e6),
+    ({"top_p": 0.9, "min_p": 0.05}, 1.0, -1e6),
+    ({"temperature": 1e30}, 1e30, 0.0),  # huge logits at a huge temperature: the distribution at T = 1
+    ({"top_k": 6, "temperature": 1e-30}, 1e-30, 0.0),  # and tiny ones at a tiny temperature
+]
+
+
+@pytest.mark.parametrize(
+    "options,scale,offset", OFFSET_CASES, ids=[f"{_options_id(o)}-{s}-{f}" for o, s, f in OFFSET_CASES]
+)
+def test_draws_at_extremes_follow_the_float64_distribution(options, scale, offset):
+    row = _logits(1, V, seed=5)[0] * scale + offset  # fp32: what the sampler reads
+    ids = vtp.sample(row.expand(3000, V), seed=11, backend="eager", **options)
+    _check_draws(ids, reference.sampling_distribution(row[None], **options)[0])
+
+
+@pytest.mark.parametrize("temperature", [1e300, 1e40])
+def test_a_huge_temperature_is_uniform_over_the_unmasked_tokens(temperature):
+    """softmax(x / T) is uniform over the finite logits as T grows; -inf logits are never
+    drawn (their key was NaN where log2(e) / T underflowed fp32)."""
+    row = _logits(1, 16, seed=3)[0] * 1e3
+    row[[2, 9]] = -math.inf
+    ids = vtp.sample(row.expand(4000, 16), seed=2, temperature=temperature, backend="eager")
+    probs = torch.where(torch.isfinite(row), 1 / 14, 0.0).double()
+    _check_draws(ids, probs)
+
+
+def test_triton_draws_the_eager_tokens_at_extremes():
+    """The two backends compute the same keys at extremes (interpreter: a few rows)."""
+    for options, scale, offset in OFFSET_CASES if FULL else OFFSET_CASES[:3]:
+        x = _logits(6, V, seed=7) * scale + offset
+        a = vtp.sample(x, seed=4, backend="eager", **options)
+        assert torch.equal(vtp.sample(x, seed=4, backend="triton", **options), a), options
+    flat = torch.full((6, 16), -1e30)
+    assert torch.equal(vtp.sample(flat, seed=1, backend="triton"), vtp.sample(flat, seed=1, backend="eager"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_offset_numbers_the_rows(backend):
+    """Rows split over two calls, the second numbered from row_offset, draw what one call on
+    every row draws (as ranks holding other rows of one batch do)."""
+    x = _logits(10, V, seed=6)
+    for options in ({}, {"top_k": 4}, {"top_p": 0.8}) if backend == "eager" or FULL else ({"top_p": 0.8},):
+        whole = vtp.sample(x, seed=8, backend=backend, **options)
+        split = torch.cat(
+            [
+                vtp.sample(x[:4], seed=8, backend=backend, **options),
+                vtp.sample(x[4:], seed=8, row_offset=4, backend=backend, **options),
+            ]
+        )
+        assert torch.equal(split, whole), options
+    ids = vtp.sample(x[:8].repeat(2, 1), seed=8, backend=backend)  # the same logits in other rows ...
+    assert not torch.equal(ids[:8], ids[8:])  # ... draw by their own noise
 
 
 # -- gloo ranks --------------------------------------------------------------------------------
@@ -352,6 +481,60 @@ def test_bad_input_raises_on_every_rank_and_nothing_hangs(ranks):
     assert "rank 0 = 2, rank 1 = 3" in out0["seed_eager"][1]
 
 
+EXTREME_LAYOUTS = {"tp2_uneven": [(0, 0.4), (0.4, 1)], "tp3_empty": [(0, 0.4), (0.4, 0.4), (0.4, 1)]}
+# what the ranks sample at the extremes (options, scale, offset), both backends on every layout
+EXTREME_RANK_CASES: list[tuple[dict[str, Any], float, float]] = [
+    ({"temperature": 1e-40}, 1.0, 0.0),
+    ({"temperature": 1e-40, "top_p": 0.9}, 1.0, 0.0),
+    ({}, 1.0, 1e7),
+    ({"top_p": 0.8}, 1.0, -1e7),
+    ({"min_p": 0.05}, 1e29, -1e30),
+    ({"top_k": 5, "temperature": 1e300}, 1e30, 0.0),
+]
+
+
+def _extreme_logits(n: int, scale: float, offset: float) -> torch.Tensor:
+    x = _layout_logits(n, V, "cpu") * scale + offset  # fp32: ties across shards where the offset rounds
+    x[:, 2::7] = -math.inf  # a masked vocabulary
+    return x
+
+
+def extremes_job(rank, world, group, layout, backend, cases, n):
+    """Each extreme case on this layout, and the rows split over two calls (row_offset)."""
+    a, b = EXTREME_LAYOUTS[layout][rank]
+    bounds = (int(a * V), int(b * V))
+    out = []
+    for options, scale, offset in cases:
+        z = _shard(_extreme_logits(n, scale, offset), bounds)
+        whole = vtp.sample(z, seed=31, tp_group=group, backend=backend, **options)
+        k = n // 2
+        parts = [
+            vtp.sample(z[:k], seed=31, tp_group=group, backend=backend, **options),
+            vtp.sample(z[k:], seed=31, row_offset=k, tp_group=group, backend=backend, **options),
+        ]
+        out.append((whole, torch.cat(parts)))
+    return out
+
+
+EXTREME_CASES = {"eager": EXTREME_RANK_CASES, "triton": EXTREME_RANK_CASES if FULL else EXTREME_RANK_CASES[1::2]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", list(EXTREME_LAYOUTS))
+def test_extremes_give_the_same_tokens_on_every_layout(ranks, layout, backend):
+    """Tiny and huge temperatures, large offsets, masked tokens: the tokens of one process on
+    every rank, at TP 2 (uneven) and 3 (an empty shard); rows split over two calls by
+    row_offset draw the same."""
+    n = 16 if backend == "eager" else 6
+    cases = EXTREME_CASES[backend]
+    results = ranks(len(EXTREME_LAYOUTS[layout]), extremes_job, layout, backend, cases, n, timeout=300)
+    for i, (options, scale, offset) in enumerate(cases):
+        want = vtp.sample(_extreme_logits(n, scale, offset), seed=31, backend=backend, **options)
+        for result in results:
+            whole, split = result[i]
+            assert torch.equal(whole, want) and torch.equal(split, want), (options, scale, offset)
+
+
 def dtensor_job(rank, world, group):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -374,6 +557,61 @@ def test_dtensor_logits(ranks):
     for ids, top in results:
         assert torch.equal(ids, vtp.sample(x, seed=3, top_k=4, backend="eager"))
         assert torch.equal(top, x.argmax(-1))
+
+
+def dp_tp_job(rank, world, group):
+    """A (dp=2, tp=2) mesh: logits [4, 3, 9] sharded over the batch (dp) and the vocabulary
+    (tp, 5 + 4), the two batch halves equal. Ids of the DTensor, and of plain local tensors
+    numbered by row_offset; then a batch sharded past the first dimension, refused on every
+    rank, and a normal call."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh("cpu", torch.arange(world).view(2, 2), mesh_dim_names=("dp", "tp"))
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    dp, tp = coordinate
+    tp_group = mesh.get_group("tp")
+    x = _logits(6, 9, seed=10).view(2, 3, 9).repeat(2, 1, 1)  # [4, 3, 9]: batch rows 2, 3 = rows 0, 1
+    cols = slice(0, 5) if tp == 0 else slice(5, 9)
+    local = x[2 * dp : 2 * dp + 2, :, cols]
+    dt = DTensor.from_local(local, mesh, [Shard(0), Shard(2)], run_check=False, shape=x.shape, stride=x.stride())
+    out: dict[str, Any] = {}
+    for name, options in (("plain", {}), ("top_k", {"top_k": 3}), ("top_p", {"top_p": 0.8})):
+        ids = vtp.sample(dt, seed=5, **options)
+        assert isinstance(ids, DTensor)
+        out[name] = ids.full_tensor()
+        out[name + "_local"] = vtp.sample(local, seed=5, row_offset=6 * dp, tp_group=tp_group, **options)
+    top = vtp.argmax(dt)
+    assert isinstance(top, DTensor)
+    out["argmax"] = top.full_tensor()
+    rows = slice(0, 2) if dp == 0 else slice(2, 3)  # the sequence (dim 1, of 3) sharded: 2 + 1
+    by_sequence = DTensor.from_local(
+        x[:, rows, cols], mesh, [Shard(1), Shard(2)], run_check=False, shape=x.shape, stride=x.stride()
+    )
+    refused = outcome(lambda: vtp.sample(by_sequence, seed=5))
+    after = vtp.sample(dt, seed=5)
+    assert isinstance(after, DTensor)
+    return out, refused, after.full_tensor()
+
+
+def test_a_dtensor_numbers_its_rows_over_the_global_batch(ranks):
+    """vtp.sample(dtensor).full_tensor() is vtp.sample(full_logits): each batch shard draws
+    its global rows (two shards holding equal logits draw differently); plain tensors on the
+    data-parallel ranks do the same with row_offset."""
+    x = _logits(6, 9, seed=10).view(2, 3, 9).repeat(2, 1, 1)
+    results = ranks(4, dp_tp_job, timeout=180)
+    for name, options in (("plain", {}), ("top_k", {"top_k": 3}), ("top_p", {"top_p": 0.8})):
+        want = vtp.sample(x, seed=5, **options)
+        assert not torch.equal(want[:2], want[2:])  # equal logits, other rows: other tokens
+        for r, (out, _, _) in enumerate(results):
+            assert torch.equal(out[name], want), (name, r)
+            dp = r // 2
+            assert torch.equal(out[name + "_local"], want[2 * dp : 2 * dp + 2]), (name, r)
+    for out, (kind, msg), after in results:
+        assert torch.equal(out["argmax"], x.argmax(-1))
+        assert kind == "ValueError" and "not one run of the global rows" in msg, (kind, msg)
+        assert torch.equal(after, vtp.sample(x, seed=5))
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -414,6 +652,38 @@ def test_gpu_argmax_and_temperature_zero():
     assert torch.equal(vtp.argmax(x, backend="triton"), x.argmax(-1))
     assert torch.equal(vtp.sample(x, seed=1, temperature=0.0, backend="triton"), x.argmax(-1))
     assert torch.equal(vtp.sample(x, seed=1, backend="triton"), vtp.sample(x, seed=1, backend="triton"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "options,scale,offset", OFFSET_CASES, ids=[f"{_options_id(o)}-{s}-{f}" for o, s, f in OFFSET_CASES]
+)
+def test_gpu_draws_at_extremes_follow_the_float64_distribution(options, scale, offset):
+    """The compiled kernels (hardware lg2, denormals flushed) at extreme temperatures and
+    offsets, fp32 logits."""
+    row = _logits(1, V, seed=5)[0] * scale + offset
+    ids = vtp.sample(row.cuda().expand(20000, V), seed=11, backend="triton", **options)
+    _check_draws(ids.cpu(), reference.sampling_distribution(row[None], **options)[0])
+
+
+@pytest.mark.gpu
+def test_gpu_flat_rows_tiny_temperatures_and_finite_keys():
+    for offset in (1e6, 1e7, 1e30, -1e30):
+        ids = vtp.sample(torch.full((20000, 16), offset, device="cuda"), seed=1, backend="triton")
+        _check_draws(ids.cpu(), torch.full((16,), 1 / 16, dtype=torch.float64))
+    x = _logits(300, 4096, seed=12, scale=3.0).cuda()
+    for t in (1e-38, 1e-44, 5e-324):
+        assert torch.equal(vtp.sample(x, seed=5, temperature=t, backend="triton"), x.argmax(-1)), t
+    from vtp_runtime.backends.triton import TritonBackend
+    from vtp_runtime.backends.triton.sampling import TritonKernels
+
+    kernels = TritonKernels(TritonBackend().config_for(torch.device("cuda")))
+    z = torch.tensor([EXTREME_LOGITS, EXTREME_LOGITS[::-1]], device="cuda")
+    ids = torch.arange(z.shape[1], device="cuda").expand_as(z).contiguous()
+    for t in VALID_TEMPERATURES:
+        for anchor in (torch.zeros(2, device="cuda"), torch.full((2,), 3.4e38, device="cuda")):
+            keys = kernels.candidate_keys(_FakeCall(temperature=t), z, ids, 9, anchor)
+            assert torch.isfinite(keys[torch.isfinite(z)]).all(), (t, keys)
 
 
 def head_argmax_job(rank, world, group, backend):

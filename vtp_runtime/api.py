@@ -184,6 +184,7 @@ def sample(
     top_k: int | None = None,
     top_p: float | None = None,
     min_p: float | None = None,
+    row_offset: int = 0,
     **options: Any,
 ) -> Tensor:
     """One token per row drawn from ``softmax(logits / temperature)`` over the global
@@ -192,18 +193,24 @@ def sample(
 
     ``seed``: an int (taken modulo 2**64), the same on every rank; pass a new one for every
     step (e.g. ``base * 2**32 + step``). A draw depends on the global logits, the seed and the
-    row (the flattened token index) only: the same seed gives the same tokens at any TP size
-    and shard layout on one backend. ``temperature=0`` is ``argmax``. ``top_k``: keep the
-    logits ``>=`` the k-th largest (None: all). ``top_p`` in (0, 1]: keep the smallest
-    prefix, by probability, whose mass reaches ``top_p`` (1: all). ``min_p`` in [0, 1]: keep
-    tokens with ``p >= min_p * p_max`` (0: all). The most likely token is always kept.
+    row's number only: the same seed gives the same tokens at any TP size and shard layout
+    on one backend. Rows are numbered from ``row_offset`` (an int >= 0; modulo 2**32) in the
+    order of the flattened leading dimensions: ranks holding other rows of one batch (data
+    parallel) pass the number of their first row, and draw what one call on the whole batch
+    draws (a DTensor sharding its batch numbers its rows over the global batch by itself).
+    ``temperature=0`` is ``argmax``; any temperature > 0, however small or large, draws
+    from ``softmax(logits / temperature)`` (see the guide's "Edge values" for the bounds of
+    exactness). ``top_k``: keep the logits ``>=`` the k-th largest (None: all). ``top_p`` in
+    (0, 1]: keep the smallest prefix, by probability, whose mass reaches ``top_p`` (1: all).
+    ``min_p`` in [0, 1]: keep tokens with ``p >= min_p * p_max`` (0: all). The most likely
+    token is always kept.
 
     ``logits`` and the other options as for ``argmax``. Collectives and host reads per call:
     see ``vtp_runtime.sampling``. Ranks passing different seeds raise the same ShardError
     where the metadata is checked per call (gloo, ``VTP_CHECK=1``) and get -1 in every row
     otherwise (NCCL, ``VTP_CHECK=once``). Inside a compiled function it is a graph break.
     """
-    given = {"seed": _python_int(seed), "temperature": temperature, **options}
+    given = {"seed": seed, "temperature": temperature, "row_offset": row_offset, **options}
     for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if value is not None:
             given[name] = value
@@ -216,14 +223,3 @@ def sample(
 def _eagerly(op: str, tensors: tuple, options: dict[str, Any]) -> Tensor:
     # (the decorator's own cost is paid only when compiling)
     return pipeline.run(op, tensors, options)
-
-
-def _python_int(seed: Any) -> Any:
-    """A numpy integer or a 0-d integer CPU tensor as a Python int (so that the call has a
-    plan); anything else as given, for the checks to judge."""
-    if type(seed).__module__ == "numpy" and hasattr(seed, "dtype") and seed.dtype.kind in "iu":
-        return int(seed)
-    if isinstance(seed, Tensor) and seed.dim() == 0 and seed.device.type == "cpu" and seed.dtype.is_signed is not None:
-        if not (seed.is_floating_point() or seed.is_complex() or seed.dtype == torch.bool):
-            return int(seed)
-    return seed

@@ -186,11 +186,10 @@ def per_call_failure(spec: OpSpec, given: Mapping[str, Any], check: Check | None
     a number option given per call (``normalizer``, ``seed``) and ``check``."""
     try:
         for name in spec.per_call:
-            value = given.get(name)
-            if type(value) in (int, float):
-                option = spec.options[name]
-                if option.valid is not None and not option.valid(value):
-                    raise option.error(f"{name} must be {option.rule}, got {value!r}")
+            option = spec.options[name]
+            value = option.canonical(given.get(name))
+            if type(value) in (int, float) and option.valid is not None and not option.valid(value):
+                raise option.error(f"{name} must be {option.rule}, got {value!r}")
         if check is not None:
             check()
     except Exception as exc:
@@ -230,15 +229,7 @@ def local_call(loc: Local, compiled: bool) -> metadata.LocalCall:
     """This rank's part of the metadata gather."""
     first, options = loc.inputs[0], loc.options
     device = first.device
-    checksums = None
-    if metadata.check_enabled():
-        normalizer = options["normalizer"]
-        checksums = metadata.checksums(
-            loc.index if loc.spec.index else options["labels"],
-            options.get("mask"),
-            normalizer if isinstance(normalizer, Tensor) else None,
-            device,
-        )
+    checksums = metadata.checksums(_checked(loc), device) if metadata.check_enabled() else None
     sequence = loc.sequence
     return metadata.LocalCall(
         op=loc.spec.name,
@@ -257,6 +248,21 @@ def local_call(loc: Local, compiled: bool) -> metadata.LocalCall:
         sequence_first=-1 if sequence is None else sequence[0],
         sequence_rows=-1 if sequence is None else math.prod(sequence),
     )
+
+
+def _checked(loc: Local) -> list[Tensor | None]:
+    """The tensors ``VTP_CHECK=1`` compares across ranks, as the op declares them
+    (``OpSpec.checked``): the index, then the tensor options; a number option's tensor (a
+    normalizer) as float64, so that an int tensor and a float one holding one value agree."""
+    spec, out = loc.spec, []
+    for name in spec.checked:
+        if name == spec.index:
+            out.append(loc.index)
+            continue
+        t = loc.options[name]
+        number = spec.options[name].kind is float
+        out.append(None if not isinstance(t, Tensor) else t.double() if number else t)
+    return out
 
 
 def request_of(loc: Local, shards: metadata.Shards, compiled: bool) -> Request:

@@ -38,13 +38,12 @@ from typing import Any, TypeGuard
 import torch
 
 from .head import Head
-from .ops import OpSpec, get_spec
+from .ops import TENSOR_OPTIONS, OpSpec, get_spec
 from .weak import IdentityMap
 
 Tensor = torch.Tensor
 Wrap = Callable[[Tensor], Any]
 
-_TENSOR_OPTIONS = ("mask", "labels", "normalizer")
 _DT: Any = None  # the torch DTensor names, imported on first use (see _dtensor)
 
 
@@ -61,7 +60,7 @@ def normalize(
     for t in tensors:
         if type(t) is not Tensor:
             return _normalize_or_fail(op, tensors, options)
-    for name in _TENSOR_OPTIONS:
+    for name in TENSOR_OPTIONS:
         t = options.get(name)
         if t is not None and type(t) is not Tensor and isinstance(t, Tensor):
             return _normalize_or_fail(op, tensors, options)
@@ -254,6 +253,10 @@ def _normalize(
         options.update(
             tp_group=lay.group, vocab_start=lay.vocab_start, vocab_end=lay.vocab_end, global_vocab_size=lay.vocab_size
         )
+    if "row_offset" in spec.options and lay.batch_sharded:  # sample: rows numbered over the global batch
+        given = spec.options["row_offset"].canonical(options.get("row_offset", 0))
+        if type(given) is int:  # anything else: the option's check says what is wrong
+            options["row_offset"] = given + _row_offset(lay, lead, names)
 
     local = [_local_input(name, t, lay, lead, names) for name, t in zip(spec.inputs, tensors[:n_logits])]
     for name, t in zip((spec.index,) if spec.index else (), tensors[n_logits:]):
@@ -282,6 +285,27 @@ def _normalize(
             + ("" if sequence_dim is not None else ", or pass sp_group= the group of the mesh dimension sharding them")
         )
     return tuple(local), options, _wrapper(lay, lead, reduced, names, sequence_dim)
+
+
+def _row_offset(lay: _Layout, lead: tuple, names: _Torch) -> int:
+    """The global number of this rank's first row, for logits of global shape ``lead + (V,)``
+    laid out as ``lay`` with a sharded batch: rows are the leading dimensions flattened in
+    order, numbered over the global batch, so that each batch shard draws what one call on
+    the whole batch draws. Raises ValueError where this rank's rows are not one run of the
+    global rows (a batch sharded past a leading dimension longer than 1)."""
+    local, offset = names.local_shape_and_offset(lead + (lay.vocab_size,), lay.mesh, lay.placements)
+    local, offset = tuple(local[:-1]), tuple(offset[:-1])
+    partial = [i for i, (a, b) in enumerate(zip(local, lead)) if a != b]
+    if not partial or math.prod(local) == 0:
+        return 0
+    if any(local[i] != 1 for i in range(partial[-1])):
+        raise ValueError(
+            f"sample numbers a DTensor's rows over its global batch, but this rank's rows (local shape "
+            f"{list(local)} of {list(lead)}, placements {lay.placements}) are not one run of the global rows; "
+            f"shard the batch on the first dimension (Shard(0)), or pass this rank's local tensor (.to_local()) "
+            f"with row_offset= the number of its first row"
+        )
+    return sum(o * math.prod(lead[i + 1 :]) for i, o in enumerate(offset))
 
 
 def _batch_dims(lay: _Layout) -> list[int]:
@@ -319,7 +343,7 @@ def _see_group(dt, vocab_dim: int, seen: dict[str, Any]) -> None:
 def _named_tensors(spec, tensors, options):
     names = spec.inputs + ((spec.index,) if spec.index else ())
     yield from zip(names, tensors)
-    for name in _TENSOR_OPTIONS:
+    for name in TENSOR_OPTIONS:
         yield name, options.get(name)
 
 

@@ -344,10 +344,10 @@ def traced_loss(op: str, tensors: tuple, given: dict[str, Any], check: Check | N
     scalars: dict[str, Any] = {name: None for name in _NAMES}
     for name in (*_BACKEND_OPTIONS, *_LAYOUT):
         if name in spec.options and options[name] is not None:
-            value = options[name]
-            scalars[name] = (
-                float(value) if _BACKEND_OPTIONS.get(name) and _BACKEND_OPTIONS[name].kind is float else value
-            )
+            value = spec.options[name].canonical(options[name])
+            if spec.options[name].kind is float and not isinstance(value, float):
+                value = float(value)  # a symbolic int (dynamic shapes) given for a float option
+            scalars[name] = value
     scalars.update(
         group_name="" if group is None else group.group_name,
         backend=forced[0],

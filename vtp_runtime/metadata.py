@@ -14,6 +14,7 @@ failed, each rank's option values).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -25,7 +26,7 @@ from .comm import all_gather_stack, group_rank, group_size, is_group
 from .errors import ShardError, add_note
 from .ops import DTYPES, OPS, dtype_name
 
-MAGIC = 0x7674_7004  # "vtp" + protocol version: ranks on different vtp_runtime versions disagree here
+MAGIC = 0x7674_7005  # "vtp" + protocol version: ranks on different vtp_runtime versions disagree here
 MAX_BACKEND_SLOTS = 24
 
 DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "npu")
@@ -46,15 +47,16 @@ FIELDS = (
     "options",
     "forced",
     "check",
-    "check_index",
-    "check_mask",
-    "check_normalizer",
+    "check_0",  # checksums of the op's checked tensors (OpSpec.checked), in order
+    "check_1",
+    "check_2",
     "sequence_first",  # a sequence-parallel Head's tokens on this rank: hidden.shape[0] ...
     "sequence_rows",  # ... and its rows (-1 for both without one)
 )
 F = {name: i for i, name in enumerate(FIELDS)}
 META_SIZE = len(FIELDS) + MAX_BACKEND_SLOTS
-CHECKSUMS = ("check_index", "check_mask", "check_normalizer")
+CHECKSUMS = ("check_0", "check_1", "check_2")
+assert all(len(spec.checked) <= len(CHECKSUMS) for spec in OPS.values()), "a checksum slot per checked tensor"
 _INT64 = range(-(2**63), 2**63)
 
 TEXT_BYTES = 4096  # per rank, in the texts exchanged on error paths (longer ones are cut)
@@ -71,7 +73,7 @@ def backend_key(name: str, priority: int) -> int:
 
 
 def check_enabled() -> bool:
-    """``VTP_CHECK=1``: compare checksums of the labels/index, mask and tensor normalizer."""
+    """``VTP_CHECK=1``: compare checksums of the op's tensors other than logits (``OpSpec.checked``)."""
     return env.check_mode() == "check"
 
 
@@ -86,20 +88,20 @@ def _checksum(t: torch.Tensor) -> torch.Tensor:
     return (h ^ (h >> 29)).sum()
 
 
-def checksums(
-    index: torch.Tensor | None, mask: torch.Tensor | None, normalizer: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
-    """int64 ``[3]`` on ``device``: checksums of the labels/index, the mask and the bits of a
-    tensor normalizer (0 where absent). Device work only; the gather reads them."""
+def checksums(tensors: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """int64 ``[len(CHECKSUMS)]`` on ``device``: a checksum of each of ``tensors`` (0 where
+    absent, and in the slots past them): of an integer or bool tensor its values, of a
+    floating one (a tensor normalizer) the bits of its values as float64. Device work only;
+    the gather reads them."""
     zero = torch.zeros((), dtype=torch.int64, device=device)
-    n = None if normalizer is None else normalizer.to(device=device, dtype=torch.float64).reshape(1)
-    return torch.stack(
-        [
-            zero if index is None else _checksum(index),
-            zero if mask is None else _checksum(mask),
-            zero if n is None else n.view(torch.int64)[0],
-        ]
-    )
+    sums = [zero] * len(CHECKSUMS)
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        if t.is_floating_point():
+            t = t.to(device=device, dtype=torch.float64).reshape(-1).view(torch.int64)
+        sums[i] = _checksum(t.to(device))
+    return torch.stack(sums)
 
 
 @dataclass
@@ -278,11 +280,8 @@ def _check_checksums(table) -> None:
             f"{_ranks(r for r in range(len(table)) if r not in on)}; set it on every rank or none"
         )
     spec = OPS[list(OPS)[table[0][F["op"]]]]
-    names = {"check_index": spec.index or "labels", "check_mask": "mask", "check_normalizer": "normalizer"}
-    for field in CHECKSUMS:
-        _disagree(
-            table, field, f"the {names[field]} values, by VTP_CHECK=1 checksum", show=lambda v: hex(v & (2**64 - 1))
-        )
+    for field, name in zip(CHECKSUMS, spec.checked):
+        _disagree(table, field, f"the {name} values, by VTP_CHECK=1 checksum", show=lambda v: hex(v & (2**64 - 1)))
 
 
 def ranks_text(ranks) -> str:

@@ -41,8 +41,9 @@ mask.
 
 Every option of every op is declared once, as an ``Option`` of its ``OpSpec``: its default,
 its type, the rule its value must meet, whether backends receive it, and the feature it
-turns on. Defaults, the checks, the cross-rank fingerprint, the plan signature, the custom
-ops' schema (``vtp_runtime.library``) and the feature test all derive from it.
+turns on. Defaults, the canonical form of a value (``Option.canonical``), the checks, the
+cross-rank fingerprint, the plan signature, the custom ops' schema (``vtp_runtime.library``)
+and the feature test all derive from it.
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ class Option:
     - ``compared``: part of the options fingerprint the ranks compare in the metadata
       gather (False: compared another way -- the layout, the forced backend -- or per rank
       by nature, like tensors).
+    - ``tensor``: a tensor value is data of each call, never read on the host (``mask``,
+      ``labels``, a tensor ``normalizer``): its shape, dtype and device are part of a plan's
+      signature, its values are compared across ranks only under ``VTP_CHECK=1``.
+
+    ``canonical`` gives every value the one form that checks, the cross-rank fingerprint and
+    plan signatures compare, so that equal values spelled differently are one value.
     """
 
     name: str
@@ -125,6 +132,40 @@ class Option:
     error: type[Exception] = ValueError  # raised when the value breaks the rule
     compared: bool = True
     type_error: bool = False  # a value not of ``kind`` (None aside) raises TypeError instead
+    tensor: bool = False
+
+    def canonical(self, value: Any) -> Any:
+        """``value`` in its one canonical form: for a scalar option (``kind`` int, float,
+        bool or str) a numpy scalar or a 0-d CPU tensor becomes the Python value it holds,
+        an int of a float option a float, ``-0.0`` becomes ``0.0`` and a ``str`` subclass a
+        ``str``; so ``2``, ``2.0``, ``np.float32(2)`` and ``torch.tensor(2.0)`` are one value.
+        Anything else -- a value of another kind (a bool of a number option, a float of an int
+        option), a device tensor, a tensor of an option that takes one as data -- is returned
+        as it is, for the checks to judge. Never reads a device."""
+        kind = self.kind
+        if kind not in (int, float, bool, str) or value is None:
+            return value
+        if isinstance(value, torch.Tensor):
+            if self.tensor or value.dim() != 0 or value.device.type != "cpu":
+                return value
+            value = value.item()
+        elif type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+            value = value.item()
+        if isinstance(value, bool):
+            return value
+        if kind is float and isinstance(value, (int, float)):
+            return float(value) + 0.0  # + 0.0: -0.0 is 0.0 (repr would tell them apart)
+        if kind is int and isinstance(value, int):
+            return int(value)
+        if kind is str and isinstance(value, str):
+            return str(value)
+        return value
+
+    def is_default(self, value: Any) -> bool:
+        """Whether a canonical ``value`` is the default: then the call is the call without it."""
+        if self.default is None:
+            return value is None
+        return type(value) is type(self.default) and value == self.default
 
 
 # Options every op takes; the core handles them, backends see the layout they lead to.
@@ -151,6 +192,7 @@ COMMON = (
         "a finite number > 0 (e.g. num_items_in_batch) or a one-element tensor",
         _normalizer,
         per_call=True,
+        tensor=True,
     ),
     Option("vocab_start", None, int, compared=False),
     Option("vocab_end", None, int, compared=False),
@@ -174,15 +216,25 @@ COMMON = (
 )
 _IGNORE_INDEX = Option("ignore_index", -100, int, "an int", _is_int, backend=True)
 _MASKING = (
-    Option("mask", None, feature="mask", compared=False),
-    Option("labels", None, feature="mask", compared=False),
+    Option("mask", None, feature="mask", compared=False, tensor=True),
+    Option("labels", None, feature="mask", compared=False, tensor=True),
     _IGNORE_INDEX,
 )
 
 # Features a call may use beyond the plain op. Most are turned on by an option's value (its
 # ``Option.feature``); ``topk`` by an index with a trailing k dimension, ``teacher_grad`` by
 # a teacher that requires grad. A backend declares the ones it supports, per op.
-FEATURES = ("label_smoothing", "z_loss", "temperature", "topk", "mask", "reverse", "teacher_grad", "return_entropy")
+FEATURES = (
+    "label_smoothing",
+    "z_loss",
+    "temperature",
+    "topk",
+    "mask",
+    "reverse",
+    "teacher_grad",
+    "return_entropy",
+    "row_offset",
+)
 
 
 @dataclass(frozen=True)
@@ -198,6 +250,9 @@ class OpSpec:
     defaults: Mapping[str, Any] = field(init=False)  # every option's default, by name
     per_call: tuple[str, ...] = field(init=False)  # the per-call options
     per_call_backend: tuple[str, ...] = field(init=False)  # ... and those backends get
+    # the tensors beside the logits that VTP_CHECK=1 compares across ranks: the index, then
+    # the options taking tensors (Option.tensor), in schema order
+    checked: tuple[str, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         options = {o.name: o for o in (*COMMON, *self.own)}
@@ -205,6 +260,8 @@ class OpSpec:
         object.__setattr__(self, "defaults", {name: o.default for name, o in options.items()})
         object.__setattr__(self, "per_call", tuple(n for n, o in options.items() if o.per_call))
         object.__setattr__(self, "per_call_backend", tuple(n for n in self.per_call if options[n].backend))
+        tensors = tuple(n for n, o in options.items() if o.tensor)
+        object.__setattr__(self, "checked", ((self.index,) if self.index else ()) + tensors)
         unknown = set(self.features) - set(FEATURES)
         assert not unknown, f"{self.name}: unknown features {unknown}"
 
@@ -330,14 +387,29 @@ OPS: dict[str, OpSpec] = {
                     lambda v: v is None or _unit(v),
                     backend=True,
                 ),
+                # the number of the call's first row: the noise is keyed by the global row, so
+                # that ranks holding other rows of one batch (data parallel) draw as one call
+                # would; a DTensor sharding its batch adds its shard's offset (inputs.py)
+                Option(
+                    "row_offset",
+                    0,
+                    int,
+                    "an int >= 0 (the number of the call's first row)",
+                    lambda v: _is_int(v) and v >= 0,
+                    backend=True,
+                    feature="row_offset",
+                    type_error=True,
+                ),
             ),
-            (),
+            ("row_offset",),
             returns_ids=True,
         ),
     )
 }
 # the ops whose value is a loss (everything but argmax and sample)
 LOSSES = tuple(name for name, spec in OPS.items() if not spec.returns_ids)
+# the options whose tensor values are data of each call (mask, labels, a tensor normalizer)
+TENSOR_OPTIONS = tuple(sorted({o.name for spec in OPS.values() for o in spec.options.values() if o.tensor}))
 
 
 def get_spec(op: str) -> OpSpec:
@@ -347,39 +419,24 @@ def get_spec(op: str) -> OpSpec:
         raise ValueError(f"unknown op {op!r}; the ops are: {', '.join(OPS)}") from None
 
 
-def _python_scalar(name: str, value: Any) -> Any:
-    """A numpy scalar or a 0-d CPU tensor as the Python number it holds; anything else as is."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0:
-            return value
-        if value.device.type != "cpu":
+def normalize_options(spec: OpSpec, options: dict[str, Any], given: Iterable[str]) -> None:
+    """Give the options among ``given`` their canonical form (``Option.canonical``), in
+    place. A 0-d tensor on a device given for a scalar option raises ValueError (reading it
+    would wait for the device); a tensor ``normalizer`` stays a tensor (never read on the host)."""
+    for name in given:
+        option = spec.options[name]
+        value = option.canonical(options[name])
+        if (
+            option.kind in (int, float, bool)
+            and not option.tensor
+            and isinstance(value, torch.Tensor)
+            and value.dim() == 0
+            and value.device.type != "cpu"
+        ):
             raise ValueError(
                 f"{name} is a tensor on {value.device}; pass a Python number (reading a "
                 f"device tensor would wait for the device)"
             )
-        return value.item()
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        return value.item()
-    return value
-
-
-def normalize_options(spec: OpSpec, options: dict[str, Any], given: Iterable[str]) -> None:
-    """Give the scalar options among ``given`` their ``Option.kind``, in place: numpy scalars
-    and 0-d CPU tensors become Python numbers, and ints of float options floats. A tensor
-    ``normalizer`` stays a tensor (it is never read on the host)."""
-    for name in given:
-        kind = spec.options[name].kind
-        if kind not in (int, float, bool):
-            continue
-        value = options[name]
-        if (
-            type(value) not in (int, float, bool)
-            and value is not None
-            and not (name == "normalizer" and isinstance(value, torch.Tensor))
-        ):
-            value = _python_scalar(name, value)
-        if type(value) is int and kind is float:
-            value = float(value)
         options[name] = value
 
 

@@ -106,7 +106,11 @@ class Plan:
         options, whose per-call values (``sample``'s seed) the backend gets too."""
         options = self.backend_options
         if given is not None and self.spec.per_call_backend:
-            options = {**options, **{name: given[name] for name in self.spec.per_call_backend if name in given}}
+            spec = self.spec
+            options = {
+                **options,
+                **{name: spec.options[name].canonical(given[name]) for name in spec.per_call_backend if name in given},
+            }
         return Call(
             request=self.request,
             group=group,
@@ -200,11 +204,10 @@ def groups() -> int:
     return len(_BY_GROUP)
 
 
-# Option values that go into a signature as they are; anything else (a numpy scalar, a
-# 0-d tensor given as a number option, a list ...) makes the call take the full path.
+# Canonical option values that go into a signature (anything else -- a device tensor, a
+# list ... -- makes the call take the full path, which says what is wrong with it)
 _PLAIN = (int, float, bool, str, type(None))
 _TENSORS = (Tensor, torch.nn.Parameter)
-_TENSOR_OPTIONS = ("mask", "labels", "normalizer")
 
 
 def signature(
@@ -219,7 +222,12 @@ def signature(
     full path every time). ``needs_grad``: given by a call from a compiled graph (whose
     tensors do not require grad inside the op), read from the tensors otherwise. Built on
     every call: keep it to attribute reads and a tuple. The process group is not part of it:
-    each group has its own cache."""
+    each group has its own cache.
+
+    Options enter in their canonical form (``Option.canonical``), and an option given its
+    default is left out, as if not given: ranks spelling one call differently (``2`` and
+    ``np.float32(2.0)``, ``temperature=1.0`` and no temperature) have one signature, so they
+    plan, reuse and turn over together."""
     traced = needs_grad is not None
     key: list[Any] = [
         spec.name,
@@ -244,23 +252,24 @@ def signature(
             return None
     options = spec.options
     for name in sorted(given):
-        value = given[name]
         if name in ("tp_group", "sp_group"):
             continue  # the TP group selects the cache; the SP group's ranks agree apart (sequence.py)
-        if name not in options:
+        option = options.get(name)
+        if option is None:
             return None  # an unknown option: the full path says so
-        if type(value) is Tensor:
+        value = given[name]
+        if option.tensor and type(value) is Tensor:
             # tensor options (mask, labels, normalizer): their values are data of the call,
             # never read on the host; what they are is part of the signature
-            if name not in _TENSOR_OPTIONS:
-                return None
             key += (name, value.shape, value.dtype, value.device)
-        elif options[name].per_call and type(value) in (int, float):
-            key += (name, float)  # a per-call number (num_items_in_batch): checked per call
-        elif type(value) in _PLAIN:
-            key += (name, type(value), value)
-        else:
+            continue
+        value = option.canonical(value)
+        if option.per_call and type(value) in (int, float):
+            key += (name, float)  # a per-call number (num_items_in_batch, seed): checked per call
+        elif type(value) not in _PLAIN:
             return None
+        elif not option.is_default(value):
+            key += (name, type(value), value)
     return tuple(key)
 
 
@@ -386,8 +395,6 @@ def _make_plan(loc: checks.Local, shards: metadata.Shards, meta: Metadata | None
     request = checks.request_of(loc, shards, compiled)
     backend = dispatch.select(request, shards, loc.forced, loc.forced_by)
     options = backend_options(loc.spec, loc.options)
-    if "temperature" in options:
-        options["temperature"] = float(options["temperature"])
     lead, sequence, head_rows = loc.lead, None, None
     if shards.sequence is not None and shards.tp_size > 1:
         assert loc.heads is not None  # a sequence layout comes with a sequence-parallel Head

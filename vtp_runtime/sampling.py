@@ -6,14 +6,20 @@ of ``tp_group``, without gathering the logits. The public functions are in
 depend on a backend: a backend supplies three local primitives (``Kernels``) and calls
 ``run``.
 
-The draw. Token ``j`` of row ``r`` (the flattened token index) gets Gumbel noise from a
-counter-based generator keyed by ``(seed, r, j)``; the token drawn is the one with the
-largest key ``x_j * log2(e) / T + g_j`` (Gumbel-max, in bits), ties to the lowest id. Every
-element's key depends on its own logit, the seed, the row and its global id only, so the
-same seed gives the same tokens at any TP size and shard layout (even, uneven, empty
-shards) on a given backend and device type. Backends compute the logarithms of the noise
-with their device's functions: across backends or device types the keys can differ in
-the last bits, so a near-tie can break differently there.
+The draw. Token ``j`` of row ``r`` gets Gumbel noise from a counter-based generator keyed
+by ``(seed, r, j)``, ``r`` the row's number: ``row_offset`` plus its index among the
+flattened token rows, modulo 2**32 (``row_numbers``; ranks holding other rows of one batch
+number them globally). The token drawn is the one with the largest key
+``(x_j - c) log2(e) / T + g_j`` (Gumbel-max, in bits), ties to the lowest id, where the row's
+constant ``c`` is 0 (raw keys) unless the row's global max ``M`` makes raw keys lose the
+noise's resolution (``relative_rows``, a rule on ``M`` and ``T`` only), then ``M``. The gap
+is formed as ``Scale.gap`` forms it, in fp32's normal range at every temperature, and
+clamped (``keys``): every key of a finite logit is finite. A key depends on the logit, the
+row's constant, the seed, the row's number and the global id only, so the same seed gives
+the same tokens at any TP size and shard layout (even, uneven, empty shards) on a given
+backend and device type. Backends compute the logarithms of the noise with their device's
+functions: across backends or device types the keys can differ in the last bits, so a
+near-tie can break differently there.
 
 Restrictions (applied in transformers' order: temperature, top_k, top_p, min_p), each
 exact, the kept set always a prefix of the tokens ordered by (logit desc, id asc):
@@ -36,11 +42,17 @@ exact, the kept set always a prefix of the tokens ordered by (logit desc, id asc
 - ``min_p`` (without top_k): keep ``x / T >= max / T + log(min_p)``. The first round's winner
   is kept or not; a second round (rows that failed only) draws among the kept tokens.
 
-Collectives: one all-gather per round of O(tokens x candidates) numbers; argmax and the plain
-sample take one round. Rounds after the first are decided on the host from the gathered data
-(the same on every rank): top-k and top-p read one flag per round (on a GPU that waits
-for the device); argmax, the plain sample and min-p read nothing (with the seed check
-below as the exception).
+Keys relative to ``M`` need ``M`` first: top-k has it from the merged candidates; top-p
+and min-p gather it in their first round, and the rows that need it start over in the next
+round; the plain sample reads those rows again in a second scan and all-gather, which it
+skips where the host can see, without waiting for a device, that no row needs it (the
+gathered data is on the CPU, or was read on the host for the seed check).
+
+Collectives: one all-gather per round of O(tokens x candidates) numbers; argmax takes one
+round, the plain sample one or two (above). Rounds after the first are decided on the host
+from the gathered data (the same on every rank): top-k and top-p read one flag per round
+(on a GPU that waits for the device); argmax, the plain sample and min-p read nothing
+(with the seed check below as the exception).
 
 The seed is per-call data: it is not part of the plan (a generation loop passes a new one
 every step). It rides in the first all-gather, so every rank sees every rank's seed: where
@@ -115,8 +127,15 @@ def as_int32(value: int) -> int:
     return value - 2**32 if value >= 2**31 else value
 
 
+def row_numbers(call: Call, lo: int, hi: int, device: torch.device) -> Tensor:
+    """int64 ``[hi - lo]``: the numbers the noise keys rows ``lo:hi`` of a call by, the call's
+    ``row_offset`` added, modulo 2**32."""
+    return (torch.arange(lo, hi, device=device) + call.options.get("row_offset", 0)) & M32
+
+
 def noise_bits(seed: int, rows: Tensor, ids: Tensor) -> Tensor:
-    """The generator's 32 bits for each (row, global id) pair, broadcast: int64 tensors in, int64 out."""
+    """The generator's 32 bits for each (row number, global id) pair, broadcast: int64 tensors
+    in (row numbers in ``[0, 2**32)``, ``row_numbers``), int64 out."""
     row_key = mix32(seed_key(seed) ^ mix32(rows ^ ROW_SALT))
     return mix32(row_key ^ ((ids * ID_MUL) & M32))
 
@@ -138,11 +157,67 @@ def gumbel_bits(w: Tensor) -> Tensor:
     return -torch.log2(e)
 
 
-def keys(x: Tensor, k2: float, seed: int, rows: Tensor, ids: Tensor) -> Tensor:
-    """Gumbel-max keys ``x * k2 + g`` of logits ``x`` (in the accumulation dtype) at global
-    ``ids`` of ``rows`` (int64, broadcast against ``x``); ``k2 = log2(e) / T``."""
+# -- logit gaps in bits, and the keys ------------------------------------------------------
+# A temperature T turns the gap between logits x and a into ``(x - a) log2(e) / T`` bits. It is
+# computed as ``gap(x, a) = (x s - a s) b``, with a power of two ``s`` and a factor ``b`` that
+# ``Scale.of`` picks from T alone, so that no product overflows or leaves fp32's normal range
+# where the result matters: s = 1, b = log2(e) / T (clamped to at most 2**126) down to
+# T = 2**64 log2(e); above it the logits are scaled by s = 2**-64 first (their difference
+# cannot overflow then) and b = 2**64 log2(e) / T (clamped to at least 2**-126).
+
+SPLIT = 2.0**-64  # s above T = 2**64 log2(e)
+B_MAX, B_MIN = 2.0**126, 2.0**-126
+KEY_BOUND = 2.0**126  # the gap in a key of a finite logit is clamped to [-KEY_BOUND, KEY_BOUND]
+# raw keys ``gap(x, 0) + g`` keep the noise's resolution while the row's max M has
+# |gap(M, 0)| below this many bits (their rounding is then below 2**-15 bits); past it the
+# row's keys are formed relative to M (``relative_rows``)
+RAW_BITS = 2.0**8
+
+
+@dataclass(frozen=True)
+class Scale:
+    """``gap(x, a) = (x s - a s) b``: the gap between logits ``x`` and ``a`` in bits, at one
+    temperature (see above)."""
+
+    s: float
+    b: float
+
+    @staticmethod
+    def of(temperature: float) -> Scale:
+        """The scale of ``temperature`` > 0 (any other value: of temperature 1, unused)."""
+        k2 = LOG2E / temperature if temperature > 0 else LOG2E
+        if k2 >= SPLIT:
+            return Scale(1.0, min(k2, B_MAX))
+        return Scale(SPLIT, max(k2 / SPLIT, B_MIN))
+
+    def gap(self, x: Tensor, a: Any) -> Tensor:
+        """``gap(x, a)`` in ``x``'s dtype; ``a`` broadcast against ``x``."""
+        if self.s == 1.0:  # x * 1 is x: the same numbers in fewer passes
+            return (x - a) * self.b
+        return (x * self.s - a * self.s) * self.b
+
+
+def keys(x: Tensor, anchor: Any, scale: Scale, seed: int, rows: Tensor, ids: Tensor) -> Tensor:
+    """Gumbel-max keys ``gap(x, anchor) + g`` of logits ``x`` (in the accumulation dtype) at
+    global ``ids`` of row numbers ``rows`` (int64, broadcast against ``x``; see
+    ``row_numbers``). ``anchor``: 0 (raw keys) or each row's max (``[rows, 1]``). A finite
+    logit's key is finite (its gap clamped to ``KEY_BOUND``: a clamped key never wins where
+    it matters, the noise spanning under 30 bits); an infinite logit's key is the logit."""
     g = gumbel_bits(uniform(noise_bits(seed, rows, ids)))
-    return x * k2 + g.to(x.dtype)
+    key = scale.gap(x, anchor).clamp(-KEY_BOUND, KEY_BOUND) + g.to(x.dtype)
+    return torch.where(x.abs() == math.inf, x, key)
+
+
+def anchor_of(m: Tensor) -> Tensor:
+    """A row max ``m`` as a constant to form gaps from: ``m`` where finite, else 0."""
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def relative_rows(m: Tensor, scale: Scale) -> Tensor:
+    """bool ``[N]``: the rows whose keys are formed relative to their max ``m`` (where raw
+    keys would lose the noise's resolution, or overflow). A function of ``m`` and the
+    temperature only, the same on every rank and shard layout."""
+    return ~(scale.gap(anchor_of(m), 0.0).abs() < RAW_BITS)
 
 
 # -- what a backend supplies ---------------------------------------------------------------
@@ -158,21 +233,23 @@ SEED_WORDS = 2  # a scan's payload ends with the seed's two words (as int bits)
 class Scan:
     """One read of the shard: per row (and vocabulary split), over the eligible tokens, the
     largest key and its lowest global id (``NONE_ID`` and ``-inf`` where none has a key
-    above ``-inf``) and that token's logit; with ``stats``, the largest logit, its lowest
-    id and ``sum 2**((x - a) k2)`` with ``a`` that max (0 when it is ``-inf``); with
-    ``bound``, the eligible tokens are those strictly before ``bound`` in the order
-    (logit desc, id asc) and kept by min-p (``(x - anchor) k2 >= log2_min_p``), and SUM is
-    their ``sum 2**((x - anchor) k2)``. Logits are read as fp32 (fp64 for fp64 eager
-    inputs), NaN as ``+inf``."""
+    above ``-inf``) and that token's logit, and over all tokens the largest logit; with
+    ``stats``, also that logit's lowest id (else the MAX_ID field may hold anything) and
+    ``sum 2**gap(x, a)`` with ``a`` that max (0 when it is not finite); with ``bound``, the
+    eligible tokens are those strictly before ``bound`` in the order (logit desc, id asc)
+    and kept by min-p (``gap(x, anchor) >= log2_min_p``), and SUM is their
+    ``sum 2**gap(x, anchor)``. ``gap`` is ``Scale.of(temperature).gap``. Logits are read as
+    fp32 (fp64 for fp64 eager inputs), NaN as ``+inf``."""
 
-    gumbel: bool  # keys x * k2 + noise (sample), or x (argmax)
+    gumbel: bool  # keys gap(x, key_anchor) + noise (sample; see keys), or x (argmax)
     seed: int = 0
     stats: bool = False
     bound: tuple[Tensor, Tensor] | None = None  # (logit [N], global id [N] int64) of the bound
-    anchor: Tensor | None = None  # [N] the rows' global max logit, with bound
+    anchor: Tensor | None = None  # [N] the rows' global max logit (finite), with bound
     log2_min_p: float = -math.inf
     active: Tensor | None = None  # bool [N]: rows to read; the others give empty partials
     write_seed: bool = False  # fill the payload's tail with the seed's words
+    key_anchor: Tensor | None = None  # [N] what each row's keys are relative to; None: 0 (raw keys)
 
 
 class Kernels(Protocol):
@@ -189,9 +266,10 @@ class Kernels(Protocol):
         with NaN as ``+inf``, and their global ids (int64); in any order among ties."""
         ...
 
-    def candidate_keys(self, call: Call, x: Tensor, ids: Tensor, seed: int) -> Tensor:
-        """Gumbel-max keys of candidates: logits ``x`` ``[N, L]`` (payload dtype), global ids
-        ``[N, L]`` (int64; ``NONE_ID`` on padding); the numbers ``scan`` gives those tokens."""
+    def candidate_keys(self, call: Call, x: Tensor, ids: Tensor, seed: int, anchor: Tensor) -> Tensor:
+        """Gumbel-max keys of candidates relative to each row's ``anchor`` ``[N]`` (``keys``):
+        logits ``x`` ``[N, L]`` (payload dtype), global ids ``[N, L]`` (int64; ``NONE_ID`` on
+        padding); the numbers ``scan`` gives those tokens with ``key_anchor=anchor``."""
         ...
 
 
@@ -266,10 +344,6 @@ def best(key: Tensor, ids: Tensor, *extra: Tensor) -> tuple[Tensor, ...]:
     return (top, pick, *(e.gather(0, first).squeeze(0) for e in extra))
 
 
-def _anchor(m: Tensor) -> Tensor:
-    return torch.where(m > -math.inf, m, torch.zeros_like(m))
-
-
 def _exclusive_cumsum(w: Tensor) -> Tensor:
     out = torch.zeros_like(w)
     out[:, 1:] = torch.cumsum(w[:, :-1], 1)
@@ -303,13 +377,13 @@ def run(call: Call, z: Tensor, kernels: Kernels) -> Tensor:
     v = call.vocab_size
     k, p, mp = options["top_k"], options["top_p"], options["min_p"]
     limits = _Limits(k if k is not None and k < v else None, p if p is not None and p < 1 else None, mp if mp else None)
-    seed = options["seed"]
+    seed, scale = options["seed"], Scale.of(options["temperature"])
     if limits.k is not None:
-        ids, agree = _candidates(call, z, kernels, n, seed, limits)
+        ids, agree = _candidates(call, z, kernels, n, seed, scale, limits)
     elif limits.p is None and limits.min_p is None:
-        ids, agree = _plain(call, z, kernels, n, seed)
+        ids, agree = _plain(call, z, kernels, n, seed, scale)
     else:
-        ids, agree = _rejection(call, z, kernels, n, seed, limits)
+        ids, agree = _rejection(call, z, kernels, n, seed, scale, limits)
     return ids if agree is None else torch.where(agree, ids, -1)
 
 
@@ -323,28 +397,56 @@ def _scan(call: Call, z: Tensor, kernels: Kernels, n: int, scan: Scan, seed: int
     return partials(stacked, n), agree
 
 
+def _readable(call: Call, flags: Tensor) -> bool:
+    """Whether reading ``flags`` on the host waits for no device: they are on the CPU, or
+    the call's first gather was read on the host already (the seed check, where the metadata
+    is checked per call). Otherwise the caller acts as if any flag were set."""
+    if flags.device.type == "cpu":
+        return True
+    return group_size(call.group) > 1 and plans.metadata_mode(_host_transport(call.group)) != "once"
+
+
 def _argmax(call: Call, z: Tensor, kernels: Kernels, n: int) -> Tensor:
     part, _ = _scan(call, z, kernels, n, Scan(gumbel=False), None)
     return _final(best(part[..., KEY], ids_of(part[..., ID]))[1])
 
 
-def _plain(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int) -> tuple[Tensor, Any]:
+def _plain(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Scale) -> tuple[Tensor, Any]:
+    """One scan with raw keys; the rows that need keys relative to their max (``relative_rows``,
+    at extreme offsets and temperatures) take a second scan, which reads those rows only."""
     part, agree = _scan(call, z, kernels, n, Scan(gumbel=True, seed=seed), seed)
-    return _final(best(part[..., KEY], ids_of(part[..., ID]))[1]), agree
+    ids = best(part[..., KEY], ids_of(part[..., ID]))[1]
+    top_x = part[..., MAX].amax(0)
+    relative = relative_rows(top_x, scale)
+    if not _readable(call, relative) or bool(relative.any()):
+        again = Scan(gumbel=True, seed=seed, key_anchor=anchor_of(top_x), active=relative)
+        part, _ = _scan(call, z, kernels, n, again, None)
+        ids = torch.where(relative, best(part[..., KEY], ids_of(part[..., ID]))[1], ids)
+    return _final(ids), agree
 
 
-def _rejection(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limits: _Limits) -> tuple[Tensor, Any]:
+def _rejection(
+    call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Scale, limits: _Limits
+) -> tuple[Tensor, Any]:
     """top-p and/or min-p without top-k (see the module docstring)."""
-    k2 = LOG2E / call.options["temperature"]
     part, agree = _scan(call, z, kernels, n, Scan(gumbel=True, seed=seed, stats=True), seed)
     _, cand, cand_x = best(part[..., KEY], ids_of(part[..., ID]), part[..., X])
     top_x, top_id = best(part[..., MAX], ids_of(part[..., MAX_ID]))
-    anchors = _anchor(part[..., MAX])
-    total = (part[..., SUM] * torch.exp2((anchors - _anchor(top_x)) * k2)).sum(0)  # relative to the max
+    anchor = anchor_of(top_x)
+    # each partial's sum is relative to its own max: rescaled to the row's (empty partials add 0)
+    seen = part[..., MAX] > -math.inf
+    total = torch.where(seen, part[..., SUM] * torch.exp2(scale.gap(part[..., MAX], anchor)), 0.0).sum(0)
     log2_min_p = math.log2(limits.min_p) if limits.min_p else -math.inf
     # settled: the most likely token (always kept), or rows with nothing to restrict
     done = (cand == top_id) | (cand == NONE_ID) | ~torch.isfinite(top_x)
-    kept_by_min_p = (cand_x - top_x) * k2 >= log2_min_p
+    # rows keyed relative to their max start over: the first round's raw keys lost their
+    # resolution there, so the next round draws over every token (no bound) with their keys
+    relative = relative_rows(top_x, scale)
+    key_anchor = torch.where(relative, anchor, torch.zeros_like(anchor))
+    done &= ~relative
+    cand = torch.where(relative, NONE_ID, cand)
+    cand_x = torch.where(relative, -math.inf, cand_x)
+    kept_by_min_p = scale.gap(cand_x, anchor) >= log2_min_p
     if limits.p is None:
         done |= kept_by_min_p
     pending = ~done & kept_by_min_p  # candidates whose mass test is still to come (top-p)
@@ -355,9 +457,10 @@ def _rejection(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limit
             gumbel=True,
             seed=seed,
             bound=(cand_x, cand),
-            anchor=top_x,
+            anchor=anchor,
             log2_min_p=log2_min_p,
             active=~done,
+            key_anchor=key_anchor,
         )
         part, _ = _scan(call, z, kernels, n, bound, None)
         _, nxt, nxt_x = best(part[..., KEY], ids_of(part[..., ID]), part[..., X])
@@ -380,11 +483,12 @@ def _rejection(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limit
     return _final(cand), agree
 
 
-def _candidates(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limits: _Limits) -> tuple[Tensor, Any]:
+def _candidates(
+    call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Scale, limits: _Limits
+) -> tuple[Tensor, Any]:
     """top-k, then top-p and min-p on the top-k candidates (see the module docstring)."""
     assert limits.k is not None
     k, v, v_local = limits.k, call.vocab_size, z.shape[-1]
-    k2 = LOG2E / call.options["temperature"]
     c = min(k + EXTRA_CANDIDATES, v)
     agree = None
     first = True
@@ -419,17 +523,18 @@ def _candidates(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, limi
             break
         c = min(2 * c, v)
     kept = all_vals >= v_k[:, None]
-    top_x = all_vals[:, 0]
+    top_x = all_vals[:, 0]  # the row's max: every gap and key is relative to it
+    anchor = anchor_of(top_x)
     finite = torch.isfinite(top_x)[:, None]
     if limits.p is not None:
-        w = torch.where(kept, torch.exp2((all_vals - _anchor(top_x)[:, None]) * k2), 0.0)
+        w = torch.where(kept, torch.exp2(scale.gap(all_vals, anchor[:, None])), 0.0)
         before = _exclusive_cumsum(w)
         kept &= (before < limits.p * w.sum(1, keepdim=True)) | ~finite
     if limits.min_p is not None:
-        kept &= ((all_vals - top_x[:, None]) * k2 >= math.log2(limits.min_p)) | ~finite
+        kept &= (scale.gap(all_vals, anchor[:, None]) >= math.log2(limits.min_p)) | ~finite
     kept[:, 0] = True  # the most likely token is always kept
     kept &= (all_vals == top_x[:, None]) | finite  # a row holding +inf (or NaN): only those
-    cand_keys = torch.where(kept, kernels.candidate_keys(call, all_vals, all_ids, seed), -math.inf)
+    cand_keys = torch.where(kept, kernels.candidate_keys(call, all_vals, all_ids, seed, anchor), -math.inf)
     _, pick = best(cand_keys.t(), all_ids.t())
     return torch.where(top_x == -math.inf, 0, _final(pick)), agree  # a row of all -inf: 0
 

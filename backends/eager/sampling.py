@@ -36,11 +36,6 @@ def _first(values: Tensor, top: Tensor) -> Tensor:
     return torch.where(values == top[:, None], cols, v).amin(1, keepdim=True).clamp_max(v - 1)
 
 
-def _k2(call: Call) -> float:
-    t = call.options["temperature"]
-    return sampling.LOG2E / t if t else 1.0
-
-
 class EagerKernels:
     """``vtp_runtime.sampling.Kernels`` in PyTorch (any device, fp64 too)."""
 
@@ -52,7 +47,7 @@ class EagerKernels:
         none = sampling.id_bits(torch.full((n,), NONE_ID, device=z.device), acc)
         part[:, KEY], part[:, X], part[:, MAX], part[:, SUM] = -math.inf, -math.inf, -math.inf, 0.0
         part[:, ID], part[:, MAX_ID] = none, none
-        k2 = _k2(call)
+        scale = sampling.Scale.of(call.options["temperature"])
         ids = torch.arange(call.vocab_start, call.vocab_start + v, device=z.device)
         for lo, hi in _chunks(n, v) if v else ():
             x = _read(z, lo, hi)
@@ -61,10 +56,11 @@ class EagerKernels:
                 assert scan.anchor is not None
                 bx, bid = scan.bound[0][lo:hi, None], scan.bound[1][lo:hi, None]
                 anchor = scan.anchor[lo:hi, None]
-                eligible = ((x > bx) | ((x == bx) & (ids < bid))) & ((x - anchor) * k2 >= scan.log2_min_p)
+                eligible = ((x > bx) | ((x == bx) & (ids < bid))) & (scale.gap(x, anchor) >= scan.log2_min_p)
             if scan.gumbel:
-                rows = torch.arange(lo, hi, device=z.device)[:, None]
-                key = sampling.keys(x, k2, scan.seed, rows, ids)
+                rows = sampling.row_numbers(call, lo, hi, z.device)[:, None]
+                relative_to = 0.0 if scan.key_anchor is None else scan.key_anchor[lo:hi, None].to(acc)
+                key = sampling.keys(x, relative_to, scale, scan.seed, rows, ids)
             else:
                 key = x
             if eligible is not None:
@@ -75,16 +71,16 @@ class EagerKernels:
             part[lo:hi, KEY] = top
             part[lo:hi, ID] = sampling.id_bits(torch.where(found, ids[col[:, 0]], NONE_ID), acc)
             part[lo:hi, X] = torch.where(found, x.gather(1, col)[:, 0], -math.inf)
+            m = x.amax(1)
+            part[lo:hi, MAX] = m
+            seen = m > -math.inf
+            part[lo:hi, MAX_ID] = sampling.id_bits(torch.where(seen, ids[_first(x, m)[:, 0]], NONE_ID), acc)
             if scan.stats:
-                m = x.amax(1)
-                part[lo:hi, MAX] = m
-                seen = m > -math.inf
-                part[lo:hi, MAX_ID] = sampling.id_bits(torch.where(seen, ids[_first(x, m)[:, 0]], NONE_ID), acc)
-                a = torch.where(seen, m, torch.zeros_like(m))
-                part[lo:hi, SUM] = torch.exp2((x - a[:, None]) * k2).sum(1)
+                a = sampling.anchor_of(m)
+                part[lo:hi, SUM] = torch.exp2(scale.gap(x, a[:, None])).sum(1)
             elif eligible is not None:
                 assert scan.anchor is not None
-                terms = torch.exp2((x - scan.anchor[lo:hi, None]) * k2)
+                terms = torch.exp2(scale.gap(x, scan.anchor[lo:hi, None]))
                 part[lo:hi, SUM] = torch.where(eligible, terms, 0.0).sum(1)
         if scan.active is not None:  # rows not asked for: empty partials
             idle = ~scan.active
@@ -104,9 +100,10 @@ class EagerKernels:
             vals[lo:hi], ids[lo:hi] = got.values, got.indices + call.vocab_start
         return vals, ids
 
-    def candidate_keys(self, call: Call, x: Tensor, ids: Tensor, seed: int) -> Tensor:
-        rows = torch.arange(x.shape[0], device=x.device)[:, None]
-        return sampling.keys(x, _k2(call), seed, rows, ids)
+    def candidate_keys(self, call: Call, x: Tensor, ids: Tensor, seed: int, anchor: Tensor) -> Tensor:
+        rows = sampling.row_numbers(call, 0, x.shape[0], x.device)[:, None]
+        scale = sampling.Scale.of(call.options["temperature"])
+        return sampling.keys(x, anchor[:, None].to(x.dtype), scale, seed, rows, ids)
 
 
 KERNELS = EagerKernels()

@@ -22,7 +22,7 @@ import torch
 
 from vtp_runtime import sampling
 from vtp_runtime.backend import Call, meets_layout
-from vtp_runtime.sampling import FIELDS, LOG2E, SEED_WORDS, Scan
+from vtp_runtime.sampling import FIELDS, SEED_WORDS, Scale, Scan
 
 from .config import LaunchConfig
 from .launch import launch
@@ -58,9 +58,15 @@ def _rows_and_strides(z: Tensor) -> dict[str, Any]:
     return {"z_ptr": z, "rows_b": max(z.shape[1], 1), "stride_a": z.stride(0), "stride_b": z.stride(1)}
 
 
-def _k2(call: Call) -> float:
-    t = call.options["temperature"]
-    return LOG2E / t if t else 1.0
+def _noise_args(call: Call, seed: int) -> dict[str, Any]:
+    """The kernels' arguments for the gaps (``Scale``) and the noise's keys of ``call``."""
+    scale = Scale.of(call.options["temperature"])
+    return {
+        "scale_s": scale.s,
+        "scale_b": scale.b,
+        "seed_key": sampling.as_int32(sampling.seed_key(seed)),
+        "row_offset": sampling.as_int32(call.options.get("row_offset", 0) % 2**32),
+    }
 
 
 class TritonKernels:
@@ -79,7 +85,7 @@ class TritonKernels:
         chunk = max(block, _cdiv(_cdiv(v_local, splits), block) * block)
         payload = torch.empty(splits * n * FIELDS + SEED_WORDS, dtype=torch.float32, device=z.device)
         lo, hi = sampling.seed_words(scan.seed)
-        bound, anchor = scan.bound, scan.anchor
+        bound, anchor, key_anchor = scan.bound, scan.anchor, scan.key_anchor
         launch(
             _kernels().scan_kernel,
             (n * splits,),
@@ -92,20 +98,21 @@ class TritonKernels:
             bid_ptr=payload if bound is None else bound[1].to(torch.int32).contiguous(),
             anchor_ptr=payload if anchor is None else anchor.float().contiguous(),
             active_ptr=payload if scan.active is None else scan.active.contiguous().view(torch.uint8),
+            key_anchor_ptr=payload if key_anchor is None else key_anchor.float().contiguous(),
             n_rows=n,
             v_local=v_local,
             vocab_start=call.vocab_start,
             splits=splits,
             chunk=chunk,
-            k2=_k2(call),
             log2_min_p=float(scan.log2_min_p),
-            seed_key=sampling.as_int32(sampling.seed_key(scan.seed)),
             seed_lo=sampling.as_int32(lo),
             seed_hi=sampling.as_int32(hi),
+            **_noise_args(call, scan.seed),
             GUMBEL=scan.gumbel,
             STATS=scan.stats,
             BOUND=bound is not None,
             HAS_ACTIVE=scan.active is not None,
+            KEY_ANCHOR=key_anchor is not None,
             WRITE_SEED=scan.write_seed,
             FAST_LOG2=cfg.fast_log2,
             BLOCK=block,
@@ -118,7 +125,7 @@ class TritonKernels:
         vals = got.values.float()
         return vals.masked_fill_(torch.isnan(vals), float("inf")), got.indices + call.vocab_start
 
-    def candidate_keys(self, call: Call, x: Tensor, ids: Tensor, seed: int) -> Tensor:
+    def candidate_keys(self, call: Call, x: Tensor, ids: Tensor, seed: int, anchor: Tensor) -> Tensor:
         x = x.float().contiguous()
         ids = ids.contiguous()
         out = torch.empty_like(x)
@@ -130,10 +137,10 @@ class TritonKernels:
             cfg.fast_launch,
             x_ptr=x,
             id_ptr=ids,
+            anchor_ptr=anchor.float().contiguous(),
             key_ptr=out,
             n_cols=width,
-            k2=_k2(call),
-            seed_key=sampling.as_int32(sampling.seed_key(seed)),
+            **_noise_args(call, seed),
             FAST_LOG2=cfg.fast_log2,
             BLOCK=min(1024, max(16, 1 << (width - 1).bit_length())),
             num_warps=4 if width > 256 else 1,

@@ -31,6 +31,7 @@ SERIES_BELOW = tl.constexpr(1.0 / 16)
 THIRD = tl.constexpr(1.0 / 3)
 SIXTH = tl.constexpr(1.0 / 6)
 LN2 = tl.constexpr(0.6931471805599453)
+KEY_BOUND = tl.constexpr(2.0**126)  # vtp_runtime.sampling.KEY_BOUND
 
 # fields of a row of partials (vtp_runtime.sampling: KEY, ID, X, MAX, MAX_ID, SUM)
 F_KEY = tl.constexpr(0)
@@ -63,8 +64,9 @@ def _log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _row_key(seed_key, row):
-    r = row.to(tl.uint32)
+def _row_key(seed_key, row, row_offset):
+    # the row's number: (row + row_offset) mod 2**32, row_offset given as int32 bits
+    r = row.to(tl.uint32) + row_offset.to(tl.uint32, bitcast=True)
     return _mix32(seed_key.to(tl.uint32, bitcast=True) ^ _mix32(r ^ ROW_SALT))
 
 
@@ -79,7 +81,15 @@ def _gumbel(row_key, ids, FAST: tl.constexpr):
     return -_log2(e, FAST)
 
 
-@triton.jit(do_not_specialize=["seed_key", "seed_lo", "seed_hi"])
+@triton.jit
+def _key(x, x_rel, scale_b, noise):
+    """``keys`` of ``vtp_runtime.sampling``: the gap ``x_rel b`` (``x_rel = x s - anchor s``)
+    clamped to ``KEY_BOUND``, plus the noise; an infinite ``x`` as it is."""
+    key = tl.minimum(tl.maximum(x_rel * scale_b, -KEY_BOUND), KEY_BOUND) + noise
+    return tl.where(tl.abs(x) == float("inf"), x, key)
+
+
+@triton.jit(do_not_specialize=["seed_key", "seed_lo", "seed_hi", "row_offset"])
 def scan_kernel(
     z_ptr,
     rows_b,
@@ -91,33 +101,40 @@ def scan_kernel(
     bid_ptr,
     anchor_ptr,
     active_ptr,
+    key_anchor_ptr,
     n_rows,
     v_local,
     vocab_start,
     splits,
     chunk,
-    k2,
+    scale_s,
+    scale_b,
     log2_min_p,
     seed_key,
     seed_lo,
     seed_hi,
+    row_offset,
     GUMBEL: tl.constexpr,
     STATS: tl.constexpr,
     BOUND: tl.constexpr,
     HAS_ACTIVE: tl.constexpr,
+    KEY_ANCHOR: tl.constexpr,
     WRITE_SEED: tl.constexpr,
     FAST_LOG2: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """One row's partials over one vocabulary chunk, one read of the logits.
 
-    The eligible columns are all of the chunk, or with BOUND those strictly before the
-    row's bound ``(bx, bid)`` in the order (logit desc, id asc) and kept by min-p
-    (``(x - anchor) k2 >= log2_min_p``). Keys are ``x k2 + noise`` (GUMBEL) or ``x``. STATS
-    adds the chunk's max logit, its lowest id and ``sum 2**((x - a) k2)`` with ``a`` that
-    max; BOUND puts the eligible ``sum 2**((x - anchor) k2)`` in the sum. Inactive rows
-    (HAS_ACTIVE) read nothing. NaN reads as ``+inf``. WRITE_SEED: program 0 writes the
-    seed's words into the payload's tail (the cross-rank check)."""
+    Gaps are in bits, ``gap(x, a) = (x s - a s) b`` (``vtp_runtime.sampling.Scale``). The
+    eligible columns are all of the chunk, or with BOUND those strictly before the row's
+    bound ``(bx, bid)`` in the order (logit desc, id asc) and kept by min-p
+    (``gap(x, anchor) >= log2_min_p``). Keys are ``gap(x, c) + noise`` floored
+    (GUMBEL; ``c`` the row's key anchor with KEY_ANCHOR, else 0) or ``x``; the noise's row
+    is ``row + row_offset``. Every scan gives the chunk's max logit; STATS adds its lowest id
+    and ``sum 2**gap(x, a)`` with ``a`` that max; BOUND puts the eligible
+    ``sum 2**gap(x, anchor)`` in the sum. Inactive rows (HAS_ACTIVE) read nothing. NaN
+    reads as ``+inf``. WRITE_SEED: program 0 writes the seed's words into the payload's
+    tail (the cross-rank check)."""
     pid = tl.program_id(0)
     row = pid // splits
     lo = (pid % splits) * chunk
@@ -127,11 +144,15 @@ def scan_kernel(
     r64 = row.to(tl.int64)
     src = z_ptr + (r64 // rows_b) * stride_a + (r64 % rows_b) * stride_b
     if GUMBEL:
-        rk = _row_key(seed_key, row)
+        rk = _row_key(seed_key, row, row_offset)
+        if KEY_ANCHOR:
+            key_from = tl.load(key_anchor_ptr + row) * scale_s
+        else:
+            key_from = 0.0
     if BOUND:
         bx = tl.load(bx_ptr + row)
         bid = tl.load(bid_ptr + row)
-        anchor = tl.load(anchor_ptr + row)
+        anchor = tl.load(anchor_ptr + row) * scale_s
     best_k = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK], NONE_ID, tl.int32)
     best_x = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -145,11 +166,12 @@ def scan_kernel(
         x = tl.load(src + cols, mask=inb, other=float("-inf")).to(tl.float32)
         x = tl.where(x != x, float("inf"), x)
         ids = vocab_start + cols
+        xs = x * scale_s
         ok = inb
         if BOUND:
-            ok = ok & ((x > bx) | ((x == bx) & (ids < bid))) & ((x - anchor) * k2 >= log2_min_p)
+            ok = ok & ((x > bx) | ((x == bx) & (ids < bid))) & ((xs - anchor) * scale_b >= log2_min_p)
         if GUMBEL:
-            key = x * k2 + _gumbel(rk, ids, FAST_LOG2)
+            key = _key(x, xs - key_from, scale_b, _gumbel(rk, ids, FAST_LOG2))
         else:
             key = x
         key = tl.where(ok, key, float("-inf"))
@@ -162,11 +184,13 @@ def scan_kernel(
             max_x = tl.where(up, x, max_x)
             max_i = tl.where(up, ids, max_i)
             m_new = tl.maximum(m, tl.max(x, 0))
-            a_new = tl.where(m_new > float("-inf"), m_new, 0.0)
-            s = s * tl.exp2((m - a_new) * k2) + tl.sum(tl.exp2((x - a_new) * k2), 0)
+            a_new = tl.where((m_new > float("-inf")) & (m_new < float("inf")), m_new, 0.0) * scale_s
+            s = s * tl.exp2((m * scale_s - a_new) * scale_b) + tl.sum(tl.exp2((xs - a_new) * scale_b), 0)
             m = m_new
+        else:
+            max_x = tl.maximum(max_x, x)  # the max alone: its id only with STATS
         if BOUND:
-            s += tl.sum(tl.where(ok, tl.exp2((x - anchor) * k2), 0.0), 0)
+            s += tl.sum(tl.where(ok, tl.exp2((xs - anchor) * scale_b), 0.0), 0)
     top = tl.max(best_k, 0)
     top_i = tl.min(tl.where(best_k == top, best_i, NONE_ID), 0)
     top_x = tl.max(tl.where(best_i == top_i, best_x, float("-inf")), 0)
@@ -174,11 +198,10 @@ def scan_kernel(
     tl.store(out + F_KEY, top)
     tl.store(out + F_ID, top_i.to(tl.float32, bitcast=True))
     tl.store(out + F_X, top_x)
+    mx = tl.max(max_x, 0)
     if STATS:
-        mx = tl.max(max_x, 0)
         mx_i = tl.min(tl.where(max_x == mx, max_i, NONE_ID), 0)
     else:
-        mx = tl.full([], float("-inf"), tl.float32)
         mx_i = tl.full([], NONE_ID, tl.int32)
     tl.store(out + F_MAX, mx)
     tl.store(out + F_MAX_ID, mx_i.to(tl.float32, bitcast=True))
@@ -189,16 +212,31 @@ def scan_kernel(
             tl.store(tail_ptr + 1, seed_hi)
 
 
-@triton.jit(do_not_specialize=["seed_key"])
-def candidate_keys_kernel(x_ptr, id_ptr, key_ptr, n_cols, k2, seed_key, FAST_LOG2: tl.constexpr, BLOCK: tl.constexpr):
-    """Keys ``x k2 + noise`` of a row of candidates ``[N, L]`` (fp32 logits, int64 global
-    ids): the numbers ``scan_kernel`` gives those tokens, through the same helpers."""
+@triton.jit(do_not_specialize=["seed_key", "row_offset"])
+def candidate_keys_kernel(
+    x_ptr,
+    id_ptr,
+    anchor_ptr,
+    key_ptr,
+    n_cols,
+    scale_s,
+    scale_b,
+    seed_key,
+    row_offset,
+    FAST_LOG2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Keys relative to each row's ``anchor`` of a row of candidates ``[N, L]`` (fp32
+    logits, int64 global ids): the numbers ``scan_kernel`` gives those tokens with that key
+    anchor, through the same helpers."""
     row = tl.program_id(0)
-    rk = _row_key(seed_key, row)
+    rk = _row_key(seed_key, row, row_offset)
+    key_from = tl.load(anchor_ptr + row) * scale_s
     base = row.to(tl.int64) * n_cols
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inb = cols < n_cols
         x = tl.load(x_ptr + base + cols, mask=inb, other=float("-inf"))
         ids = tl.load(id_ptr + base + cols, mask=inb, other=0).to(tl.int32)
-        tl.store(key_ptr + base + cols, x * k2 + _gumbel(rk, ids, FAST_LOG2), mask=inb)
+        key = _key(x, x * scale_s - key_from, scale_b, _gumbel(rk, ids, FAST_LOG2))
+        tl.store(key_ptr + base + cols, key, mask=inb)
