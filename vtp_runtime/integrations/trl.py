@@ -292,7 +292,7 @@ def check_same_rows(inputs: Mapping[str, Any], tp_group, where: str) -> None:
         slot, t = min(i, ROW_SLOTS - 1), inputs[name]
         sizes[slot] += t.numel()
         # the checksum VTP_CHECK=1 compares labels with: exact integer sums, equal on every rank
-        sums[slot] += metadata.checksums(t, None, None, t.device)[0].to(transport)
+        sums[slot] += metadata.checksums((t,), t.device)[0].to(transport)
     known = torch.tensor([len(names), metadata.stable_hash(",".join(names)), *sizes], dtype=torch.int64)
     table = all_gather_stack(torch.cat([known.to(transport), sums]), tp_group).cpu().tolist()
     if any(row != table[0] for row in table):
