@@ -6,6 +6,7 @@ passed) goes through the JIT again, and so does every launch while a launch hook
 (On a GPU every test of the triton backend runs through it.)"""
 
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -265,22 +266,24 @@ def test_every_loss_is_the_same_through_the_launcher_on_cuda(rows):
         t = torch.randn(rows, v, device="cuda", generator=gen).to(torch.bfloat16) * 3
         y = torch.randint(0, v, (rows,), device="cuda", generator=gen)
         idx = torch.randint(0, v, (rows, 4), device="cuda", generator=gen)
-        calls = {
+        calls: dict[str, Callable[[torch.Tensor, str], torch.Tensor]] = {
             "cross_entropy": lambda s, b: vtp.cross_entropy(s, y, reduction="mean", backend=b),
             "cross_entropy_smooth": lambda s, b: vtp.cross_entropy(
                 s, y, label_smoothing=0.1, z_loss=1e-4, reduction="sum", backend=b
             ),
             "logprobs": lambda s, b: vtp.logprobs(s, y, reduction="mean", backend=b),
-            "logprobs_entropy": lambda s, b: sum(vtp.logprobs(s, y, return_entropy=True, reduction="mean", backend=b)),
+            "logprobs_entropy": lambda s, b: torch.stack(
+                vtp.logprobs(s, y, return_entropy=True, reduction="mean", backend=b)
+            ).sum(),
             "logprobs_topk": lambda s, b: vtp.logprobs(s, idx, reduction="mean", backend=b),
             "entropy": lambda s, b: vtp.entropy(s, reduction="mean", backend=b),
             "kl": lambda s, b: vtp.kl(s, t, reduction="mean", backend=b),
             "jsd": lambda s, b: vtp.jsd(s, t, beta=0.5, reduction="mean", backend=b),
         }
         for name, call in calls.items():
-            results = {}
+            results: dict[str, list[torch.Tensor | None]] = {}
             for backend in ("triton", "triton_jit_only"):
-                outs = []
+                outs: list[torch.Tensor | None] = []
                 for source in (z, z[:, :]):  # twice: the second call takes the kept kernels
                     s = source.detach().clone().requires_grad_(True)
                     out = call(s, backend)
@@ -288,7 +291,7 @@ def test_every_loss_is_the_same_through_the_launcher_on_cuda(rows):
                     outs += [out.detach(), s.grad]
                 results[backend] = outs
             for a, b in zip(results["triton"], results["triton_jit_only"]):
-                assert torch.equal(a, b), name
+                assert a is not None and b is not None and torch.equal(a, b), name
         assert launch_mod.kept_count() >= 1
     finally:
         REGISTRY.unregister("triton_jit_only")
