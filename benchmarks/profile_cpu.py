@@ -160,6 +160,8 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write every number here")
     args = p.parse_args()
     dev = torch.device(args.device)
+    if dev.type == "cpu":  # dispatch, not arithmetic: one thread, no pool contention in the timings
+        torch.set_num_threads(1)
     # on CPU the eager backend at full size would time its arithmetic, not its dispatch
     vocab = args.vocab if dev.type == "cuda" else min(args.vocab, 64)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
