@@ -5,9 +5,9 @@ At small sizes a call costs its Python, and each launch and each torch op is a f
 price on the host (docs/benchmarks.md, "CPU time per call"): a change that adds one shows
 here first. Launches are counted by wrapping the backend's launcher, torch ops with a
 ``TorchDispatchMode`` while the launcher is stubbed out (the interpreter's own tensor work
-is not the call's). Rows split over the vocabulary take a finishing kernel (4 rows of 64
-columns under the interpreter's configuration); rows that are not split are finished by
-the statistics pass (16 rows).
+is not the call's). Rows split over the vocabulary (4 rows of 64 columns under the
+interpreter's configuration) are merged by the last program of each row; rows that are not
+split are finished by the statistics pass (16 rows). A sum or mean is the kernels' own.
 """
 
 from collections.abc import Callable
@@ -41,6 +41,12 @@ def _calls(n: int) -> dict[str, tuple[Callable[[], Any], torch.Tensor]]:
     return {
         "cross_entropy": (lambda: vtp.cross_entropy(s, y, reduction="mean", backend="triton"), s),
         "cross_entropy_sum": (lambda: vtp.cross_entropy(s, y, reduction="sum", backend="triton"), s),
+        # reduced by the core (a normalizer) or by torch: the kernel reads the expanded upstream
+        "cross_entropy_normalized": (
+            lambda: vtp.cross_entropy(s, y, reduction="sum", normalizer=7.0, backend="triton"),
+            s,
+        ),
+        "cross_entropy_torch_sum": (lambda: vtp.cross_entropy(s, y, backend="triton").sum(), s),
         "logprobs": (lambda: vtp.logprobs(s, y, reduction="mean", backend="triton"), s),
         "entropy": (lambda: vtp.entropy(s, reduction="mean", backend="triton"), s),
         "kl": (lambda: vtp.kl(s, t, reduction="mean", backend="triton"), s),
@@ -48,21 +54,27 @@ def _calls(n: int) -> dict[str, tuple[Callable[[], Any], torch.Tensor]]:
     }
 
 
-SPLIT = {  # 4 rows: every row split over the vocabulary
-    "cross_entropy": ("stats1 finish1 backward1", 17),
-    "cross_entropy_sum": ("stats1 finish1 backward1", 12),
-    "logprobs": ("stats1 finish1 backward1", 18),
-    "entropy": ("stats1 finish1 backward1", 11),
-    "kl": ("stats2 finish2 backward2", 12),
-    "jsd": ("stats2 jsd_div finish2 backward2", 13),
-}
-WHOLE = {  # 16 rows: one program per row, finished where it is read
-    "cross_entropy": ("stats1 backward1", 16),
+# The reduction is the kernels' own (no sum, count or division in torch ops, forward or
+# backward) and the upstream gradient is read in its strides (no clone of an expanded one).
+SPLIT = {  # 4 rows: every row split over the vocabulary, merged by its last program
+    "cross_entropy": ("stats1 backward1", 11),
     "cross_entropy_sum": ("stats1 backward1", 11),
-    "logprobs": ("stats1 backward1", 17),
+    "cross_entropy_normalized": ("stats1 backward1", 14),
+    "cross_entropy_torch_sum": ("stats1 backward1", 12),
+    "logprobs": ("stats1 backward1", 12),
     "entropy": ("stats1 backward1", 10),
     "kl": ("stats2 backward2", 11),
-    "jsd": ("jsd_row backward2", 11),
+    "jsd": ("stats2 jsd_div backward2", 12),
+}
+WHOLE = {  # 16 rows: one program per row, finished where it is read
+    "cross_entropy": ("stats1 backward1", 10),
+    "cross_entropy_sum": ("stats1 backward1", 10),
+    "cross_entropy_normalized": ("stats1 backward1", 12),
+    "cross_entropy_torch_sum": ("stats1 backward1", 10),
+    "logprobs": ("stats1 backward1", 11),
+    "entropy": ("stats1 backward1", 9),
+    "kl": ("stats2 backward2", 10),
+    "jsd": ("jsd_row backward2", 10),
 }
 
 
@@ -87,4 +99,5 @@ def test_launches_and_torch_ops_per_call(monkeypatch, n, pinned):
             call().backward()
         monkeypatch.setattr(triton_backend, "launch", real)
         assert (kernels, len(ops.names)) == pinned[op], f"{op}: {kernels}; torch ops {ops.names}"
+        assert "clone" not in ops.names, op
         assert leaf.grad is not None

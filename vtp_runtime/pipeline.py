@@ -28,11 +28,11 @@ from typing import Any, NoReturn
 import torch
 
 from . import autograd, checks, dispatch, head, inputs, library, metadata, plans, sequence
-from .backend import TakesHead, value_dtype
+from .backend import TakesHead, reduces, value_dtype
 from .checks import Check
 from .comm import group_rank, group_size, is_group
 from .head import Head
-from .outputs import finish, head_reduction, plain_upstream
+from .outputs import backend_reduction, finish, head_reduction, plain_upstream
 
 Tensor = torch.Tensor
 
@@ -88,7 +88,11 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
     spec, n = made.spec, made.num_tokens
     n_inputs = len(spec.inputs)
     index, mask = inputs.index_and_mask(spec, made.topk, n, tensors[n_inputs] if spec.index else None, given)
-    call = made.call(given.get("tp_group"), given)
+    # a backend that reduces itself (on logits, with tokens) makes the result in its kernels
+    reduction = "none"
+    if n and made.head_rows is None and reduces(made.backend, spec.name):
+        reduction = backend_reduction(given)
+    call = made.call(given.get("tp_group"), given, reduction)
     inputs_ = tensors[:n_inputs]
     if spec.returns_ids:  # argmax, sample: token ids, no gradient
         with torch.no_grad():
@@ -107,6 +111,8 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
         )
     else:
         values = autograd.run_logits(made.backend, call, inputs_, index, mask)
+        if reduction != "none":  # the backend's 0-dim result
+            return values
     return finish(values, made.lead, made.topk, index, mask, given)
 
 

@@ -101,9 +101,10 @@ class Plan:
     def num_tokens(self) -> int:
         return self.request.num_tokens
 
-    def call(self, group: Any, given: Mapping[str, Any] | None = None) -> Call:
+    def call(self, group: Any, given: Mapping[str, Any] | None = None, reduction: str = "none") -> Call:
         """The ``Call`` the backend gets, for this call's ``group``; ``given``: this call's
-        options, whose per-call values (``sample``'s seed) the backend gets too."""
+        options, whose per-call values (``sample``'s seed) the backend gets too;
+        ``reduction``: what the backend reduces itself (``Call.reduction``)."""
         options = self.backend_options
         if given is not None and self.spec.per_call_backend:
             spec = self.spec
@@ -120,6 +121,7 @@ class Plan:
             options=options,
             needs_grad=self.needs_grad,
             topk=self.topk,
+            reduction=reduction,
         )
 
 
