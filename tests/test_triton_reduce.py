@@ -60,7 +60,7 @@ def _inputs(op: str, n: int, v: int, dtype: torch.dtype, device: str, seed: int 
     return args, options, index, mask
 
 
-def _reference(op: str, args, index, mask, reduction: str, options) -> torch.Tensor:
+def _reference(op: str, args, index, mask, reduction: str, options) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 sum or mean of the dense reference's per-token values, differentiable in
     the (float64) first input."""
     ref_op = "logprobs" if op == "logprobs_topk" else op
