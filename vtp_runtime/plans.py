@@ -252,9 +252,53 @@ def signature(
             key += (t.reduce_hidden_grad, t.chunk_rows, t.sequence_parallel)
         else:
             return None
+    opts = _plain_options(spec, given)
+    if opts is None:
+        opts = _options_part(spec, given)
+        if opts is None:
+            return None
+    return (*key, *opts)
+
+
+_GROUPS = ("tp_group", "sp_group")
+# A call's options as passed, when every one is a plain Python value -> their part of the
+# signature: repeated calls skip canonicalizing each option. Holds names, types and plain
+# values only (no tensor, no group); its result is the one _options_part gives, so what it
+# holds never changes a signature, only its cost.
+_PLAIN_OPTIONS: dict[tuple, tuple | None] = {}
+MAX_PLAIN_OPTIONS = 4096
+
+
+def _plain_options(spec: OpSpec, given: dict[str, Any]) -> tuple | None:
+    """``_options_part`` looked up by the options as passed (in the order passed), where
+    each is a plain value (a per-call number by its type alone); None where some is not, or
+    where the options have no signature (then ``_options_part`` says so again)."""
+    raw: list[Any] = [spec.name]
+    per_call = spec.per_call
+    for name, value in given.items():
+        kind = type(value)
+        if kind in _PLAIN:
+            raw += (name, kind) if name in per_call and kind in (int, float) else (name, kind, value)
+        elif name not in _GROUPS:
+            return None
+    raw_key = tuple(raw)
+    try:
+        return _PLAIN_OPTIONS[raw_key]
+    except KeyError:
+        pass
+    if len(_PLAIN_OPTIONS) >= MAX_PLAIN_OPTIONS:
+        _PLAIN_OPTIONS.clear()
+    part = _PLAIN_OPTIONS[raw_key] = _options_part(spec, given)
+    return part
+
+
+def _options_part(spec: OpSpec, given: dict[str, Any]) -> tuple | None:
+    """The options' part of a call's signature (see ``signature``), or None where the call
+    cannot have one."""
+    key: list[Any] = []
     options = spec.options
     for name in sorted(given):
-        if name in ("tp_group", "sp_group"):
+        if name in _GROUPS:
             continue  # the TP group selects the cache; the SP group's ranks agree apart (sequence.py)
         option = options.get(name)
         if option is None:

@@ -14,7 +14,11 @@ JSD             stats (1 read each) -> gather -> divergence (1 read     1 read e
 ==============  =====================================================  ==========================
 
 "gather" is one ``all_gather_stack`` of the ``[splits, N, F]`` fp32 partials (skipped at
-TP=1); the number of collectives never depends on V_local. Everything kept for backward is
+TP=1); the number of collectives never depends on V_local. At TP=1 there is nothing to
+gather and no finishing launch: a row's last program to store its partials merges them (an
+arrival counter per row), and a row that is not split is finished by its one program. A
+``sum`` or ``mean`` (``Reduces``) is made by the last program to finish a row, and backward
+reads its 0-dim upstream gradient on the device. Everything kept for backward is
 the inputs plus O(N) fp32 statistics.
 
 ``TritonBackend`` takes a ``LaunchConfig`` (tile sizes, warps, programs per pass); the Intel
