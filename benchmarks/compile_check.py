@@ -159,7 +159,9 @@ def main() -> int:
         )
         for merge in (False, True):
             const = dict(HAS_KEEP=merge, FAST_LOG2=True, MERGE=merge, REDUCE=2 if merge else 0)
-            jobs.append((K.jsd_div_kernel, dt, {**const, "BLOCK": C.block_div, "BLOCK_REDUCE": C.block_reduce}, C.warps_div))
+            jobs.append(
+                (K.jsd_div_kernel, dt, {**const, "BLOCK": C.block_div, "BLOCK_REDUCE": C.block_reduce}, C.warps_div)
+            )
         for keep in (False, True):
             jobs.append(
                 (
