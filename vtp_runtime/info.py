@@ -25,6 +25,7 @@ import torch
 
 from . import dispatch
 from .backend import Backend, Request, compiles, head_support
+from .cli_flags import non_negative_int, positive_int
 from .errors import PluginError, VtpError
 from .ops import FEATURES, OPS, dtype_name
 from .registry import REGISTRY, PluginLoadWarning
@@ -51,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"explain the backend choice for a call of OP ({', '.join(OPS)})",
     )
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="logits dtype (--explain)")
-    parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size (--explain)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--explain)")
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank (--explain)")
+    parser.add_argument("--vocab", type=positive_int, default=151936, help="global vocabulary size (--explain)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (--explain)")
+    parser.add_argument("--tokens", type=non_negative_int, default=1024, help="tokens per rank (--explain)")
     parser.add_argument("--uneven", action="store_true", help="uneven vocabulary shards (--explain)")
     parser.add_argument("--empty-shard", action="store_true", help="one rank holds V_local = 0 (--explain)")
     parser.add_argument(

@@ -32,9 +32,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .timing import cuda_missing, fmt, print_rows, time_loop, version
+from .timing import cuda_missing, fmt, no_row_ran, print_rows, time_loop, version
 
 HEAD_OPS = ("cross_entropy", "jsd")
+HEAD_PEERS = ("torch", "liger", "cce")
 VTP_ARMS = ("materialized", "fused", "fused_none")  # the arms run once per vtp backend
 
 
@@ -191,17 +192,10 @@ def run(args) -> int:
     device = args.device
     if cuda_missing(device, "try --head at tiny sizes on the CPU"):
         return 2
-    ops = [o for o in args.ops.split(",") if o] if args.ops else list(HEAD_OPS)
-    unknown = [o for o in ops if o not in HEAD_OPS]
-    if unknown:
-        print(f"--head times {', '.join(HEAD_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    backends = [b for b in args.backends.split(",") if b]
-    peers = {p for p in ("torch,liger,cce" if args.peers is None else args.peers).split(",") if p}
+    ops = args.ops or list(HEAD_OPS)  # the flags were checked by vtp_runtime.tools.bench
+    backends = args.backends
+    peers = set(HEAD_PEERS if args.peers is None else args.peers)
     for p in sorted(peers):
-        if p not in ("torch", "liger", "cce"):
-            print(f"unknown peer {p!r} (torch, liger, cce)", file=sys.stderr)
-            return 2
         if not _available(p):
             print(f"{p} is not installed: skipping that peer", file=sys.stderr)
             peers.discard(p)
@@ -214,8 +208,8 @@ def run(args) -> int:
     plan = [
         (op, tp, n, backend, arm)
         for op in ops
-        for tp in (int(t) for t in args.tp.split(","))
-        for n in (int(x) for x in args.tokens.split(","))
+        for tp in args.tp
+        for n in args.tokens
         for backend in backends
         for arm in _arms(op, peers)
         if arm in VTP_ARMS or backend == backends[0]
@@ -284,7 +278,7 @@ def run(args) -> int:
             )
     if args.plot:
         plot(rows, args.plot, args.vocab, hidden)
-    return 0
+    return no_row_ran(rows, lambda r: r.arm.partition(":")[2] or r.arm, backends)
 
 
 def print_table(rows) -> None:

@@ -26,13 +26,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .timing import copy_bandwidth, cuda_missing, time_graph, time_loop, version
+from .timing import copy_bandwidth, cuda_missing, no_row_ran, time_graph, time_loop, version
 
 SAMPLE_OPS = ("sample", "sample_top_k", "sample_top_p", "argmax")
 HOST_READS = ("sample_top_k", "sample_top_p")  # a host read per round: no CUDA-graph timing
 
-TOKENS = "1,8,64,256,8192"
-TPS = "1,2,4"
+TOKENS = (1, 8, 64, 256, 8192)  # the defaults of --tokens and --tp
+TPS = (1, 2, 4)
 TOP_K, TOP_P = 50, 0.9
 
 
@@ -114,20 +114,15 @@ def run(args) -> int:
     device = args.device
     if cuda_missing(device, "try the sampling ops at tiny sizes on the CPU"):
         return 2
-    ops = [o for o in args.ops.split(",") if o]
-    unknown = [o for o in ops if o not in SAMPLE_OPS]
-    if unknown:
-        print(f"the sampling bench times {', '.join(SAMPLE_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    backends = [b for b in args.backends.split(",") if b]
-    peers = {p for p in ("torch" if args.peers is None else args.peers).split(",") if p}
+    ops, backends = args.ops, args.backends  # checked by vtp_runtime.tools.bench
+    peers = {"torch"} if args.peers is None else set(args.peers)
     dtype = getattr(torch, args.dtype)
     itemsize = torch.finfo(dtype).bits // 8
     copy_gbps = copy_bandwidth() if device == "cuda" else None
     rows: list[SampleRow] = []
     for op in ops:
-        for n in (int(x) for x in (args.tokens or TOKENS).split(",")):
-            for tp in (int(t) for t in (args.tp or TPS).split(",")):
+        for n in args.tokens:
+            for tp in args.tp:
                 v_local = args.vocab // tp
                 g = torch.Generator(device=device).manual_seed(n + tp)
                 full = (torch.randn(n, v_local * tp, generator=g, device=device) * 4).to(dtype)
@@ -179,7 +174,7 @@ def run(args) -> int:
                 f,
                 indent=1,
             )
-    return 0
+    return no_row_ran(rows, lambda r: r.arm, backends)
 
 
 def print_table(rows: list[SampleRow], copy_gbps: float | None) -> None:

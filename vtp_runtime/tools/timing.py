@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import statistics
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 
 def cuda_missing(device: str, cpu_hint: str | None = None) -> bool:
@@ -19,6 +20,25 @@ def cuda_missing(device: str, cpu_hint: str | None = None) -> bool:
     hint = f"; pass --device cpu to {cpu_hint}" if cpu_hint else ""
     print(f"vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False){hint}", file=sys.stderr)
     return True
+
+
+def no_row_ran(rows: Sequence[Any], backend_of: Callable[[Any], str], backends: Iterable[str]) -> int:
+    """The exit status of a bench whose ``rows`` (each with ``ms``, None where it failed, and
+    ``error``) are printed: 1 when a backend of ``backends`` timed no row (or no row ran at
+    all), saying on stderr which and why (its first row's error); else 0."""
+    for backend in backends:
+        mine = [r for r in rows if backend_of(r) == backend]
+        if mine and not any(r.ms is not None for r in mine):
+            print(
+                f"vtp-runtime bench: every row of backend {backend!r} failed (first: {mine[0].error or 'no reason'})",
+                file=sys.stderr,
+            )
+            return 1
+    if not any(r.ms is not None for r in rows):
+        why = f"first: {rows[0].error or 'no reason'}" if rows else "nothing to time"
+        print(f"vtp-runtime bench: no row ran ({why})", file=sys.stderr)
+        return 1
+    return 0
 
 
 def time_loop(fn, warmup: int, reps: int) -> float:
