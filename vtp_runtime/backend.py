@@ -312,6 +312,43 @@ class TakesHead(Backend):
         (e.g. a library's fused linear cross entropy), or None for the token-chunk driver."""
         return None
 
+    def head_logits(
+        self, call: Call, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> Any:
+        """Under the chunk driver: compute one token chunk's logits ``hidden [rows, H] @
+        weight.T (+ bias)`` into ``out [rows, V_local]`` (the weight's dtype) this backend's
+        own way, and return what ``head_forward`` gets for them (e.g. statistics computed on
+        the way); None: not handled, the driver computes them with ``torch.mm`` (cuBLAS on
+        CUDA). Called for every chunk, in forward and when backward recomputes the logits of
+        per-token results; ``call`` is the whole call's (``call.request.num_tokens`` is N)."""
+        return None
+
+    def head_forward(
+        self,
+        call: Call,
+        inputs: tuple[torch.Tensor, ...],
+        index: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        partials: tuple[Any, ...],
+    ) -> tuple[torch.Tensor, SavedState | None]:
+        """``forward`` of one token chunk under the chunk driver; ``partials[i]`` is what
+        ``head_logits`` returned for input i's logits (None for logits it did not compute,
+        and for logits inputs). The default calls ``forward``."""
+        return self.forward(call, inputs, index, mask)
+
+    def head_logits_route(
+        self,
+        device_type: str,
+        request: Request | None = None,
+        options: Mapping[str, Any] | None = None,
+        parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = (),
+    ) -> str:
+        """How this backend computes the logits of Head inputs, in a few words, for
+        ``vtp.explain`` and ``vtp-runtime info``: for ``request`` (with its ``options`` and
+        this rank's Heads' ``(hidden, weight, bias)``) where given, else on ``device_type`` in
+        general."""
+        return "cuBLAS chunks (torch.mm into the chunk buffer)"
+
     def head_backward(
         self, call: Call, state: SavedState | None, grad: torch.Tensor, scratch: tuple[bool, ...]
     ) -> tuple[torch.Tensor | None, ...]:
