@@ -9,8 +9,8 @@ vocabulary shard. Every op takes it wherever it takes logits::
 How a call runs (the generic driver, ``ChunkedDriver``):
 
 - Tokens are cut into chunks of ``rows`` rows. For each chunk, each Head input's logits are
-  computed into a reused ``[rows, V_local]`` buffer (``addmm``), and the backend's own
-  ``forward`` runs on them: its cross-rank collectives run once per chunk, and the chunk
+  computed into a reused ``[rows, V_local]`` buffer (by the backend's ``head_logits``, else
+  ``addmm``), and the backend's own ``head_forward`` (``forward``) runs on them: its cross-rank collectives run once per chunk, and the chunk
   count is the same on every rank because ``rows`` derives only from what every rank
   shares (N, the dtype, the largest V_local of the gathered layout, ``chunk_rows``).
 - Scalar results (``reduction="sum"``/``"mean"``): the upstream gradient is one number, so
@@ -352,6 +352,9 @@ class HeadRun:
     # scalar results: the per-token upstream gradient the forward's gradients are computed
     # for, 0-dim (a plain backward of a mean sends 1 / count); None: ones
     upstream: Tensor | None = None
+    # per input, what the backend's head_logits returned for the current chunk (None where
+    # the logits came from torch.mm, and for logits inputs)
+    partials: tuple = ()
 
     @property
     def needs_grad(self) -> bool:
@@ -400,10 +403,11 @@ class HeadRun:
 
     def chunk_logits(self, lo: int, hi: int) -> tuple[Tensor, ...]:
         """Each input's logits for tokens ``[lo, hi)``: Heads computed into their buffer."""
-        out = []
+        out, partials = [], []
         for x in self.inputs:
             if not x.is_head:
                 out.append(self._rows(x.logits_rows(), lo, hi))
+                partials.append(None)
                 continue
             hidden, weight, bias = x.head_parts()
             if x.buffer is None:
@@ -414,11 +418,15 @@ class HeadRun:
             else:
                 h = self._rows(hidden, lo, hi)
             x.rows_now = h
-            if bias is None:
-                torch.mm(h, weight.t(), out=z)
-            else:
-                torch.addmm(bias, h, weight.t(), out=z)
+            partial = self.backend.head_logits(self.call, h, weight, bias, z)
+            if partial is None:
+                if bias is None:
+                    torch.mm(h, weight.t(), out=z)
+                else:
+                    torch.addmm(bias, h, weight.t(), out=z)
             out.append(z)
+            partials.append(partial)
+        self.partials = tuple(partials)
         return tuple(out)
 
     def index_at(self, lo: int, hi: int) -> Tensor | None:
@@ -564,7 +572,9 @@ class ChunkedDriver(HeadDriver):
             for lo, hi in run.chunks():
                 call = run.chunk_call(hi - lo)
                 inputs = run.chunk_logits(lo, hi)
-                vals, state = run.backend.forward(call, inputs, run.index_at(lo, hi), run.mask_at(lo, hi))
+                vals, state = run.backend.head_forward(
+                    call, inputs, run.index_at(lo, hi), run.mask_at(lo, hi), run.partials
+                )
                 values.append(vals)
                 if grad_now:
                     run.accumulate(lo, hi, run.backend.head_backward(call, state, run.upstream_like(vals), run.scratch))
