@@ -10,9 +10,10 @@ How a call runs (the generic driver, ``ChunkedDriver``):
 
 - Tokens are cut into chunks of ``rows`` rows. For each chunk, each Head input's logits are
   computed into a reused ``[rows, V_local]`` buffer (by the backend's ``head_logits``, else
-  ``addmm``), and the backend's own ``head_forward`` (``forward``) runs on them: its cross-rank collectives run once per chunk, and the chunk
-  count is the same on every rank because ``rows`` derives only from what every rank
-  shares (N, the dtype, the largest V_local of the gathered layout, ``chunk_rows``).
+  ``addmm``), and the backend's own ``head_forward`` (``forward``) runs on them: its
+  cross-rank collectives run once per chunk, and the chunk count is the same on every rank
+  because ``rows`` derives only from what every rank shares (N, the dtype, the largest
+  V_local of the gathered layout, ``chunk_rows``).
 - Scalar results (``reduction="sum"``/``"mean"``): the upstream gradient is one number, so
   the backend's ``head_backward`` runs on the chunk right away, with the upstream a plain
   backward of the result will send each token (``run.upstream``: 1 / count for a mean), and
@@ -403,7 +404,8 @@ class HeadRun:
 
     def chunk_logits(self, lo: int, hi: int) -> tuple[Tensor, ...]:
         """Each input's logits for tokens ``[lo, hi)``: Heads computed into their buffer."""
-        out, partials = [], []
+        out: list[Tensor] = []
+        partials: list = []
         for x in self.inputs:
             if not x.is_head:
                 out.append(self._rows(x.logits_rows(), lo, hi))
