@@ -45,7 +45,7 @@ from vtp_runtime.backend import (
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import LOSSES, OPS, kl_direction
 
-from . import fields
+from . import fields, head_gemm
 from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig
 from .launch import launch
 
@@ -271,6 +271,35 @@ class TritonBackend(TakesHead, Compiles):
     def backward(self, call, state, grad):
         return self.head_backward(call, state, grad, (False, False))
 
+    # -- the fused head: the logits GEMM with the statistics in its epilogue (head_gemm.py) -------
+    def head_logits(self, call, hidden, weight, bias, out):
+        """Where ``head_gemm.chunk_refusal`` allows: the Triton GEMM, returning its per-tile
+        partials for ``head_forward``; else None (the driver's torch.mm)."""
+        if head_gemm.chunk_refusal(call, hidden, weight, bias, out) is not None:
+            return None
+        return head_gemm.logits_with_statistics(self.config_for(out.device), call, hidden, weight, bias, out)
+
+    def head_forward(self, call, inputs, index, mask, partials):
+        """With every input's tile partials (``head_logits``), the forward merges them instead
+        of running the statistics pass over the logits; else ``forward``."""
+        if not partials or any(p is None for p in partials):
+            return self.forward(call, inputs, index, mask)
+        if call.op in _ONE_INPUT_KIND:
+            return self._forward1(call, inputs[0], index, mask, tiles=partials[0])
+        return self._forward_jsd(call, inputs, mask, call.options["beta"], tiles=partials)
+
+    def head_logits_route(self, device_type, request=None, options=None, parts=()):
+        if request is None:
+            why = head_gemm.device_refusal(torch.device(device_type))
+            if why is None:
+                return (
+                    f"{head_gemm.ROUTE} for {', '.join(head_gemm.OPS)} where the Head's tensors allow "
+                    f"(vtp.explain says per call), else {head_gemm.FALLBACK}"
+                )
+            return head_gemm.route(why)
+        device = parts[0][1].device if parts else torch.device(request.device_type)
+        return head_gemm.route(head_gemm.refusal(device, request.dtype, request.op, request.features, options, parts))
+
     def head_backward(self, call, state, grad, scratch):
         """Under the fused head the kernels write each gradient over its logits buffer: every
         program reads a tile of the inputs before it writes that tile, and nothing else reads
@@ -305,7 +334,9 @@ class TritonBackend(TakesHead, Compiles):
                     num_warps=cfg.warps_scale,
                 )
 
-    def _forward1(self, call: Call, z: torch.Tensor, index, mask):
+    def _forward1(self, call: Call, z: torch.Tensor, index, mask, tiles: torch.Tensor | None = None):
+        """``tiles``: the logits GEMM's per-tile partials of ``z`` (``head_gemm``), merged in
+        place of the statistics pass."""
         kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]
         dev = z.device
@@ -337,7 +368,7 @@ class TritonBackend(TakesHead, Compiles):
         tp = call.request.tp_size
         splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
         # a row that is neither split nor sharded is finished by the program that reads it
-        finish = splits == 1 and tp == 1
+        finish = splits == 1 and tp == 1 and tiles is None
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
         # what both passes read besides the logits and the partials
         shared = {
@@ -350,23 +381,26 @@ class TritonBackend(TakesHead, Compiles):
             "HAS_KEEP": keep is not None,
             **options,
         }
-        launch(
-            k.stats1_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            **_row_args(z),
-            **shared,
-            part_ptr=part,
-            v_local=v_local,
-            vocab_start=call.vocab_start,
-            splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats),
-            # the z-loss term is added where a row is finished (here only with FINISH)
-            ZLOSS=zloss and finish,
-            FINISH=finish,
-            BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats,
-        )
+        if tiles is not None:
+            head_gemm.tile_partials(cfg, call, tiles, part, z, kind=kind, index=idx)
+        else:
+            launch(
+                k.stats1_kernel,
+                (n * splits,),
+                cfg.fast_launch,
+                **_row_args(z),
+                **shared,
+                part_ptr=part,
+                v_local=v_local,
+                vocab_start=call.vocab_start,
+                splits=splits,
+                chunk=_chunk(v_local, splits, cfg.block_stats),
+                # the z-loss term is added where a row is finished (here only with FINISH)
+                ZLOSS=zloss and finish,
+                FINISH=finish,
+                BLOCK=cfg.block_stats,
+                num_warps=cfg.warps_stats,
+            )
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
@@ -400,7 +434,9 @@ class TritonBackend(TakesHead, Compiles):
             self._finish2(call, cfg, part, values, state, fields.KL, beta=0.0)  # beta: read only by the JSD kind
         return values, state
 
-    def _forward_jsd(self, call: Call, inputs, mask, beta: float):
+    def _forward_jsd(self, call: Call, inputs, mask, beta: float, tiles: tuple | None = None):
+        """``tiles``: both inputs' per-tile partials from the logits GEMM (``head_gemm``),
+        merged in place of the statistics pass."""
         student, teacher = inputs
         values, state = _pair_outputs(student, teacher, mask, fields.JSD_STATS)
         n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
@@ -422,7 +458,11 @@ class TritonBackend(TakesHead, Compiles):
             "HAS_KEEP": keep is not None,
             "FAST_LOG2": cfg.fast_log2,
         }
-        if splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
+        if tiles is not None:
+            part = torch.empty((splits, n, fields.PAIR_FIELDS), dtype=torch.float32, device=dev)
+            for side, (t, z) in enumerate(zip(tiles, inputs)):
+                head_gemm.tile_partials(cfg, call, t, part, z, pair_side=side)
+        elif splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
             launch(
                 k.jsd_row_kernel,
                 (n,),
@@ -434,7 +474,8 @@ class TritonBackend(TakesHead, Compiles):
                 num_warps=cfg.warps_div,
             )
             return values, state
-        part = self._stats2(call, cfg, student, teacher, values, state, splits, with_kl=False, finish=False)
+        else:
+            part = self._stats2(call, cfg, student, teacher, values, state, splits, with_kl=False, finish=False)
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, fields.DIV_FIELDS), dtype=torch.float32, device=dev)
         launch(

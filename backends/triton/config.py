@@ -37,6 +37,19 @@ class LaunchConfig:
     # launch a kernel already compiled for these arguments through its launcher, without
     # Triton's per-launch JIT dispatch (launch.py); checked on CUDA with triton 3.6 and 3.9
     fast_launch: bool = False
+    # the fused head's logits GEMM with the softmax statistics in its epilogue
+    # (head_gemm.py): output tile rows x columns x K step, row tiles walked together along
+    # the vocabulary, software pipeline stages, warps, persistent programs (0: one per SM).
+    # CUDA's are the configuration benchmarks/head_variants.py measures first on the H200.
+    head_block_m: int = 128
+    head_block_n: int = 256
+    head_block_k: int = 64
+    head_group_m: int = 16
+    head_stages: int = 3
+    head_warps: int = 8
+    head_flatten: bool = True
+    head_programs: int = 0
+    head_merge_tiles: int = 16  # tile partials merged per step, per block of block_rows rows
 
 
 CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
@@ -57,4 +70,13 @@ INTERPRETER_CONFIG = LaunchConfig(
     block_scale=16,
     warps_scale=1,
     scale_programs=4,
+    head_block_m=16,
+    head_block_n=16,
+    head_block_k=16,
+    head_group_m=2,
+    head_stages=1,
+    head_warps=1,
+    head_flatten=False,
+    head_programs=3,
+    head_merge_tiles=4,
 )
