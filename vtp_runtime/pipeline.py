@@ -150,7 +150,8 @@ def explain(op: str, tensors: tuple, options: dict[str, Any], gather: bool = Fal
     world = group_size(group) if is_group(group) else 1
     if gather and world > 1:
         loc, _, shards, _, _ = plans.checked(op, tensors, options, group, None, None, None, failure)
-        return dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+        ex = dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+        return _with_head_logits(ex, loc)
     if failure is not None:
         raise failure
     loc = checks.local(op, tensors, options)
@@ -158,7 +159,8 @@ def explain(op: str, tensors: tuple, options: dict[str, Any], gather: bool = Fal
     start, given = loc.options["vocab_start"], loc.options["global_vocab_size"]
     if world == 1:
         shards = metadata.single_rank_shards(v_local, start, given, n)
-        return dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+        ex = dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+        return _with_head_logits(ex, loc)
     rank = group_rank(group)
     vocab_size = v_local * world if given is None else given
     even = vocab_size == v_local * world and start in (None, rank * v_local)
@@ -181,4 +183,10 @@ def explain(op: str, tensors: tuple, options: dict[str, Any], gather: bool = Fal
         f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
         f"checks them all"
     )
-    return ex
+    return _with_head_logits(ex, loc)
+
+
+def _with_head_logits(ex: dispatch.Explanation, loc: checks.Local) -> dispatch.Explanation:
+    """How the selected backend computes the logits of this rank's Head inputs."""
+    parts = [(h.hidden, h.weight, h.bias) for h in loc.heads or () if h is not None]
+    return dispatch.with_head_logits(ex, loc.options, parts)

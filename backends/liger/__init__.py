@@ -175,6 +175,14 @@ class LigerBackend(TakesHead):
             return FUSED_LINEAR_CE
         return None  # the generic token-chunk driver, with the vocabulary-parallel CE per chunk
 
+    def head_logits_route(self, device_type, request=None, options=None, parts=()):
+        chunks = super().head_logits_route(device_type, request, options, parts)
+        if request is None:
+            return f"Liger's fused linear cross entropy at TP 1, else {chunks}"
+        if request.op == "cross_entropy" and request.tp_size == 1:
+            return "Liger's fused linear cross entropy (its own chunks)"
+        return chunks
+
     def forward(self, call, inputs, index, mask):
         for t in inputs:
             if not t.is_contiguous():

@@ -290,6 +290,9 @@ class TritonBackend(TakesHead, Compiles):
 
     def head_logits_route(self, device_type, request=None, options=None, parts=()):
         if request is None:
+            types = self.ops["cross_entropy"].device_types
+            if types is not None and device_type not in types:
+                return head_gemm.route(f"{self.name} does not run on {device_type}")
             why = head_gemm.device_refusal(torch.device(device_type))
             if why is None:
                 return (
