@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -70,22 +71,20 @@ def _aligned(v_local: int, dtype: str) -> bool:
 
 
 # hidden size 8 and 48 columns: 16-byte rows in fp32 and bf16 at TP 1, 2 and 3 (even shards)
-BASE = {"hidden": 8, "vocab": 48, "backend": "triton", "shape": (3, 7), "chunk_rows": 8, "scale": 4.0}
+BASE = HeadCase("cross_entropy", hidden=8, vocab=48, backend="triton", shape=(3, 7), chunk_rows=8, scale=4.0)
 CASES = {
-    "ce-bias-ignored": HeadCase("cross_entropy", bias=True, masked="labels", options=(("reduction", "mean"),), **BASE),
-    "ce-zloss-temperature-none": HeadCase(
-        "cross_entropy", options=(("reduction", "none"), ("z_loss", 1e-3), ("temperature", 0.7)), **BASE
+    "ce-bias-ignored": BASE.with_(bias=True, masked="labels", options=(("reduction", "mean"),)),
+    "ce-zloss-temperature-none": BASE.with_(options=(("reduction", "none"), ("z_loss", 1e-3), ("temperature", 0.7))),
+    "ce-bf16": BASE.with_(dtype="bfloat16", bias=True, options=(("reduction", "sum"),)),
+    "logprobs-topk": BASE.with_(op="logprobs", topk=3, options=(("reduction", "none"),)),
+    "jsd-teacher-head-masked": BASE.with_(
+        op="jsd", masked="mask", bias=True, options=(("reduction", "mean"), ("beta", 0.3))
     ),
-    "ce-bf16": HeadCase("cross_entropy", dtype="bfloat16", bias=True, options=(("reduction", "sum"),), **BASE),
-    "logprobs-topk": HeadCase("logprobs", topk=3, options=(("reduction", "none"),), **BASE),
-    "jsd-teacher-head-masked": HeadCase(
-        "jsd", masked="mask", bias=True, options=(("reduction", "mean"), ("beta", 0.3)), **BASE
-    ),
-    "jsd-teacher-grad-none": HeadCase("jsd", options=(("reduction", "none"), ("beta", 0.6)), **BASE),
+    "jsd-teacher-grad-none": BASE.with_(op="jsd", options=(("reduction", "none"), ("beta", 0.6))),
 }
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_epilogue_gemm_matches_float64(ranks, name, world):
     """Even shards: every rank takes the epilogue GEMM, values and gradients exact."""
@@ -94,8 +93,16 @@ def test_epilogue_gemm_matches_float64(ranks, name, world):
     assert all(c > 0 for c in counts), counts
 
 
-@pytest.mark.parametrize("layout", ["uneven", "empty", "explicit"])
-@pytest.mark.parametrize("name", ["ce-bias-ignored", "jsd-teacher-head-masked", "logprobs-topk"])
+@pytest.mark.parametrize(
+    "name,layout",
+    [
+        ("ce-bias-ignored", "uneven"),
+        ("ce-bias-ignored", "explicit"),
+        ("logprobs-topk", "uneven"),
+        ("jsd-teacher-head-masked", "uneven"),
+        ("jsd-teacher-head-masked", "empty"),
+    ],
+)
 def test_ranks_on_either_path_agree(ranks, name, layout):
     """Uneven shards at TP 3: a rank whose V_local gives 16-byte rows takes the GEMM, the
     others (and an empty shard) torch.mm; their partials gather and merge together."""
@@ -121,7 +128,7 @@ def test_forced_fallback_on_ranks(ranks):
 
 @pytest.mark.parametrize("op", ["entropy", "kl"])
 def test_ops_the_epilogue_does_not_serve_run_through_torch_mm(ranks, op):
-    case = HeadCase(op, options=(("reduction", "mean"),), layout="even", **BASE)
+    case = BASE.with_(op=op, options=(("reduction", "mean"),), layout="even")
     assert ranks(2, _case_counting, case, timeout=300) == [0, 0]
 
 
@@ -130,7 +137,7 @@ def test_ops_the_epilogue_does_not_serve_run_through_torch_mm(ranks, op):
 )
 def test_options_the_epilogue_does_not_serve_run_through_torch_mm(ranks, options):
     op = "jsd" if dict(options).get("beta") is not None else "cross_entropy"
-    case = HeadCase(op, options=options, layout="even", **BASE)
+    case = BASE.with_(op=op, options=options, layout="even")
     assert ranks(1, _case_counting, case, timeout=300) == [0]
 
 
@@ -279,6 +286,7 @@ def _float64(op, h, w, y, teacher, rows=1024):
         opts = {"beta": 0.5} if op == "jsd" else {}
         v, (dz, *_) = values_and_grads(op, z, index, None, needs_grad=(True,) + (False,) * (len(z) - 1), **opts)
         vals.append(v)
+        assert dz is not None
         dh[lo:hi] = dz @ w64
         dw += dz.T @ h64[lo:hi]
     return torch.cat(vals).sum(), dh, dw
@@ -305,7 +313,7 @@ def test_gpu_both_paths_against_float64_and_each_other(op, tp):
             (torch.randn(v_local, H, device="cuda", generator=g) * 2 * H**-0.5).bfloat16(),
         )
     second = (vtp.Head(*teacher),) if teacher is not None else (y,)
-    opts = {"beta": 0.5} if op == "jsd" else {}
+    opts: dict[str, Any] = {"beta": 0.5} if op == "jsd" else {}
     assert "triton epilogue GEMM" in str(vtp.explain(op, vtp.Head(h, w), *second, backend="triton", **opts))
     runs = {}
     for force, used in (("", True), ("cublas", False)):
