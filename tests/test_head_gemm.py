@@ -158,6 +158,25 @@ def test_both_paths_agree_closely():
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_bench_times_both_paths():
+    """``vtp-runtime bench --head``'s ``fused_cublas`` arm is ``fused`` through torch.mm, and
+    leaves the environment as it found it."""
+    from vtp_runtime.tools import bench_head
+
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(20, 8, generator=g).requires_grad_(True)
+    w = torch.randn(48, 8, generator=g).requires_grad_(True)
+    y = torch.randint(0, 48, (20,), generator=g)
+    got = {}
+    for arm in ("fused", "fused_cublas"):
+        with _counting_gemm() as calls:
+            got[arm] = bench_head._arm("cross_entropy", arm, "triton", h, w, y, None, None, 0.5)()
+        assert bool(calls) == (arm == "fused")
+    assert "VTP_HEAD_GEMM" not in os.environ
+    for a, b in zip(got["fused"], got["fused_cublas"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 # -- the capability gate ----------------------------------------------------------------------------
 
 
