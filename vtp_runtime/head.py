@@ -521,6 +521,7 @@ class HeadRun:
             if x.gather is not None:
                 x.gather.release()
             x.gather = x.rows_now = None
+        self.partials = ()  # the last chunk's: not kept until backward
 
     def release_buffers(self) -> None:
         """Free the logits buffers' memory; the states keep referring to the (empty) storage."""
