@@ -58,3 +58,20 @@ INTERPRETER_CONFIG = LaunchConfig(
     warps_scale=1,
     scale_programs=4,
 )
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints."""
+    return -(-a // b)
+
+
+def vocab_splits(n: int, v_per_rank: int, block: int, target: int, max_splits: int) -> int:
+    """How many chunks each of ``n`` rows' local vocabulary is cut into for a forward pass
+    (see ``LaunchConfig.target_programs``): at most one per tile of the (even) shard."""
+    tiles = max(1, cdiv(v_per_rank, block))
+    return max(1, min(cdiv(target, max(n, 1)), tiles, max_splits))
+
+
+def split_chunk(v_local: int, splits: int, block: int) -> int:
+    """The columns of one of ``splits`` chunks of a local vocabulary: whole tiles."""
+    return max(block, cdiv(cdiv(v_local, splits), block) * block)

@@ -32,6 +32,7 @@ THIRD = tl.constexpr(1.0 / 3)
 SIXTH = tl.constexpr(1.0 / 6)
 LN2 = tl.constexpr(0.6931471805599453)
 KEY_BOUND = tl.constexpr(2.0**126)  # vtp_runtime.sampling.KEY_BOUND
+RAW_BITS = tl.constexpr(2.0**8)  # vtp_runtime.sampling.RAW_BITS
 
 # fields of a row of partials (vtp_runtime.sampling: KEY, ID, X, MAX, MAX_ID, SUM)
 F_KEY = tl.constexpr(0)
@@ -240,3 +241,236 @@ def candidate_keys_kernel(
         ids = tl.load(id_ptr + base + cols, mask=inb, other=0).to(tl.int32)
         key = _key(x, x * scale_s - key_from, scale_b, _gumbel(rk, ids, FAST_LOG2))
         tl.store(key_ptr + base + cols, key, mask=inb)
+
+
+# -- one program per row: a whole decode call at TP = 1 in one launch ------------------------
+# Thresholds are found by bisection over the logits' values: a value's order-preserving
+# integer (``_ordered``) in steps of 2**GRAIN (bf16 and fp16 logits read as fp32 have that
+# many low bits zero), each step one read of the row (from L2 at decode sizes).
+
+
+@triton.jit
+def _read(src, cols, v_local):
+    """A tile of the row as fp32, NaN as +inf, columns past the row as -inf."""
+    x = tl.load(src + cols, mask=cols < v_local, other=float("-inf")).to(tl.float32)
+    return tl.where(x != x, float("inf"), x)
+
+
+@triton.jit
+def _ordered(x):
+    """An fp32 value's order-preserving int64 (-0.0 and 0.0 alike)."""
+    u = x.to(tl.int32, bitcast=True)
+    mag = (u & 0x7FFFFFFF).to(tl.int64)
+    return tl.where(u < 0, -mag, mag)
+
+
+@triton.jit
+def _value(o):
+    """The fp32 value of an ordered int64 (``_ordered``'s inverse)."""
+    f = tl.abs(o).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(o < 0, -f, f)
+
+
+@triton.jit
+def _row_max(src, v_local, vocab_start, BLOCK: tl.constexpr):
+    """The row's max, its lowest global id, and the row's min."""
+    max_x = tl.full([BLOCK], float("-inf"), tl.float32)
+    max_i = tl.full([BLOCK], NONE_ID, tl.int32)
+    min_x = tl.full([BLOCK], float("inf"), tl.float32)
+    for start in range(0, v_local, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = _read(src, cols, v_local)
+        up = x > max_x
+        max_x = tl.where(up, x, max_x)
+        max_i = tl.where(up, vocab_start + cols, max_i)
+        min_x = tl.minimum(min_x, tl.where(cols < v_local, x, float("inf")))
+    m = tl.max(max_x, 0)
+    return m, tl.min(tl.where(max_x == m, max_i, NONE_ID), 0), tl.min(min_x, 0)
+
+
+@triton.jit
+def _count_at_least(src, v_local, t, BLOCK: tl.constexpr):
+    n = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, v_local, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        n += (_read(src, cols, v_local) >= t).to(tl.int32)
+    return tl.sum(n, 0)
+
+
+@triton.jit
+def _mass_above(src, v_local, t, vk, anchor, scale_s, scale_b, BLOCK: tl.constexpr):
+    """``sum 2**gap(x, anchor)`` over the row's x > t and x >= vk (``anchor`` scaled by s),
+    and how many x equal t (with t >= vk)."""
+    s = tl.zeros([BLOCK], tl.float32)
+    ties = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, v_local, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = _read(src, cols, v_local)
+        s += tl.where((x > t) & (x >= vk), tl.exp2((x * scale_s - anchor) * scale_b), 0.0)
+        ties += ((x == t) & (x >= vk)).to(tl.int32)
+    return tl.sum(s, 0), tl.sum(ties, 0)
+
+
+@triton.jit
+def _count_ties_below(src, v_local, vocab_start, t, bound, BLOCK: tl.constexpr):
+    """How many x equal t at global ids below ``bound``."""
+    n = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, v_local, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = _read(src, cols, v_local)
+        n += ((x == t) & (vocab_start + cols < bound)).to(tl.int32)
+    return tl.sum(n, 0)
+
+
+@triton.jit
+def _draw(
+    src,
+    v_local,
+    vocab_start,
+    rk,
+    key_from,
+    scale_s,
+    scale_b,
+    vk,
+    cut_x,
+    cut_id,
+    anchor,
+    log2_min_p,
+    FILTER: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The Gumbel-max over the row (ties to the lowest id): keys ``gap(x, key_from) + noise``;
+    with FILTER over the tokens with x >= vk, before the cut (x > cut_x, or x == cut_x at an
+    id below cut_id) and kept by min-p (gap(x, anchor) >= log2_min_p). Its global id, or
+    NONE_ID where no key is above -inf."""
+    best_k = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], NONE_ID, tl.int32)
+    for start in range(0, v_local, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = _read(src, cols, v_local)
+        ids = vocab_start + cols
+        xs = x * scale_s
+        key = _key(x, xs - key_from, scale_b, _gumbel(rk, ids, FAST_LOG2))
+        ok = cols < v_local
+        if FILTER:
+            ok = ok & (x >= vk) & ((x > cut_x) | ((x == cut_x) & (ids < cut_id)))
+            ok = ok & ((xs - anchor) * scale_b >= log2_min_p)
+        key = tl.where(ok, key, float("-inf"))
+        better = key > best_k
+        best_k = tl.where(better, key, best_k)
+        best_i = tl.where(better, ids, best_i)
+    top = tl.max(best_k, 0)
+    return tl.min(tl.where(best_k == top, best_i, NONE_ID), 0)
+
+
+@triton.jit(do_not_specialize=["seed_key", "row_offset"])
+def decode_kernel(
+    z_ptr,
+    out_ptr,
+    seed_key,
+    rows_b,
+    stride_a,
+    stride_b,
+    v_local,
+    vocab_start,
+    scale_s,
+    scale_b,
+    row_offset,
+    top_k,
+    top_p,
+    log2_min_p,
+    GUMBEL: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_P: tl.constexpr,
+    MIN_P: tl.constexpr,
+    GRAIN: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One row's token id (int64) of ``argmax`` or ``sample`` on the whole vocabulary: the
+    numbers ``vtp_runtime.sampling.run`` gives, with its keys (``_key``, ``_gumbel``), found
+    in the program.
+
+    argmax: the lowest id of the max (0 where every logit is -inf). sample: where the max M
+    is not finite, as argmax. Otherwise the kept set is x >= v_k (TOP_K: v_k the top_k-th
+    largest, by bisection on the count of x >= t), then (TOP_P) the prefix of the order
+    (logit desc, id asc) whose mass before each token is below top_p times the kept mass
+    (the cut value by bisection on the mass above it, the tied tokens at the cut by id),
+    then (MIN_P) gap(x, M) >= log2_min_p; the draw is the Gumbel-max over it, keys relative
+    to M with TOP_K or where raw keys lose the noise's resolution (|gap(M, 0)| >= RAW_BITS),
+    raw otherwise."""
+    row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    src = z_ptr + (r64 // rows_b) * stride_a + (r64 % rows_b) * stride_b
+    m, m_id, x_min = _row_max(src, v_local, vocab_start, BLOCK)
+    answer = tl.where(m == float("-inf"), 0, m_id)
+    if GUMBEL:
+        if tl.abs(m) < float("inf"):
+            a = m * scale_s  # the anchor, scaled
+            relative = tl.abs((a - 0.0) * scale_b) >= RAW_BITS
+            if TOP_K:
+                key_from = a
+            else:
+                key_from = tl.where(relative, a, 0.0)
+            rk = _row_key(seed_key, row, row_offset)
+            vk = tl.full([], float("-inf"), tl.float32)
+            cut_x = tl.full([], float("-inf"), tl.float32)
+            cut_id = tl.full([], NONE_ID, tl.int32)  # ties at cut_x kept below this id
+            if TOP_K:  # the largest t with at least top_k logits >= t
+                lo = _ordered(x_min) >> GRAIN
+                hi = _ordered(m) >> GRAIN
+                while lo < hi:
+                    mid = lo + (hi - lo + 1) // 2
+                    if _count_at_least(src, v_local, _value(mid << GRAIN), BLOCK) >= top_k:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                vk = _value(lo << GRAIN)
+            if TOP_P:  # the smallest t whose mass above is below top_p times the kept mass
+                total, _ = _mass_above(src, v_local, float("-inf"), vk, a, scale_s, scale_b, BLOCK)
+                limit = top_p * total
+                lo = _ordered(tl.maximum(x_min, vk)) >> GRAIN
+                hi = _ordered(m) >> GRAIN
+                while lo < hi:
+                    mid = lo + (hi - lo) // 2
+                    above, _ = _mass_above(src, v_local, _value(mid << GRAIN), vk, a, scale_s, scale_b, BLOCK)
+                    if above < limit:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                cut_x = _value(lo << GRAIN)
+                before, ties = _mass_above(src, v_local, cut_x, vk, a, scale_s, scale_b, BLOCK)
+                # the tied tokens at the cut in id order: mass before the r-th is before + r w
+                w = tl.exp2((cut_x * scale_s - a) * scale_b)
+                room = tl.where(w > 0, tl.ceil((limit - before) / w), float("inf"))
+                keep = tl.maximum(tl.minimum(room, ties.to(tl.float32)), 1.0).to(tl.int32)
+                if keep < ties:  # the id of the keep-th tie: ties kept up to it
+                    id_lo = vocab_start + tl.zeros([], tl.int32)  # a tensor even where specialized
+                    id_hi = vocab_start + v_local - 1
+                    while id_lo < id_hi:
+                        id_mid = id_lo + (id_hi - id_lo) // 2
+                        if _count_ties_below(src, v_local, vocab_start, cut_x, id_mid + 1, BLOCK) >= keep:
+                            id_hi = id_mid
+                        else:
+                            id_lo = id_mid + 1
+                    cut_id = id_lo + 1
+            answer = _draw(
+                src,
+                v_local,
+                vocab_start,
+                rk,
+                key_from,
+                scale_s,
+                scale_b,
+                vk,
+                cut_x,
+                cut_id,
+                a,
+                log2_min_p,
+                TOP_K or TOP_P or MIN_P,
+                FAST_LOG2,
+                BLOCK,
+            )
+            answer = tl.where(answer == NONE_ID, 0, answer)
+    tl.store(out_ptr + row, answer.to(tl.int64))
