@@ -114,7 +114,8 @@ def test_one_launch_gives_the_ids_of_the_rounds_at_extremes(options, scale, offs
 
 def test_three_dimensional_logits_and_strided_rows():
     x = edge_logits(12, V, seed=3).view(3, 4, V)[:, 1:]  # [3, 3, V], no single row stride
-    for options in ({}, {"top_p": 0.8}):
+    cases: list[dict[str, Any]] = [{}, {"top_p": 0.8}]
+    for options in cases:
         got = vtp.sample(x, seed=9, backend="triton", **options)
         assert torch.equal(got, vtp.sample(x.contiguous(), seed=9, backend="triton", **options))
         made = _plan(x, "sample", {"seed": 9, **options})
@@ -188,7 +189,7 @@ def no_host_reads() -> Iterator[None]:
         InterpretedFunction.run = run  # type: ignore[method-assign]
 
 
-OPS = [("argmax", {})] + [("sample", {"seed": 1, **o}) for o in CASES]
+OPS: list[tuple[str, dict[str, Any]]] = [("argmax", {})] + [("sample", {"seed": 1, **o}) for o in CASES]
 
 
 def _call(op: str, x: torch.Tensor, options: dict[str, Any]) -> torch.Tensor:
@@ -242,7 +243,7 @@ LAYOUTS = {
     "tp2_uneven": [(0, 9), (9, V)],
     "tp3_empty": [(0, 11), (11, 11), (11, V)],
 }
-RANK_CASES = [{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.15}, {"top_k": 8, "top_p": 0.7, "min_p": 0.1}]
+RANK_CASES: list[dict[str, Any]] = [{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.15}, {"top_k": 8, "top_p": 0.7, "min_p": 0.1}]
 
 
 def ranks_job(rank, world, group, layout, cases):
@@ -250,14 +251,14 @@ def ranks_job(rank, world, group, layout, cases):
     start, end = LAYOUTS[layout][rank]
     z = x[:, start:end]
     bounds = {"vocab_start": start, "vocab_end": end}
-    out = {"argmax": vtp.argmax(z, tp_group=group, backend="triton", **bounds)}
+    out: dict[str | int, torch.Tensor] = {"argmax": vtp.argmax(z, tp_group=group, backend="triton", **bounds)}
     for i, options in enumerate(cases):
         out[i] = vtp.sample(z, seed=31, tp_group=group, backend="triton", **bounds, **options)
     return out
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_ranks_draw_the_tokens_of_one_launch(ranks, layout):
+def test_ranks_draw_the_tokens_of_one_launch(ranks, layout) -> None:
     results = ranks(len(LAYOUTS[layout]), ranks_job, layout, RANK_CASES, timeout=600)
     x = edge_logits(12, V, seed=6)
     for out in results:
@@ -279,7 +280,8 @@ def test_gpu_one_launch_gives_the_ids_of_the_rounds(n, dtype):
     x = (torch.randn(n, GPU_V, device="cuda") * 4).to(dtype)
     if n >= 8:
         x[:8] = edge_logits(8, GPU_V, seed=1, device="cuda").to(dtype)
-    for op, options in OPS + [("sample", {"seed": 0, "top_k": 50}), ("sample", {"seed": 0, "top_p": 0.9})]:
+    cases: list[tuple[str, dict[str, Any]]] = [*OPS, ("sample", {"top_k": 50}), ("sample", {"top_p": 0.9})]
+    for op, options in cases:
         for seed in (0, 1, 2**40):
             given = {**options, "seed": seed} if op == "sample" else options
             one, rounds = one_launch_and_rounds(x, op, given)
