@@ -243,7 +243,13 @@ LAYOUTS = {
     "tp2_uneven": [(0, 9), (9, V)],
     "tp3_empty": [(0, 11), (11, 11), (11, V)],
 }
-RANK_CASES: list[dict[str, Any]] = [{}, {"top_k": 4}, {"top_p": 0.6}, {"min_p": 0.15}, {"top_k": 8, "top_p": 0.7, "min_p": 0.1}]
+RANK_CASES: list[dict[str, Any]] = [
+    {},
+    {"top_k": 4},
+    {"top_p": 0.6},
+    {"min_p": 0.15},
+    {"top_k": 8, "top_p": 0.7, "min_p": 0.1},
+]
 
 
 def ranks_job(rank, world, group, layout, cases):
