@@ -4,6 +4,7 @@
 TP 2 and 3 ranks (uneven, an empty shard); no host read; the per-signature plans bounded.
 Triton's interpreter on CPU at small V; the ``gpu`` tests at V = 151936."""
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,15 +61,19 @@ def _plan(x: torch.Tensor, op: str, options: dict[str, Any]) -> plans.Plan:
     return plans.plan_for(op, (x,), {"backend": "triton", **options})
 
 
-def one_launch_and_rounds(x: torch.Tensor, op: str, options: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ids of ``decode`` (one launch) and of ``sampling.run``'s rounds, on the same call."""
+def one_launch_and_rounds(
+    x: torch.Tensor, op: str, options: dict[str, Any], rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ids of ``decode`` (one launch; ``rows`` per program) and of ``sampling.run``'s
+    rounds, on the same call."""
     given = {"backend": "triton", **options}
     made = _plan(x, op, options)
     call = made.call(None, given)
     cfg = TritonBackend().config_for(x.device)
     z = x.reshape(-1, x.shape[-1])
     rounds = sampling.run(call, z, triton_sampling.TritonKernels(cfg))
-    return triton_sampling.decode(cfg, call, z), rounds
+    one_launch = cfg if rows is None else dataclasses.replace(cfg, decode_rows=rows)
+    return triton_sampling.decode(one_launch, call, z), rounds
 
 
 @pytest.mark.parametrize("options", CASES, ids=_id)
@@ -78,6 +83,18 @@ def test_one_launch_gives_the_ids_of_the_rounds(options):
         one, rounds = one_launch_and_rounds(x, "sample", {"seed": seed, **options})
         assert torch.equal(one, rounds), (seed, one, rounds)
     one, rounds = one_launch_and_rounds(x, "argmax", {})
+    assert torch.equal(one, rounds)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_rows_per_program_change_no_id(rows):
+    """One row per program (the GPU's configuration) and a count that leaves a program part
+    empty give the same ids."""
+    x = edge_logits(10, V, seed=8)
+    for options in ({}, {"top_k": 5, "top_p": 0.6}, {"top_p": 0.3, "min_p": 0.2}):
+        one, rounds = one_launch_and_rounds(x, "sample", {"seed": 4, **options}, rows)
+        assert torch.equal(one, rounds), options
+    one, rounds = one_launch_and_rounds(x, "argmax", {}, rows)
     assert torch.equal(one, rounds)
 
 

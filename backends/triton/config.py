@@ -27,6 +27,7 @@ class LaunchConfig:
     max_splits: int = 64
     bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
     block_rows: int = 128  # finishing kernels: rows per program
+    decode_rows: int = 1  # a TP = 1 argmax / sample in one launch: rows per program (a power of two)
     warps_finish: int = 4
     block_scale: int = 2048  # scaling a fused head's gradients in backward: tile, warps, programs
     warps_scale: int = 4
@@ -53,6 +54,7 @@ INTERPRETER_CONFIG = LaunchConfig(
     max_splits=4,
     bwd_target_programs=16,
     block_rows=16,
+    decode_rows=16,
     warps_finish=1,
     block_scale=16,
     warps_scale=1,

@@ -149,10 +149,11 @@ class DecodePlan:
     returned the compiled kernel, that kernel, the current device it was compiled for and
     its arguments in signature order (``launch_decode``)."""
 
-    __slots__ = ("n", "args", "gumbel", "fast", "compiled", "device", "values")
+    __slots__ = ("n", "programs", "args", "gumbel", "fast", "compiled", "device", "values")
 
-    def __init__(self, n: int, args: dict[str, Any], gumbel: bool, fast: bool) -> None:
+    def __init__(self, n: int, programs: int, args: dict[str, Any], gumbel: bool, fast: bool) -> None:
         self.n = n
+        self.programs = programs
         self.args = args
         self.gumbel = gumbel
         self.fast = fast
@@ -200,6 +201,7 @@ def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
     p = restrict.p if restrict is not None else None
     min_p = restrict.min_p if restrict is not None else None
     args = {
+        "n_rows": n,
         **geometry,
         "v_local": v_local,
         "vocab_start": call.vocab_start,
@@ -215,10 +217,11 @@ def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
         "MIN_P": min_p is not None,
         "GRAIN": GRAIN[z.dtype],
         "FAST_LOG2": cfg.fast_log2,
+        "ROWS": cfg.decode_rows,
         "BLOCK": cfg.block_stats,
         "num_warps": cfg.warps_stats,
     }
-    return DecodePlan(n, args, gumbel, cfg.fast_launch)
+    return DecodePlan(n, cdiv(n, cfg.decode_rows), args, gumbel, cfg.fast_launch)
 
 
 def decode(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
@@ -249,7 +252,7 @@ def launch_decode(plan: DecodePlan, z: Tensor, out: Tensor, seed_key: int) -> No
             values = plan.values.copy()
             values[0], values[1], values[2] = z, out, seed_key  # PER_CALL, first in the signature
             compiled.run(
-                plan.n,
+                plan.programs,
                 1,
                 1,
                 driver.active.get_current_stream(device),
@@ -262,7 +265,7 @@ def launch_decode(plan: DecodePlan, z: Tensor, out: Tensor, seed_key: int) -> No
             )
             return
     kernel = source.module("sampling_kernels").decode_kernel
-    launched = kernel[(plan.n,)](z_ptr=z, out_ptr=out, seed_key=seed_key, **plan.args)
+    launched = kernel[(plan.programs,)](z_ptr=z, out_ptr=out, seed_key=seed_key, **plan.args)
     if plan.fast and _prebindable(kernel, launched):
         given = {**plan.args, "z_ptr": z, "out_ptr": out, "seed_key": seed_key}
         plan.values = [given[name] for name in kernel.arg_names]
