@@ -54,6 +54,10 @@ from the gathered data (the same on every rank): top-k and top-p read one flag p
 (on a GPU that waits for the device); argmax, the plain sample and min-p read nothing
 (with the seed check below as the exception).
 
+A backend may compute a call on a single rank otherwise (``limits`` says what it draws
+from): the triton backend does it in one kernel launch at TP = 1, with the keys and kept
+sets of ``run`` and so its ids.
+
 The seed is per-call data: it is not part of the plan (a generation loop passes a new one
 every step). It rides in the first all-gather, so every rank sees every rank's seed: where
 the metadata is checked per call (a group with a CPU transport such as gloo, or
