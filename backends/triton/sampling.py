@@ -1,5 +1,11 @@
-"""``argmax`` and ``sample`` on the ``triton`` backend: the local primitives of
-``vtp_runtime.sampling.run`` (which holds the algorithm and the collectives).
+"""``argmax`` and ``sample`` on the ``triton`` backend.
+
+At TP = 1 a call is one launch of ``sampling_kernels.decode_kernel`` (``decode``), which
+finds the ids in the kernel with the keys and kept sets of ``vtp_runtime.sampling.run``;
+the call signature's plan (``decode_plan``, at most ``MAX_DECODE_PLANS``) keeps its
+arguments and, once launched, the compiled kernel, launched directly (``launch_decode``).
+At TP > 1, the local primitives of ``vtp_runtime.sampling.run`` (which holds the algorithm
+and the collectives):
 
 - ``scan``: ``sampling_kernels.scan_kernel``, one read of the shard, no ``[N, V_local]``
   temporary; each row's vocabulary is split over programs as the loss kernels split it
@@ -9,7 +15,7 @@
 - ``candidate_keys``: ``sampling_kernels.candidate_keys_kernel``, the noise of the scan, bit
   for bit (the same helpers), on the merged candidates.
 
-Kernels are launched with keyword arguments through ``launch.launch``; the seed's words are
+Those kernels are launched with keyword arguments through ``launch.launch``; the seed's words are
 kernel arguments that are not specialized on, so a new seed per call neither recompiles nor
 misses the launcher's cache. Importing this module never imports triton.
 """
@@ -225,8 +231,8 @@ def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
 
 
 def decode(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
-    """int64 global ids ``[N]`` of a TP = 1 ``call`` on rows ``z``: one kernel launch, one
-    program per row (``sampling_kernels.decode_kernel``), no host read."""
+    """int64 global ids ``[N]`` of a TP = 1 ``call`` on rows ``z``: one kernel launch
+    (``sampling_kernels.decode_kernel``, ``cfg.decode_rows`` rows per program), no host read."""
     plan = decode_plan(cfg, call, z)
     out = torch.empty(plan.n, dtype=torch.int64, device=z.device)
     if plan.n:
@@ -267,7 +273,8 @@ def launch_decode(plan: DecodePlan, z: Tensor, out: Tensor, seed_key: int) -> No
     kernel = source.module("sampling_kernels").decode_kernel
     launched = kernel[(plan.programs,)](z_ptr=z, out_ptr=out, seed_key=seed_key, **plan.args)
     if plan.fast and _prebindable(kernel, launched):
-        given = {**plan.args, "z_ptr": z, "out_ptr": out, "seed_key": seed_key}
+        # the per-call slots stay empty: a plan holds no tensor
+        given = {**plan.args, "z_ptr": None, "out_ptr": None, "seed_key": None}
         plan.values = [given[name] for name in kernel.arg_names]
         plan.compiled, plan.device = launched, _runtime()[1].active.get_current_device()
 
