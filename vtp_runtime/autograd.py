@@ -6,7 +6,7 @@
 - ``LogitsRunner``: the backend's ``forward`` on the logits rows, its ``backward`` from the
   state it returned (a ``SavedState``, whose tensors autograd saves: an input modified in
   place before backward raises).
-- ``vtp_runtime.head.HeadRunner``: ``vtp.Head`` inputs, through token chunks.
+- ``vtp_runtime.head_chunks.HeadRunner``: ``vtp.Head`` inputs, through token chunks.
 
 Both hand autograd the tensors to save and get them back in backward; whatever else a
 runner keeps lives on the runner, which the graph holds until it is freed. Inside

@@ -6,7 +6,7 @@
                             path -- this rank's checks (``checks``), the metadata gather and its
                             checks (``metadata``), dispatch (``dispatch``)
       3. execute            the backend under one autograd node (``autograd``): logits rows,
-                            or Head inputs in token chunks (``head``)
+                            or Head inputs in token chunks (``head_chunks``)
       4. outputs.finish     the per-token values back to the token shape, reduced
 
 With a TP group, any failure on this rank before the metadata gather -- of any type, in
@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import autograd, checks, dispatch, head, inputs, library, metadata, plans, sequence
+from . import autograd, checks, dispatch, head_chunks, inputs, library, metadata, plans, sequence
 from .backend import TakesHead, value_dtype
 from .checks import Check
 from .comm import group_rank, group_size, is_group
@@ -102,7 +102,7 @@ def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tenso
         upstream = None
         if scalar:  # the gradients computed in forward are for what a plain backward sends
             upstream = plain_upstream(given, index, mask, n, value_dtype(inputs_[0].dtype), inputs_[0].device)
-        values = head.run_heads(
+        values = head_chunks.run_heads(
             made.backend, call, inputs_, index, mask, scalar, made.head_rows, made.sequence, upstream
         )
     else:
@@ -120,7 +120,7 @@ def _ids(made: plans.Plan, call: Any, x: Any) -> Tensor:
     assert made.head_rows is not None  # planned with a Head
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.weight.device)
-    return head.run_ids(made.backend, call, x, made.head_rows, made.sequence)
+    return head_chunks.run_ids(made.backend, call, x, made.head_rows, made.sequence)
 
 
 def fail(exc: Exception, options: Mapping[str, Any], device: torch.device | None) -> NoReturn:

@@ -40,14 +40,14 @@ from typing import Any
 
 import torch
 
-from . import checks, dispatch, env, head, metadata
+from . import checks, dispatch, env, head_chunks, metadata
 from .backend import Backend, Call, Request
 from .checks import Check
 from .comm import group_size, is_group
 from .head import Head
+from .head_gather import SequenceLayout
 from .ops import OPS, OpSpec, backend_options, dtype_name
 from .registry import REGISTRY
-from .sequence import SequenceLayout
 from .weak import IdentityMap
 
 Tensor = torch.Tensor
@@ -398,14 +398,14 @@ def _make_plan(loc: checks.Local, shards: metadata.Shards, meta: Metadata | None
     lead, sequence, head_rows = loc.lead, None, None
     if shards.sequence is not None and shards.tp_size > 1:
         assert loc.heads is not None  # a sequence layout comes with a sequence-parallel Head
-        sequence = head.sequence_layout(
+        sequence = head_chunks.sequence_layout(
             tuple(rows for _, rows in shards.sequence), shards.rank, max(shards.sizes), loc.heads
         )
         head_rows = max(1, sequence.max_chunk)
         if not loc.covered:  # no input covered every rank's tokens: their shards make the first dim
             lead = (sum(first for first, _ in shards.sequence), *loc.lead[1:])
     elif loc.heads is not None:
-        head_rows = head.rows_per_chunk(shards.num_tokens, max(shards.sizes), loc.heads)
+        head_rows = head_chunks.rows_per_chunk(shards.num_tokens, max(shards.sizes), loc.heads)
     return Plan(
         spec=loc.spec,
         backend=backend,

@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from vtp_runtime import env
-from vtp_runtime.backend import LOW_DTYPES, Call, HeadSupport, OpCapability, SavedState, TakesHead
-from vtp_runtime.head import HeadDriver, HeadRun
+from vtp_runtime.backend import LOW_DTYPES, Call, HeadDriver, HeadSupport, OpCapability, SavedState, TakesHead
+from vtp_runtime.head_chunks import HeadRun
 from vtp_runtime.registry import hookimpl
 
 MIN_VERSION = (0, 8, 1)
