@@ -294,16 +294,16 @@ class HeadSupport:
     # also a sequence-parallel Head (Head(sequence_parallel=True) at TP > 1): the token-chunk
     # driver gathers each chunk's hidden rows from the ranks and reduce-scatters their
     # gradient, so a backend using it need do nothing more; a head_driver of its own must run
-    # them through HeadRun as HeadDriver says
+    # them through TokenChunks as HeadDriver says
     sequence_parallel: bool = False
 
 
 class TakesHead(Backend):
     """A ``Backend`` that takes ``vtp.Head`` inputs (the fused linear head,
-    ``vtp_runtime/head.py``). By default the core's token-chunk driver computes each chunk's
-    logits into a reused buffer and calls ``forward`` and ``head_backward`` on them: ``state``
-    must then refer to the input tensors themselves (the driver refills the buffer before
-    backward)."""
+    ``vtp_runtime/head.py``). By default the core's token-chunk driver
+    (``vtp_runtime/head_chunks.py``) computes each chunk's logits into a reused buffer and
+    calls ``forward`` and ``head_backward`` on them: ``state`` must then refer to the input
+    tensors themselves (the driver refills the buffer before backward)."""
 
     head_ops: ClassVar[Mapping[str, HeadSupport]]  # the ops that take Head inputs
 
@@ -332,7 +332,7 @@ class TakesHead(Backend):
 
 class HeadDriver:
     """How a call with Head inputs runs on a backend (``TakesHead.head_driver``). ``run`` is
-    the call cut in token chunks, a ``vtp_runtime.head_chunks.HeadRun``. ``forward`` returns the per-token values
+    the call cut in token chunks, a ``vtp_runtime.head_chunks.TokenChunks``. ``forward`` returns the per-token values
     (fp32, fp64 for fp64 inputs; ``[N]`` or ``[N, k]``) and, when ``run.scalar`` and
     ``run.needs_grad``, leaves the gradients for the upstream gradient
     ``run.upstream_like(values)`` in the inputs' accumulators (after ``run.start_grads()``);

@@ -26,7 +26,7 @@ How a call runs (the generic driver, ``ChunkedDriver``):
   ``reduce_hidden_grad=False``.
 - A sequence-parallel Head (``sequence_parallel=True``, Megatron SP) holds this rank's
   contiguous shard of the tokens; the op runs over every rank's tokens. Its chunks take the
-  same number of rows from each rank's shard (``vtp_runtime.sequence.SequenceLayout``): each
+  same number of rows from each rank's shard (``vtp_runtime.head_gather.SequenceLayout``): each
   chunk's hidden rows are all-gathered from the ranks (the next chunk's gather in flight
   while this one computes), and each chunk's hidden gradient is reduce-scattered back to
   the ranks owning its rows. Inputs covering every token (labels, index, mask, logits, a
@@ -93,7 +93,7 @@ def chunk_rows(num_tokens: int, max_v_local: int, itemsize: int, requested: int 
 
 
 @dataclasses.dataclass(eq=False)
-class ChunkInput:
+class InputRows:
     """One floating input of the op, as rows: a Head (hidden ``[N, H]``, weight, bias) or
     plain logits ``[N, V_local]``; with what needs a gradient and the gradients so far. A
     sequence-parallel Head's hidden is this rank's ``[n_local, H]`` and ``gather`` brings in
@@ -136,17 +136,17 @@ class ChunkInput:
 
 
 @dataclasses.dataclass(eq=False)
-class HeadRun:
+class TokenChunks:
     """Everything a driver needs for one call with Head inputs on this rank.
 
     With a sequence-parallel Head (``sequence`` set), the chunks run in the layout's chunk
     order of the tokens (``order``: the token at each position, None for the identity):
     ``index`` and ``mask`` are given in that order, inputs covering every token are read in
-    it, and ``HeadRunner`` puts the values back in token order."""
+    it, and ``ChunkedComputation`` puts the values back in token order."""
 
     backend: TakesHead
     call: Call
-    inputs: list[ChunkInput]
+    inputs: list[InputRows]
     index: Tensor | None  # [N] or [N, k] int64
     mask: Tensor | None  # [N] bool
     num_tokens: int
@@ -338,7 +338,7 @@ class HeadRun:
 class ChunkedDriver(HeadDriver):
     """The generic driver: token chunks, the backend's own forward/head_backward per chunk."""
 
-    def forward(self, run: HeadRun) -> Tensor:
+    def forward(self, run: TokenChunks) -> Tensor:
         values = []
         grad_now = run.scalar and run.needs_grad
         if grad_now:
@@ -367,7 +367,7 @@ class ChunkedDriver(HeadDriver):
                     x.buffer = None
         return torch.cat(values)
 
-    def backward(self, run: HeadRun, grad: Tensor) -> None:
+    def backward(self, run: TokenChunks, grad: Tensor) -> None:
         run.start_grads()
         run.restore_buffers()
         run.begin()
@@ -390,13 +390,13 @@ class ChunkedDriver(HeadDriver):
 CHUNKED = ChunkedDriver()
 
 
-class HeadRunner:
+class ChunkedComputation:
     """A call with Head inputs, as ``autograd.OpFunction`` runs it: the driver's forward;
     scalar results keep the gradients computed there (scaled in backward, in place: handed
     over, so a second backward raises), per-token results save the flat inputs (so an input
     modified in place before backward raises) and recompute in backward."""
 
-    def __init__(self, run: HeadRun, driver: HeadDriver, shapes: list) -> None:
+    def __init__(self, run: TokenChunks, driver: HeadDriver, shapes: list) -> None:
         self.run, self.driver, self.shapes = run, driver, shapes
         self.op = run.call.op
         self.grads: list[Tensor | None] | None = None
@@ -433,7 +433,7 @@ class HeadRunner:
         return tuple(None if g is None else g.view(shape) for g, shape in zip(grads, self.shapes))
 
 
-def run_heads(
+def run_head_values(
     backend: TakesHead,
     call: Call,
     inputs: Sequence[Any],
@@ -449,17 +449,17 @@ def run_heads(
     result is reduced to one number (gradients during forward, for the per-token upstream
     gradient ``upstream``, 0-dim, or ones); ``sequence``: the layout of the
     sequence-parallel Heads among ``inputs`` (at TP > 1)."""
-    run = _head_run(backend, call, inputs, index, mask, scalar, rows, sequence)
+    run = _token_chunks(backend, call, inputs, index, mask, scalar, rows, sequence)
     run.upstream = upstream if scalar else None
     flat: list[Tensor | None] = []
     for x in inputs:
         flat += [x.hidden, x.weight, x.bias] if isinstance(x, Head) else [x]
     driver = backend.head_driver(call) or CHUNKED
     shapes = [None if t is None else t.shape for t in flat]
-    return OpFunction.apply(HeadRunner(run, driver, shapes), *flat)
+    return OpFunction.apply(ChunkedComputation(run, driver, shapes), *flat)
 
 
-def _head_run(backend, call, inputs, index, mask, scalar, rows, sequence) -> HeadRun:
+def _token_chunks(backend, call, inputs, index, mask, scalar, rows, sequence) -> TokenChunks:
     n = call.request.num_tokens
     run_inputs = []
     for x in inputs:
@@ -467,11 +467,11 @@ def _head_run(backend, call, inputs, index, mask, scalar, rows, sequence) -> Hea
             z = x.reshape(n, x.shape[-1])
             if not meets_layout(z, backend.input_layout):  # chunks are row slices of it: 2-D
                 z = z.contiguous()
-            run_inputs.append(ChunkInput(logits=z, needs=(False, False, False, grad_needed(x))))
+            run_inputs.append(InputRows(logits=z, needs=(False, False, False, grad_needed(x))))
             continue
         spread = x.sequence_parallel and sequence is not None
         run_inputs.append(
-            ChunkInput(
+            InputRows(
                 hidden=x.hidden.reshape(math.prod(x.hidden.shape[:-1]) if spread else n, x.hidden.shape[-1]),
                 weight=x.weight,
                 bias=x.bias,
@@ -484,7 +484,7 @@ def _head_run(backend, call, inputs, index, mask, scalar, rows, sequence) -> Hea
     if order is not None:  # the chunks run in the layout's order of the tokens
         index = None if index is None else index.index_select(0, order)
         mask = None if mask is None else mask.index_select(0, order)
-    return HeadRun(
+    return TokenChunks(
         backend=backend,
         call=call,
         inputs=run_inputs,
@@ -498,10 +498,10 @@ def _head_run(backend, call, inputs, index, mask, scalar, rows, sequence) -> Hea
     )
 
 
-def run_ids(backend: Any, call: Call, x: Head, rows: int, sequence: SequenceLayout | None) -> Tensor:
+def run_head_ids(backend: Any, call: Call, x: Head, rows: int, sequence: SequenceLayout | None) -> Tensor:
     """The ids an op returning them (argmax) gives for a Head, chunk by chunk (the chunk
     count is the same on every rank: ``rows`` and ``sequence`` derive from what they share)."""
-    run = _head_run(backend, call, (x,), None, None, False, rows, sequence)
+    run = _token_chunks(backend, call, (x,), None, None, False, rows, sequence)
     out = [torch.zeros(0, dtype=torch.int64, device=x.weight.device)]
     run.begin()
     try:
@@ -528,4 +528,4 @@ def sequence_layout(rows: tuple[int, ...], rank: int, max_v_local: int, heads: S
     return SequenceLayout(rows=rows, rank=rank, per_rank=max(1, rows_per_chunk(n, max_v_local, heads) // world))
 
 
-__all__ = ["ChunkInput", "HeadRun", "ChunkedDriver", "HeadGradientConsumed", "CHUNK_BYTES", "chunk_rows"]
+__all__ = ["InputRows", "TokenChunks", "ChunkedDriver", "HeadGradientConsumed", "CHUNK_BYTES", "chunk_rows"]
