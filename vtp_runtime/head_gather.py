@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_into, reduce_scatter_into
+
 Tensor = torch.Tensor
 
 
@@ -95,15 +97,6 @@ def _on_gloo(group: Any, device: torch.device) -> bool:
     return backend == "gloo" or (device.type == "cpu" and "gloo" in backend)
 
 
-def _gather_fn():
-    # torch >= 2.13 names them *_single (the old names are deprecated); 2.11 has only the old
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _scatter_fn():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 class HiddenChunks:
     """The hidden rows of each chunk of a sequence-parallel Head, gathered from the ranks of
     ``group``, and the reduce-scatter of each chunk's hidden gradient back to them.
@@ -181,7 +174,7 @@ class HiddenChunks:
         if mine < m:  # every rank sends a block of the chunk's largest size
             send = torch.cat([send, send.new_zeros(m - mine, self.width)])
         out = self._buffer(self._gathered, c % 2)[: self.world * m]
-        work = _gather_fn()(out, send.contiguous(), group=self.group, async_op=True)
+        work = all_gather_into(out, send.contiguous(), self.group, async_op=True)
         self._in_flight[c] = ([work], out, send)
 
     def rows(self, c: int) -> Tensor:
@@ -232,7 +225,7 @@ class HiddenChunks:
             self._scatters.append((work, send, send.view(self.world, m, self.width)[self.layout.rank], place))
             return
         target = place if mine == m else partial.new_empty(m, self.width)
-        work = _scatter_fn()(target, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = reduce_scatter_into(target, send, self.group, async_op=True)
         self._scatters.append((work, send, target, None if target is place else place))
 
     def _wait(self, keep: int = 0) -> None:

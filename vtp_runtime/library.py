@@ -43,8 +43,8 @@ import torch
 from . import checks, dispatch, inputs, metadata, plans
 from .backend import Call, Compiles, Request, value_dtype
 from .invocation import Check, Invocation
-from .ops import OPS, OpSpec, features_of, get_spec
-from .outputs import finish
+from .ops import OPS, OpSpec, backend_options, features_of, get_spec
+from .outputs import finish, values_shape
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
@@ -101,10 +101,13 @@ def _options(spec: OpSpec, mask: Tensor | None, a: Mapping[str, Any]) -> dict[st
 
 
 def _backend_options(spec: OpSpec, a: Mapping[str, Any]) -> dict[str, Any]:
-    """What the op's backends get in ``Call.options``, from the custom op's arguments."""
-    return {
-        name: (spec.defaults[name] if a[name] is None else a[name]) for name in spec.options if name in _BACKEND_OPTIONS
-    }
+    """What the op's backends get in ``Call.options``, from the custom op's arguments (None:
+    the op's default)."""
+    return backend_options(spec, {**spec.defaults, **{k: v for k, v in a.items() if v is not None}})
+
+
+def _values_shape(n: Any, index: Tensor | None, a: Mapping[str, Any]) -> tuple:
+    return values_shape(n, index, a["topk"], bool(a["return_entropy"]))
 
 
 def _width(op: str, options: Mapping[str, Any]) -> int:
@@ -119,13 +122,6 @@ def _width(op: str, options: Mapping[str, Any]) -> int:
         raise RuntimeError(f"no registered backend runs {op} inside torch.compile (the Compiles protocol)")
     assert all(isinstance(w, int) for w in widths)
     return max(widths)
-
-
-def _values_shape(op: str, n: Any, index: Tensor | None, a: Mapping[str, Any]) -> tuple:
-    k = index.shape[1] if a["topk"] and index is not None else 1
-    if op == "logprobs" and a["return_entropy"]:
-        return (n, k + 1)
-    return (n, k) if a["topk"] else (n,)
 
 
 def _forward(
@@ -167,7 +163,7 @@ def _forward(
         dtype=torch.int64,
     )
     if n == 0:  # no rank has a token: nothing to compute or communicate
-        values = rows[0].new_zeros(_values_shape(op, 0, index, a), dtype=dtype)
+        values = rows[0].new_zeros(_values_shape(0, index, a), dtype=dtype)
         return values, rows[0].new_zeros((0, width), dtype=dtype), chosen
     values, state = backend.forward(call, tuple(rows), index, mask)
     if state is None:
@@ -201,7 +197,7 @@ def _(op, inputs, index, mask, *scalars):
     dtype = value_dtype(z.dtype)
     width = _width(op, _backend_options(spec, a))
     chosen = torch.empty((len(_CHOSEN),), dtype=torch.int64, device="cpu")
-    return z.new_empty(_values_shape(op, n, index, a), dtype=dtype), z.new_empty((n, width), dtype=dtype), chosen
+    return z.new_empty(_values_shape(n, index, a), dtype=dtype), z.new_empty((n, width), dtype=dtype), chosen
 
 
 def _call_of(op: str, chosen: list[int], rows: list[Tensor], index: Tensor | None, mask, a) -> tuple[Compiles, Call]:

@@ -171,6 +171,27 @@ def single_rank_shards(v_local: int, vocab_start: int | None, global_vocab_size:
     )
 
 
+def alike_shards(
+    rank: int, world: int, v_local: int, vocab_start: int | None, global_vocab_size: int | None, num_tokens: int
+) -> Shards:
+    """The shards of a call as one rank of ``world`` sees them before any gather, the other
+    ranks assumed alike (``vtp.explain`` without ``gather``)."""
+    vocab_size = v_local * world if global_vocab_size is None else global_vocab_size
+    first = rank * v_local if vocab_start is None else vocab_start
+    return Shards(
+        rank=rank,
+        tp_size=world,
+        vocab_start=first,
+        vocab_end=first + v_local,
+        vocab_size=vocab_size,
+        sizes=(v_local,) * world,
+        num_tokens=num_tokens,
+        even_shards=vocab_size == v_local * world and first == rank * v_local,
+        available=frozenset(),
+        available_per_rank=(),
+    )
+
+
 def encode(mine: RankMetadata) -> list[int]:
     """This rank's metadata vector; raises ValueError for a value int64 cannot carry."""
     row = [0] * META_SIZE

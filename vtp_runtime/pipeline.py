@@ -32,7 +32,7 @@ from .backend import TakesHead, value_dtype
 from .comm import group_rank, group_size, is_group
 from .head import Head
 from .invocation import Check, Invocation
-from .outputs import finish, head_reduction, plain_upstream
+from .outputs import finish, head_reduction, plain_upstream, values_shape
 
 Tensor = torch.Tensor
 
@@ -96,7 +96,7 @@ def execute(plan: plans.Plan, tensors: tuple, options: Mapping[str, Any]) -> Ten
             return _ids(plan, call, inputs_[0]).view(plan.lead)
     if n == 0:  # no rank has a token: nothing to compute or communicate
         parts = [p for x in inputs_ for p in ((x.hidden, x.weight, x.bias) if isinstance(x, Head) else (x,))]
-        values = autograd.no_tokens(call, _values_shape(plan, index), tuple(parts))
+        values = autograd.no_tokens(call, _empty_values_shape(plan, index), tuple(parts))
     elif plan.head_rows is not None:
         assert isinstance(plan.backend, TakesHead)  # dispatch gave Head inputs to a backend taking them
         scalar = head_reduction(options) != "none"
@@ -133,11 +133,8 @@ def fail(exc: Exception, options: Mapping[str, Any], device: torch.device | None
         sequence.fail(raised, options.get("sp_group"), device)
 
 
-def _values_shape(plan: plans.Plan, index: Tensor | None) -> tuple[int, ...]:
-    k = index.shape[-1] if plan.topk and index is not None else 1
-    if plan.backend_options.get("return_entropy"):
-        return (0, k + 1)
-    return (0, k) if plan.topk else (0,)
+def _empty_values_shape(plan: plans.Plan, index: Tensor | None) -> tuple[int, ...]:
+    return values_shape(0, index, plan.topk, bool(plan.backend_options.get("return_entropy")))
 
 
 # -- explain --------------------------------------------------------------------------------
@@ -158,32 +155,18 @@ def explain(op: str, tensors: tuple, options: dict[str, Any], gather: bool = Fal
         raise failure
     checked = checks.this_rank(Invocation(op, tensors, options))
     n, v_local = math.prod(checked.lead), checked.inputs[0].shape[-1]
-    start, given = checked.options["vocab_start"], checked.options["global_vocab_size"]
+    start, vocab_size = checked.options["vocab_start"], checked.options["global_vocab_size"]
     if world == 1:
-        shards = metadata.single_rank_shards(v_local, start, given, n)
+        shards = metadata.single_rank_shards(v_local, start, vocab_size, n)
         return dispatch.explain_request(
             plans.request_of(checked, shards, False), shards, checked.forced, checked.forced_by
         )
     rank = group_rank(group)
-    vocab_size = v_local * world if given is None else given
-    even = vocab_size == v_local * world and start in (None, rank * v_local)
-    first = rank * v_local if start is None else start
-    assumed = metadata.Shards(
-        rank=rank,
-        tp_size=world,
-        vocab_start=first,
-        vocab_end=first + v_local,
-        vocab_size=vocab_size,
-        sizes=(v_local,) * world,
-        num_tokens=n,
-        even_shards=even,
-        available=frozenset(),
-        available_per_rank=(),
-    )
+    assumed = metadata.alike_shards(rank, world, v_local, start, vocab_size, n)
     ex = dispatch.explain_request(plans.request_of(checked, assumed, False), None, checked.forced, checked.forced_by)
     ex.view = (
         f"this rank's view: rank {rank} of {world}, other ranks assumed alike "
-        f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
+        f"(shards {'even' if assumed.even_shards else 'uneven'}); explain(..., gather=True) on every rank "
         f"checks them all"
     )
     return ex
