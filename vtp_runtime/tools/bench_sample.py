@@ -19,14 +19,11 @@ can be captured. ``--device cpu`` runs the same arms at tiny sizes (perf_counter
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from .timing import copy_bandwidth, cuda_missing, time_graph, time_loop, version
+from .timing import copy_bandwidth, cuda_missing, known_names, time_cpu, time_graph, time_loop, write_results
 
 SAMPLE_OPS = ("sample", "sample_top_k", "sample_top_p", "argmax")
 HOST_READS = ("sample_top_k", "sample_top_p")  # a host read per round: no CUDA-graph timing
@@ -97,27 +94,14 @@ def peer_arm(op: str, shards: list):
     return run
 
 
-def _time_cpu(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def run(args) -> int:
     import torch
 
     device = args.device
     if cuda_missing(device, "try the sampling ops at tiny sizes on the CPU"):
         return 2
-    ops = [o for o in args.ops.split(",") if o]
-    unknown = [o for o in ops if o not in SAMPLE_OPS]
-    if unknown:
-        print(f"the sampling bench times {', '.join(SAMPLE_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
+    ops = known_names(args.ops, SAMPLE_OPS, "the sampling bench times")
+    if ops is None:
         return 2
     backends = [b for b in args.backends.split(",") if b]
     peers = {p for p in ("torch" if args.peers is None else args.peers).split(",") if p}
@@ -146,7 +130,7 @@ def run(args) -> int:
                             if not args.no_graph and op not in HOST_READS:
                                 row.graph_ms = time_graph(fn, args.reps)
                         else:
-                            row.ms = _time_cpu(fn, args.warmup, args.reps)
+                            row.ms = time_cpu(fn, args.warmup, args.reps)
                         best = min(t for t in (row.ms, row.graph_ms) if t is not None)
                         row.gbps = n * v_local * itemsize / (best * 1e-3) / 1e9
                         row.pct_copy = None if copy_gbps is None else 100 * row.gbps / copy_gbps
@@ -163,22 +147,7 @@ def run(args) -> int:
                 print(f"{op} TP{tp} N={n}", file=sys.stderr, flush=True)
     print_table(rows, copy_gbps)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "mode": "sample",
-                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    "torch": torch.__version__,
-                    "triton": version("triton"),
-                    "copy_gbps": copy_gbps,
-                    "vocab": args.vocab,
-                    "dtype": args.dtype,
-                    "argv": sys.argv,
-                    "rows": [asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
+        write_results(args.json, device, rows, mode="sample", copy_gbps=copy_gbps, vocab=args.vocab, dtype=args.dtype)
     return 0
 
 
