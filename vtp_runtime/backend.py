@@ -294,21 +294,21 @@ class HeadSupport:
     # also a sequence-parallel Head (Head(sequence_parallel=True) at TP > 1): the token-chunk
     # driver gathers each chunk's hidden rows from the ranks and reduce-scatters their
     # gradient, so a backend using it need do nothing more; a head_driver of its own must run
-    # them through HeadRun as HeadDriver says
+    # them through TokenChunks as HeadDriver says
     sequence_parallel: bool = False
 
 
 class TakesHead(Backend):
     """A ``Backend`` that takes ``vtp.Head`` inputs (the fused linear head,
-    ``vtp_runtime/head.py``). By default the core's token-chunk driver computes each chunk's
-    logits into a reused buffer and calls ``forward`` and ``head_backward`` on them: ``state``
-    must then refer to the input tensors themselves (the driver refills the buffer before
-    backward)."""
+    ``vtp_runtime/head.py``). By default the core's token-chunk driver
+    (``vtp_runtime/head_chunks.py``) computes each chunk's logits into a reused buffer and
+    calls ``forward`` and ``head_backward`` on them: ``state`` must then refer to the input
+    tensors themselves (the driver refills the buffer before backward)."""
 
     head_ops: ClassVar[Mapping[str, HeadSupport]]  # the ops that take Head inputs
 
     def head_driver(self, call: Call) -> Any:
-        """A ``vtp_runtime.head.HeadDriver`` that runs a call with Head inputs its own way
+        """A ``HeadDriver`` that runs a call with Head inputs its own way
         (e.g. a library's fused linear cross entropy), or None for the token-chunk driver."""
         return None
 
@@ -365,6 +365,29 @@ class TakesHead(Backend):
         ``mul_`` by a 0-dim fp32 tensor would send bf16 gradients through torch's unvectorized
         casting kernel); a backend may skip the pass on the device where ``scale`` is 1."""
         torch._foreach_mul_(grads, scale)
+
+
+class HeadDriver:
+    """How a call with Head inputs runs on a backend (``TakesHead.head_driver``). ``run`` is
+    the call cut in token chunks, a ``vtp_runtime.head_chunks.TokenChunks``. ``forward`` returns the per-token values
+    (fp32, fp64 for fp64 inputs; ``[N]`` or ``[N, k]``) and, when ``run.scalar`` and
+    ``run.needs_grad``, leaves the gradients for the upstream gradient
+    ``run.upstream_like(values)`` in the inputs' accumulators (after ``run.start_grads()``);
+    a driver that computes them for ones sets ``run.upstream = None``. ``backward``
+    (per-token results only) does the same for the upstream gradient ``grad``. The caller
+    all-reduces hidden gradients.
+
+    A driver of a backend declaring ``HeadSupport(sequence_parallel=True)`` also gets calls
+    with a sequence-parallel Head (``run.sequence`` set): it runs over ``run.chunks()`` after
+    ``run.begin()``, and before ``run.end()``, with ``run.chunk_logits`` and
+    ``run.accumulate``, which gather the hidden rows and scatter their gradient, and returns
+    the values in the chunk order (the order of ``run.index`` and ``run.mask``)."""
+
+    def forward(self, run: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, run: Any, grad: torch.Tensor) -> None:
+        raise NotImplementedError
 
 
 class Compiles(Backend):

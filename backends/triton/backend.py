@@ -45,8 +45,8 @@ from vtp_runtime.backend import (
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import LOSSES, OPS, kl_direction
 
-from . import fields, head_gemm
-from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig
+from . import fields, head_gemm, source
+from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig, cdiv, split_chunk, vocab_splits
 from .launch import launch
 
 LOG2E = 1.4426950408889634
@@ -109,22 +109,6 @@ def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
     }
 
 
-_KERNELS = None
-
-
-def _kernels():
-    global _KERNELS
-    if _KERNELS is None:  # imported on first use: importing this module never needs triton
-        from . import kernels
-
-        _KERNELS = kernels
-    return _KERNELS
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
     """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``.
     The kernels read columns at unit stride: anything else is refused here, never misread."""
@@ -168,15 +152,6 @@ def _one_input_options(call: Call, kind: int) -> dict[str, Any]:
         "ZLOSS": kind == fields.CE and opts["z_loss"] != 0.0,
         "WITH_ENTROPY": kind == fields.LOGPROBS and opts["return_entropy"],
     }
-
-
-def _splits(n: int, v_per_rank: int, block: int, target: int, max_splits: int) -> int:
-    tiles = max(1, _cdiv(v_per_rank, block))
-    return max(1, min(_cdiv(target, max(n, 1)), tiles, max_splits))
-
-
-def _chunk(v_local: int, splits: int, block: int) -> int:
-    return max(block, _cdiv(_cdiv(v_local, splits), block) * block)
 
 
 def _gather(part: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -321,10 +296,10 @@ class TritonBackend(TakesHead, Compiles):
             super().scale_gradients(grads, scale)
             return
         cfg = self.config_for(scale.device)
-        k = _kernels()
+        k = source.module("kernels")
         for g in grads:
             if g.numel():
-                programs = min(cfg.scale_programs, _cdiv(g.numel(), cfg.block_scale))
+                programs = min(cfg.scale_programs, cdiv(g.numel(), cfg.block_scale))
                 launch(
                     k.scale_kernel,
                     (programs,),
@@ -366,10 +341,10 @@ class TritonBackend(TakesHead, Compiles):
         state = OneInputState(z, idx, stats, keep)
         if n == 0:
             return values, state
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(dev)
         tp = call.request.tp_size
-        splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
         # a row that is neither split nor sharded is finished by the program that reads it
         finish = splits == 1 and tp == 1 and tiles is None
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
@@ -397,7 +372,7 @@ class TritonBackend(TakesHead, Compiles):
                 v_local=v_local,
                 vocab_start=call.vocab_start,
                 splits=splits,
-                chunk=_chunk(v_local, splits, cfg.block_stats),
+                chunk=split_chunk(v_local, splits, cfg.block_stats),
                 # the z-loss term is added where a row is finished (here only with FINISH)
                 ZLOSS=zloss and finish,
                 FINISH=finish,
@@ -409,7 +384,7 @@ class TritonBackend(TakesHead, Compiles):
         part, n_parts = _gather(part, call.group)
         launch(
             k.finish1_kernel,
-            (_cdiv(n, cfg.block_rows),),
+            (cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
             **shared,
             part_ptr=part,
@@ -428,8 +403,8 @@ class TritonBackend(TakesHead, Compiles):
         if n == 0:
             return values, state
         cfg = self.config_for(a.device)
-        splits = _splits(
-            n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats, cfg.target_programs, cfg.max_splits
+        splits = vocab_splits(
+            n, cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats, cfg.target_programs, cfg.max_splits
         )
         finish = splits == 1 and call.request.tp_size == 1  # see _forward1
         part = self._stats2(call, cfg, a, b, values, state, splits, with_kl=True, finish=finish)
@@ -445,11 +420,11 @@ class TritonBackend(TakesHead, Compiles):
         n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
         if n == 0:
             return values, state
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(dev)
-        v_per_rank = _cdiv(call.vocab_size, call.request.tp_size)
-        splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
+        v_per_rank = cdiv(call.vocab_size, call.request.tp_size)
+        splits = vocab_splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        div_splits = vocab_splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
         # what both JSD passes read (a = student, b = teacher) besides their partials
         shared = {
             **_pair_args(student, teacher),
@@ -491,7 +466,7 @@ class TritonBackend(TakesHead, Compiles):
             part_ptr=part2,
             n_rows=n,
             splits=div_splits,
-            chunk=_chunk(v_local, div_splits, cfg.block_div),
+            chunk=split_chunk(v_local, div_splits, cfg.block_div),
             BLOCK=cfg.block_div,
             num_warps=cfg.warps_div,
         )
@@ -517,7 +492,7 @@ class TritonBackend(TakesHead, Compiles):
         n_fields = fields.KL_FIELDS if with_kl else fields.PAIR_FIELDS
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=a.device)
         launch(
-            _kernels().stats2_kernel,
+            source.module("kernels").stats2_kernel,
             (n * splits,),
             cfg.fast_launch,
             **_pair_args(a, b),
@@ -528,7 +503,7 @@ class TritonBackend(TakesHead, Compiles):
             n_rows=n,
             v_local=v_local,
             splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats),
+            chunk=split_chunk(v_local, splits, cfg.block_stats),
             k2=LOG2E / call.options["temperature"],
             WITH_KL=with_kl,
             HAS_KEEP=keep is not None,
@@ -546,8 +521,8 @@ class TritonBackend(TakesHead, Compiles):
         part, n_parts = _gather(part, call.group)
         n, keep = values.shape[0], state.keep
         launch(
-            _kernels().finish2_kernel,
-            (_cdiv(n, cfg.block_rows),),
+            source.module("kernels").finish2_kernel,
+            (cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
             part_ptr=part,
             n_parts=n_parts,
@@ -565,9 +540,9 @@ class TritonBackend(TakesHead, Compiles):
 
     # -- backward ----------------------------------------------------------------------
     def _bwd_splits(self, cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
-        tiles = max(1, _cdiv(v_local, cfg.block_bwd))
-        splits = max(1, min(_cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
-        return splits, _chunk(v_local, splits, cfg.block_bwd)
+        tiles = max(1, cdiv(v_local, cfg.block_bwd))
+        splits = max(1, min(cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
+        return splits, split_chunk(v_local, splits, cfg.block_bwd)
 
     def _backward1(self, call: Call, state: OneInputState, grad, in_place: bool = False):
         kind = _ONE_INPUT_KIND[call.op]
@@ -578,7 +553,7 @@ class TritonBackend(TakesHead, Compiles):
         dz = z if in_place else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         if n == 0 or v_local == 0:
             return (dz,)
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
         launch(
@@ -620,7 +595,7 @@ class TritonBackend(TakesHead, Compiles):
         db = (b if in_place_b else torch.empty(b.shape, dtype=b.dtype, device=b.device)) if need_b else None
         n, v_local = _num_rows(a), a.shape[-1]
         if (need_a or need_b) and n > 0 and v_local > 0:
-            k = _kernels()
+            k = source.module("kernels")
             cfg = self.config_for(a.device)
             splits, chunk = self._bwd_splits(cfg, n, v_local)
             launch(

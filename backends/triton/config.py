@@ -27,6 +27,7 @@ class LaunchConfig:
     max_splits: int = 64
     bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
     block_rows: int = 128  # finishing kernels: rows per program
+    decode_rows: int = 1  # a TP = 1 argmax / sample in one launch: rows per program (a power of two)
     warps_finish: int = 4
     block_scale: int = 2048  # scaling a fused head's gradients in backward: tile, warps, programs
     warps_scale: int = 4
@@ -66,6 +67,7 @@ INTERPRETER_CONFIG = LaunchConfig(
     max_splits=4,
     bwd_target_programs=16,
     block_rows=16,
+    decode_rows=16,
     warps_finish=1,
     block_scale=16,
     warps_scale=1,
@@ -80,3 +82,20 @@ INTERPRETER_CONFIG = LaunchConfig(
     head_programs=3,
     head_merge_tiles=4,
 )
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints."""
+    return -(-a // b)
+
+
+def vocab_splits(n: int, v_per_rank: int, block: int, target: int, max_splits: int) -> int:
+    """How many chunks each of ``n`` rows' local vocabulary is cut into for a forward pass
+    (see ``LaunchConfig.target_programs``): at most one per tile of the (even) shard."""
+    tiles = max(1, cdiv(v_per_rank, block))
+    return max(1, min(cdiv(target, max(n, 1)), tiles, max_splits))
+
+
+def split_chunk(v_local: int, splits: int, block: int) -> int:
+    """The columns of one of ``splits`` chunks of a local vocabulary: whole tiles."""
+    return max(block, cdiv(cdiv(v_local, splits), block) * block)

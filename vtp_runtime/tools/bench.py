@@ -26,11 +26,22 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from .bench_sample import SAMPLE_OPS
-from .timing import copy_bandwidth, cuda_missing, fmt, peak, print_rows, time_graph, time_loop, time_stream, version
+from .timing import (
+    copy_bandwidth,
+    cuda_missing,
+    fmt,
+    peak,
+    print_rows,
+    time_graph,
+    time_loop,
+    time_stream,
+    version,
+    write_results,
+)
 
 # logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
 OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
@@ -414,24 +425,17 @@ def run(args) -> int:
     overhead = dispatch_overhead() if args.overhead else None
     print_table(rows, copy_gbps, overhead)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "triton": version("triton"),
-                    "liger_kernel": version("liger-kernel"),
-                    "copy_gbps": copy_gbps,
-                    "vocab": args.vocab,
-                    "dtype": args.dtype,
-                    "beta": args.beta,
-                    "argv": sys.argv,
-                    "dispatch_overhead_us": overhead,
-                    "rows": [asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
+        write_results(
+            args.json,
+            "cuda",
+            rows,
+            liger_kernel=version("liger-kernel"),
+            copy_gbps=copy_gbps,
+            vocab=args.vocab,
+            dtype=args.dtype,
+            beta=args.beta,
+            dispatch_overhead_us=overhead,
+        )
     if args.plot:
         _plot(rows, args.plot, args.vocab)
     return 0

@@ -30,12 +30,10 @@ On CPU (``--device cpu``, for trying it out at tiny sizes) memory is not measure
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .timing import cuda_missing, fmt, print_rows, time_loop, version
+from .timing import cuda_missing, fmt, known_names, print_rows, time_cpu, time_loop, version, write_results
 
 HEAD_OPS = ("cross_entropy", "jsd")
 VTP_ARMS = ("materialized", "fused", "fused_cublas", "fused_none")  # the arms run once per vtp backend
@@ -184,15 +182,10 @@ def _available(peer: str) -> bool:
 
 
 def _time(fn, device: str, warmup: int, reps: int) -> float:
+    if device != "cuda":
+        return time_cpu(fn, warmup, reps)
     for _ in range(warmup):
         fn()
-    if device != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
 
     return time_loop(fn, 0, reps)
 
@@ -216,10 +209,8 @@ def run(args) -> int:
     device = args.device
     if cuda_missing(device, "try --head at tiny sizes on the CPU"):
         return 2
-    ops = [o for o in args.ops.split(",") if o] if args.ops else list(HEAD_OPS)
-    unknown = [o for o in ops if o not in HEAD_OPS]
-    if unknown:
-        print(f"--head times {', '.join(HEAD_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
+    ops = known_names(args.ops or ",".join(HEAD_OPS), HEAD_OPS, "--head times")
+    if ops is None:
         return 2
     backends = [b for b in args.backends.split(",") if b]
     peers = {p for p in ("torch,liger,cce" if args.peers is None else args.peers).split(",") if p}
@@ -288,25 +279,18 @@ def run(args) -> int:
             r.vs_mat = r.ms / ref.ms
     print_table(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "mode": "head",
-                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    "torch": torch.__version__,
-                    "triton": version("triton"),
-                    "liger_kernel": version("liger-kernel"),
-                    "cut_cross_entropy": version("cut-cross-entropy"),
-                    "vocab": args.vocab,
-                    "hidden": hidden,
-                    "dtype": args.dtype,
-                    "beta": args.beta,
-                    "argv": sys.argv,
-                    "rows": [asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
+        write_results(
+            args.json,
+            device,
+            rows,
+            mode="head",
+            liger_kernel=version("liger-kernel"),
+            cut_cross_entropy=version("cut-cross-entropy"),
+            vocab=args.vocab,
+            hidden=hidden,
+            dtype=args.dtype,
+            beta=args.beta,
+        )
     if args.plot:
         plot(rows, args.plot, args.vocab, hidden)
     return 0

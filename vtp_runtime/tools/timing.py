@@ -4,9 +4,13 @@ the text tables."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
+import time
 from collections.abc import Iterable
+from dataclasses import asdict
+from typing import Any
 
 
 def cuda_missing(device: str, cpu_hint: str | None = None) -> bool:
@@ -19,6 +23,28 @@ def cuda_missing(device: str, cpu_hint: str | None = None) -> bool:
     hint = f"; pass --device cpu to {cpu_hint}" if cpu_hint else ""
     print(f"vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False){hint}", file=sys.stderr)
     return True
+
+
+def known_names(text: str, known: Iterable[str], what: str) -> list[str] | None:
+    """The comma-separated names of ``text``, or None (said on stderr) where one is unknown."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"{what} {', '.join(known)}; not {', '.join(unknown)}", file=sys.stderr)
+        return None
+    return names
+
+
+def time_cpu(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds of one ``fn()`` on the host clock, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def time_loop(fn, warmup: int, reps: int) -> float:
@@ -122,3 +148,20 @@ def print_rows(header: str, lines: Iterable[str]) -> None:
     print("-" * len(header))
     for line in lines:
         print(line)
+
+
+def write_results(path: str, device: str, rows: Iterable, **fields: Any) -> None:
+    """A run's measurements as JSON: the device and versions, ``fields``, the command line
+    and one object per row (a dataclass)."""
+    import torch
+
+    data = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        **fields,
+        "argv": sys.argv,
+        "rows": [asdict(r) for r in rows],
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
