@@ -17,6 +17,7 @@ import vtp_runtime as vtp
 from vtp_runtime import plans, sampling
 from vtp_runtime.backends.triton import TritonBackend
 from vtp_runtime.backends.triton import sampling as triton_sampling
+from vtp_runtime.invocation import Invocation
 
 V = 23
 
@@ -58,7 +59,7 @@ def edge_logits(n: int, v: int, seed: int = 0, device: str = "cpu") -> torch.Ten
 
 
 def _plan(x: torch.Tensor, op: str, options: dict[str, Any]) -> plans.Plan:
-    return plans.plan_for(op, (x,), {"backend": "triton", **options})
+    return plans.plan_for(Invocation(op, (x,), {"backend": "triton", **options}))
 
 
 def one_launch_and_rounds(

@@ -20,6 +20,7 @@ can be captured. ``--device cpu`` runs the same arms at tiny sizes (perf_counter
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,15 @@ HOST_READS = ("sample_top_k", "sample_top_p")  # a host read per round: no CUDA-
 TOKENS = "1,8,64,256,8192"
 TPS = "1,2,4"
 TOP_K, TOP_P = 50, 0.9
+
+
+@dataclass
+class DecodeRow:
+    """One decode arm at one row count: wall µs per call back to back."""
+
+    tokens: int
+    arm: str
+    us: float
 
 
 @dataclass
@@ -292,9 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             times[(n, name)] = wall_us(fn, args.warmup, args.reps)
     print(decode_table(times, tokens, f"TP=1, V={args.vocab}, {args.dtype}, {args.device}"))
     if args.json:
-        with open(args.json, "w") as f:
-            rows = [{"tokens": n, "arm": a, "us": t} for (n, a), t in times.items()]
-            json.dump({"mode": "decode", "tp": 1, "argv": sys.argv, "rows": rows}, f, indent=1)
+        rows = [DecodeRow(n, a, t) for (n, a), t in times.items()]
+        write_results(args.json, args.device, rows, mode="decode", tp=1)
     return 0
 
 
