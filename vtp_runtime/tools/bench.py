@@ -25,7 +25,7 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from vtp_runtime.cli_flags import names, non_negative_int, positive_int, positive_ints, unit_float
@@ -45,6 +45,7 @@ from .timing import (
     time_loop,
     time_stream,
     version,
+    write_results,
 )
 
 # logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
@@ -460,24 +461,17 @@ def run(args) -> int:
     overhead = dispatch_overhead() if args.overhead else None
     print_table(rows, copy_gbps, overhead)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "triton": version("triton"),
-                    "liger_kernel": version("liger-kernel"),
-                    "copy_gbps": copy_gbps,
-                    "vocab": args.vocab,
-                    "dtype": args.dtype,
-                    "beta": args.beta,
-                    "argv": sys.argv,
-                    "dispatch_overhead_us": overhead,
-                    "rows": [asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
+        write_results(
+            args.json,
+            "cuda",
+            rows,
+            liger_kernel=version("liger-kernel"),
+            copy_gbps=copy_gbps,
+            vocab=args.vocab,
+            dtype=args.dtype,
+            beta=args.beta,
+            dispatch_overhead_us=overhead,
+        )
     if args.plot:
         _plot(rows, args.plot, args.vocab)
     return no_row_ran(rows, lambda r: r.arm, backends)

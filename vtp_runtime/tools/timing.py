@@ -4,9 +4,12 @@ the text tables."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict
 from typing import Any
 
 
@@ -39,6 +42,18 @@ def no_row_ran(rows: Sequence[Any], backend_of: Callable[[Any], str], backends: 
         print(f"vtp-runtime bench: no row ran ({why})", file=sys.stderr)
         return 1
     return 0
+
+
+def time_cpu(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds of one ``fn()`` on the host clock, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def time_loop(fn, warmup: int, reps: int) -> float:
@@ -142,3 +157,20 @@ def print_rows(header: str, lines: Iterable[str]) -> None:
     print("-" * len(header))
     for line in lines:
         print(line)
+
+
+def write_results(path: str, device: str, rows: Iterable, **fields: Any) -> None:
+    """A run's measurements as JSON: the device and versions, ``fields``, the command line
+    and one object per row (a dataclass)."""
+    import torch
+
+    data = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        **fields,
+        "argv": sys.argv,
+        "rows": [asdict(r) for r in rows],
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
