@@ -333,9 +333,15 @@ def test_gpu_both_paths_against_float64_and_each_other(op, tp):
         )
     second = (vtp.Head(*teacher),) if teacher is not None else (y,)
     opts: dict[str, Any] = {"beta": 0.5} if op == "jsd" else {}
-    assert "triton epilogue GEMM" in str(vtp.explain(op, vtp.Head(h, w), *second, backend="triton", **opts))
+    # below the shard size where cuBLAS was measured faster the GEMM is taken only when asked
+    gemm = "" if v_local >= head_gemm.MIN_CUDA_V_LOCAL else "triton"
+    with _head_gemm_env(gemm):
+        assert "triton epilogue GEMM" in str(vtp.explain(op, vtp.Head(h, w), *second, backend="triton", **opts))
+    if gemm:
+        with _head_gemm_env(""):
+            assert "measured faster" in str(vtp.explain(op, vtp.Head(h, w), *second, backend="triton", **opts))
     runs = {}
-    for force, used in (("", True), ("cublas", False)):
+    for force, used in ((gemm, True), ("cublas", False)):
         with _head_gemm_env(force), _counting_gemm() as calls:
             out = vtp.loss(op, vtp.Head(h, w), *second, reduction="sum", backend="triton", **opts)
             runs[force] = (out.detach(), *torch.autograd.grad(out, (h, w)))
@@ -347,6 +353,6 @@ def test_gpu_both_paths_against_float64_and_each_other(op, tp):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
     for i, what in enumerate(("value", "dh", "dW")):
-        e_gemm, e_cublas = rel(runs[""][i], ref[i]), rel(runs["cublas"][i], ref[i])
+        e_gemm, e_cublas = rel(runs[gemm][i], ref[i]), rel(runs["cublas"][i], ref[i])
         assert e_gemm <= max(1.5 * e_cublas, 1e-3) and e_gemm < 3e-2, (what, e_gemm, e_cublas)
-        assert rel(runs[""][i], runs["cublas"][i]) < 2e-2, what
+        assert rel(runs[gemm][i], runs["cublas"][i]) < 2e-2, what

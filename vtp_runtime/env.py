@@ -39,5 +39,7 @@ def triton_interpret() -> bool:
 def head_gemm() -> str:
     """``VTP_HEAD_GEMM``: "cublas" forces the fused head's logits through ``torch.mm``
     (cuBLAS chunks) on a backend that has a GEMM of its own (the triton backend's epilogue
-    GEMM); "" (unset, or any other value) lets the backend choose by capability."""
-    return "cublas" if text("VTP_HEAD_GEMM").lower() == "cublas" else ""
+    GEMM); "triton" takes that GEMM wherever it can run, also where cuBLAS chunks were
+    measured faster; "" (unset, or any other value) lets the backend choose."""
+    value = text("VTP_HEAD_GEMM").lower()
+    return value if value in ("cublas", "triton") else ""

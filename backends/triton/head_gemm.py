@@ -43,6 +43,9 @@ OPS_REFUSED = {
 }
 ROUTE = "triton epilogue GEMM (softmax statistics in the logits matmul's epilogue)"
 FALLBACK = "cuBLAS chunks"
+# On CUDA, vocabulary shards narrower than this take cuBLAS chunks: the GEMM won at a shard of
+# 151936 and lost at 75968 and 37984 on the H200 (docs/benchmarks.md, "Fused head")
+MIN_CUDA_V_LOCAL = 100_000
 STATS_MODE = 1  # head_matmul_kernel's STATS epilogue
 
 
@@ -143,6 +146,11 @@ def tensors_refusal(
         return f"logits rows of {v_local} are not a multiple of 16 bytes (TMA)"
     if bias is not None and bias.stride(0) != 1 and bias.shape[0] > 1:
         return "the bias is not contiguous"
+    if weight.is_cuda and weight.shape[0] < MIN_CUDA_V_LOCAL and env.head_gemm() != "triton":
+        return (
+            f"a vocabulary shard of {weight.shape[0]} rows: below {MIN_CUDA_V_LOCAL} cuBLAS chunks were "
+            "measured faster (docs/benchmarks.md, Fused head); VTP_HEAD_GEMM=triton takes the GEMM anyway"
+        )
     return None
 
 
