@@ -50,8 +50,8 @@ from vtp_runtime.backend import (
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import LOSSES, OPS, kl_direction
 
-from . import fields
-from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig
+from . import fields, head_gemm, source
+from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig, cdiv, split_chunk, vocab_splits
 from .launch import launch
 
 LOG2E = 1.4426950408889634
@@ -114,22 +114,6 @@ def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
         op: OpCapability(device_types=device_types, dtypes=LOW_DTYPES, features=frozenset(spec.features))
         for op, spec in OPS.items()
     }
-
-
-_KERNELS = None
-
-
-def _kernels():
-    global _KERNELS
-    if _KERNELS is None:  # imported on first use: importing this module never needs triton
-        from . import kernels
-
-        _KERNELS = kernels
-    return _KERNELS
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
@@ -197,15 +181,6 @@ def _upstream_args(call: Call, state: OneInputState | PairState, grad: torch.Ten
         args["g_col"] = grad.stride(1) if grad.dim() == 2 else 0
     args["MEAN"] = call.reduction == "mean"
     return args
-
-
-def _splits(n: int, v_per_rank: int, block: int, target: int, max_splits: int) -> int:
-    tiles = max(1, _cdiv(v_per_rank, block))
-    return max(1, min(_cdiv(target, max(n, 1)), tiles, max_splits))
-
-
-def _chunk(v_local: int, splits: int, block: int) -> int:
-    return max(block, _cdiv(_cdiv(v_local, splits), block) * block)
 
 
 def _gather(part: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -302,6 +277,38 @@ class TritonBackend(TakesHead, Compiles, Reduces):
     def backward(self, call, state, grad):
         return self.head_backward(call, state, grad, (False, False))
 
+    # -- the fused head: the logits GEMM with the statistics in its epilogue (head_gemm.py) -------
+    def head_logits(self, call, hidden, weight, bias, out):
+        """Where ``head_gemm.chunk_refusal`` allows: the Triton GEMM, returning its per-tile
+        partials for ``head_forward``; else None (the driver's torch.mm)."""
+        if head_gemm.chunk_refusal(call, hidden, weight, bias, out) is not None:
+            return None
+        return head_gemm.logits_with_statistics(self.config_for(out.device), call, hidden, weight, bias, out)
+
+    def head_forward(self, call, inputs, index, mask, partials):
+        """With every input's tile partials (``head_logits``), the forward merges them instead
+        of running the statistics pass over the logits; else ``forward``."""
+        if not partials or any(p is None for p in partials):
+            return self.forward(call, inputs, index, mask)
+        if call.op in _ONE_INPUT_KIND:
+            return self._forward1(call, inputs[0], index, mask, tiles=partials[0])
+        return self._forward_jsd(call, inputs, mask, call.options["beta"], tiles=partials)
+
+    def head_logits_route(self, device_type, request=None, options=None, parts=()):
+        if request is None:
+            types = self.ops["cross_entropy"].device_types
+            if types is not None and device_type not in types:
+                return head_gemm.route(f"{self.name} does not run on {device_type}")
+            why = head_gemm.device_refusal(torch.device(device_type))
+            if why is None:
+                return (
+                    f"{head_gemm.ROUTE} for {', '.join(head_gemm.OPS)} where the Head's tensors allow "
+                    f"(vtp.explain says per call), else {head_gemm.FALLBACK}"
+                )
+            return head_gemm.route(why)
+        device = parts[0][1].device if parts else torch.device(request.device_type)
+        return head_gemm.route(head_gemm.refusal(device, request.dtype, request.op, request.features, options, parts))
+
     def head_backward(self, call, state, grad, scratch):
         """Under the fused head the kernels write each gradient over its logits buffer: every
         program reads a tile of the inputs before it writes that tile, and nothing else reads
@@ -320,10 +327,10 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             super().scale_gradients(grads, scale)
             return
         cfg = self.config_for(scale.device)
-        k = _kernels()
+        k = source.module("kernels")
         for g in grads:
             if g.numel():
-                programs = min(cfg.scale_programs, _cdiv(g.numel(), cfg.block_scale))
+                programs = min(cfg.scale_programs, cdiv(g.numel(), cfg.block_scale))
                 launch(
                     k.scale_kernel,
                     (programs,),
@@ -336,7 +343,9 @@ class TritonBackend(TakesHead, Compiles, Reduces):
                     num_warps=cfg.warps_scale,
                 )
 
-    def _forward1(self, call: Call, z: torch.Tensor, index, mask):
+    def _forward1(self, call: Call, z: torch.Tensor, index, mask, tiles: torch.Tensor | None = None):
+        """``tiles``: the logits GEMM's per-tile partials of ``z`` (``head_gemm``), merged in
+        place of the statistics pass."""
         kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]
         dev = z.device
@@ -362,14 +371,14 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
         if n == 0:
             return values, OneInputState(z, idx, stats, keep)
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(dev)
         tp = call.request.tp_size
-        splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
         # a row that is neither split nor sharded is finished by the program that reads it;
         # split rows at one rank by the last program of the row (nothing to gather between)
-        finish = splits == 1 and tp == 1
-        merge = not finish and tp == 1 and cfg.merge_rows
+        finish = splits == 1 and tp == 1 and tiles is None
+        merge = not finish and tp == 1 and cfg.merge_rows and tiles is None
         reduce = _REDUCE[call.reduction]
         scratch = _scratch(reduce != fields.REDUCE_NONE, n if merge else 0, dev)
         out = torch.empty((), dtype=torch.float32, device=dev) if reduce else values
@@ -390,30 +399,33 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             "BLOCK_REDUCE": cfg.block_reduce,
             **options,
         }
-        launch(
-            k.stats1_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            **_row_args(z),
-            **shared,
-            part_ptr=part,
-            v_local=v_local,
-            vocab_start=call.vocab_start,
-            splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats),
-            # the z-loss term is added where a row is finished (here with FINISH or MERGE)
-            ZLOSS=zloss and (finish or merge),
-            FINISH=finish,
-            MERGE=merge,
-            BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats,
-        )
+        if tiles is not None:
+            head_gemm.tile_partials(cfg, call, tiles, part, z, kind=kind, index=idx)
+        else:
+            launch(
+                k.stats1_kernel,
+                (n * splits,),
+                cfg.fast_launch,
+                **_row_args(z),
+                **shared,
+                part_ptr=part,
+                v_local=v_local,
+                vocab_start=call.vocab_start,
+                splits=splits,
+                chunk=split_chunk(v_local, splits, cfg.block_stats),
+                # the z-loss term is added where a row is finished (here with FINISH or MERGE)
+                ZLOSS=zloss and (finish or merge),
+                FINISH=finish,
+                MERGE=merge,
+                BLOCK=cfg.block_stats,
+                num_warps=cfg.warps_stats,
+            )
         if finish or merge:
             return out, state
         part, n_parts = _gather(part, call.group)
         launch(
             k.finish1_kernel,
-            (_cdiv(n, cfg.block_rows),),
+            (cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
             **shared,
             part_ptr=part,
@@ -433,7 +445,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             return values, state
         cfg = self.config_for(a.device)
         tp = call.request.tp_size
-        splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
         finish = splits == 1 and tp == 1  # see _forward1
         merge = not finish and tp == 1 and cfg.merge_rows
         out = _reduced(call, state, n if merge else 0, values)
@@ -442,19 +454,21 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             self._finish2(call, cfg, part, values, out, state, fields.KL, beta=0.0)  # beta: read only by the JSD kind
         return out, state
 
-    def _forward_jsd(self, call: Call, inputs, mask, beta: float):
+    def _forward_jsd(self, call: Call, inputs, mask, beta: float, tiles: tuple | None = None):
+        """``tiles``: both inputs' per-tile partials from the logits GEMM (``head_gemm``),
+        merged in place of the statistics pass."""
         student, teacher = inputs
         values, state = _pair_outputs(student, teacher, mask, fields.JSD_STATS)
         n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
         if n == 0:
             return values, state
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(dev)
         tp = call.request.tp_size
-        v_per_rank = _cdiv(call.vocab_size, tp)
-        splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
-        whole = splits == 1 and div_splits == 1 and tp == 1  # one launch, see _forward1
+        v_per_rank = cdiv(call.vocab_size, tp)
+        splits = vocab_splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        div_splits = vocab_splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
+        whole = splits == 1 and div_splits == 1 and tp == 1 and tiles is None  # one launch, see _forward1
         merge = not whole and tp == 1 and cfg.merge_rows  # the divergence pass's rows, see _forward1
         out = _reduced(call, state, n if merge else 0, values)
         reduce = {
@@ -474,7 +488,11 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             "HAS_KEEP": keep is not None,
             "FAST_LOG2": cfg.fast_log2,
         }
-        if whole:
+        if tiles is not None:
+            part = torch.empty((splits, n, fields.PAIR_FIELDS), dtype=torch.float32, device=dev)
+            for side, (t, z) in enumerate(zip(tiles, inputs)):
+                head_gemm.tile_partials(cfg, call, t, part, z, pair_side=side)
+        elif whole:
             launch(
                 k.jsd_row_kernel,
                 (n,),
@@ -488,7 +506,8 @@ class TritonBackend(TakesHead, Compiles, Reduces):
                 num_warps=cfg.warps_div,
             )
             return out, state
-        part = self._stats2(call, cfg, student, teacher, values, out, state, splits, with_kl=False)
+        else:
+            part = self._stats2(call, cfg, student, teacher, values, out, state, splits, with_kl=False)
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, fields.DIV_FIELDS), dtype=torch.float32, device=dev)
         launch(
@@ -503,7 +522,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             val_ptr=values,
             n_rows=n,
             splits=div_splits,
-            chunk=_chunk(v_local, div_splits, cfg.block_div),
+            chunk=split_chunk(v_local, div_splits, cfg.block_div),
             MERGE=merge,
             BLOCK=cfg.block_div,
             num_warps=cfg.warps_div,
@@ -535,7 +554,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         n_fields = fields.KL_FIELDS if with_kl else fields.PAIR_FIELDS
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=a.device)
         launch(
-            _kernels().stats2_kernel,
+            source.module("kernels").stats2_kernel,
             (n * splits,),
             cfg.fast_launch,
             **_pair_args(a, b),
@@ -548,7 +567,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             n_rows=n,
             v_local=v_local,
             splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats),
+            chunk=split_chunk(v_local, splits, cfg.block_stats),
             k2=LOG2E / call.options["temperature"],
             WITH_KL=with_kl,
             HAS_KEEP=keep is not None,
@@ -569,8 +588,8 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         part, n_parts = _gather(part, call.group)
         n, keep = values.shape[0], state.keep
         launch(
-            _kernels().finish2_kernel,
-            (_cdiv(n, cfg.block_rows),),
+            source.module("kernels").finish2_kernel,
+            (cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
             part_ptr=part,
             n_parts=n_parts,
@@ -592,9 +611,9 @@ class TritonBackend(TakesHead, Compiles, Reduces):
 
     # -- backward ----------------------------------------------------------------------
     def _bwd_splits(self, cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
-        tiles = max(1, _cdiv(v_local, cfg.block_bwd))
-        splits = max(1, min(_cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
-        return splits, _chunk(v_local, splits, cfg.block_bwd)
+        tiles = max(1, cdiv(v_local, cfg.block_bwd))
+        splits = max(1, min(cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
+        return splits, split_chunk(v_local, splits, cfg.block_bwd)
 
     def _backward1(self, call: Call, state: OneInputState, grad, in_place: bool = False):
         kind = _ONE_INPUT_KIND[call.op]
@@ -605,7 +624,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         dz = z if in_place else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         if n == 0 or v_local == 0:
             return (dz,)
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
         launch(
@@ -647,7 +666,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         db = (b if in_place_b else torch.empty(b.shape, dtype=b.dtype, device=b.device)) if need_b else None
         n, v_local = _num_rows(a), a.shape[-1]
         if (need_a or need_b) and n > 0 and v_local > 0:
-            k = _kernels()
+            k = source.module("kernels")
             cfg = self.config_for(a.device)
             splits, chunk = self._bwd_splits(cfg, n, v_local)
             launch(
