@@ -44,6 +44,8 @@ INT_ARGS = {
     "st_a",
     "st_b",
     "n_stats_parts",
+    "g_row",
+    "g_col",
     "seed_key",
     "row_offset",
     "top_k",
@@ -57,7 +59,9 @@ def signature(fn, dtype: str, const: dict) -> dict:
         if name in const:
             sig[name] = "constexpr"
         elif name in INT_ARGS:
-            sig[name] = "i64" if name.startswith(("s", "stride")) and name not in ("splits", "seed_key") else "i32"
+            sig[name] = (
+                "i64" if name.startswith(("s", "stride", "g_")) and name not in ("splits", "seed_key") else "i32"
+            )
         elif name in FLOAT_ARGS:
             sig[name] = "fp32"
         elif name in ("z_ptr", "a_ptr", "b_ptr", "s_ptr", "t_ptr", "dz_ptr", "da_ptr", "db_ptr"):
@@ -66,6 +70,8 @@ def signature(fn, dtype: str, const: dict) -> dict:
             sig[name] = "*i64"
         elif name == "keep_ptr":
             sig[name] = "*u8"
+        elif name == "red_ptr":
+            sig[name] = "*i32"
         else:
             sig[name] = "*fp32"
     return sig
@@ -80,10 +86,12 @@ def compile_one(fn, dtype, const, num_warps):
 def main() -> int:
     jobs = []
     for dt in ("bf16", "fp16", "fp32"):
-        for kind, smooth, keep, ent, finish in itertools.product(
-            (0, 1, 2), (False, True), (False, True), (False, True), (False, True)
+        for kind, smooth, keep, ent, finish, reduce in itertools.product(
+            (0, 1, 2), (False, True), (False, True), (False, True), (False, True), (0, 2)
         ):
             if ent and kind != 1:  # WITH_ENTROPY: log-probs only
+                continue
+            if ent and reduce:  # two outputs: the core reduces
                 continue
             jobs.append(
                 (
@@ -92,22 +100,33 @@ def main() -> int:
                     dict(
                         KIND=kind,
                         SMOOTH=smooth,
-                        ZLOSS=smooth and finish,
+                        ZLOSS=smooth,
                         HAS_KEEP=keep,
                         WITH_ENTROPY=ent,
                         FINISH=finish,
+                        MERGE=not finish,
+                        REDUCE=reduce,
                         BLOCK=C.block_stats,
+                        BLOCK_REDUCE=C.block_reduce,
                     ),
                     C.warps_stats,
                 )
             )
-            if finish:  # the backward kernel has no FINISH
+            if finish or reduce == 2 and (smooth or keep):  # the backward kernel has no FINISH
                 continue
             jobs.append(
                 (
                     K.backward1_kernel,
                     dt,
-                    dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=keep, WITH_ENTROPY=ent, BLOCK=C.block_bwd),
+                    dict(
+                        KIND=kind,
+                        SMOOTH=smooth,
+                        ZLOSS=smooth,
+                        HAS_KEEP=keep,
+                        WITH_ENTROPY=ent,
+                        MEAN=reduce == 2,
+                        BLOCK=C.block_bwd,
+                    ),
                     C.warps_bwd,
                 )
             )
@@ -116,20 +135,52 @@ def main() -> int:
                 (
                     K.stats2_kernel,
                     dt,
-                    dict(WITH_KL=with_kl, HAS_KEEP=keep, FINISH=False, BLOCK=C.block_stats),
+                    dict(
+                        WITH_KL=with_kl,
+                        HAS_KEEP=keep,
+                        FINISH=False,
+                        MERGE=with_kl,
+                        REDUCE=2 if with_kl else 0,
+                        BLOCK=C.block_stats,
+                        BLOCK_REDUCE=C.block_reduce,
+                    ),
                     C.warps_stats,
                 )
             )
         jobs.append(
-            (K.stats2_kernel, dt, dict(WITH_KL=True, HAS_KEEP=True, FINISH=True, BLOCK=C.block_stats), C.warps_stats)
+            (
+                K.stats2_kernel,
+                dt,
+                dict(
+                    WITH_KL=True,
+                    HAS_KEEP=True,
+                    FINISH=True,
+                    MERGE=False,
+                    REDUCE=2,
+                    BLOCK=C.block_stats,
+                    BLOCK_REDUCE=C.block_reduce,
+                ),
+                C.warps_stats,
+            )
         )
-        jobs.append((K.jsd_div_kernel, dt, dict(HAS_KEEP=False, FAST_LOG2=True, BLOCK=C.block_div), C.warps_div))
+        for merge in (False, True):
+            const = dict(HAS_KEEP=merge, FAST_LOG2=True, MERGE=merge, REDUCE=2 if merge else 0)
+            jobs.append(
+                (K.jsd_div_kernel, dt, {**const, "BLOCK": C.block_div, "BLOCK_REDUCE": C.block_reduce}, C.warps_div)
+            )
         for keep in (False, True):
             jobs.append(
                 (
                     K.jsd_row_kernel,
                     dt,
-                    dict(HAS_KEEP=keep, FAST_LOG2=True, BLOCK_STATS=C.block_stats, BLOCK_DIV=C.block_div),
+                    dict(
+                        HAS_KEEP=keep,
+                        FAST_LOG2=True,
+                        REDUCE=2 if keep else 1,
+                        BLOCK_STATS=C.block_stats,
+                        BLOCK_DIV=C.block_div,
+                        BLOCK_REDUCE=C.block_reduce,
+                    ),
                     C.warps_div,
                 )
             )
@@ -139,7 +190,15 @@ def main() -> int:
                     (
                         K.backward2_kernel,
                         dt,
-                        dict(KIND=kind, NEED_A=na, NEED_B=nb, HAS_KEEP=True, FAST_LOG2=kind == 1, BLOCK=C.block_bwd),
+                        dict(
+                            KIND=kind,
+                            NEED_A=na,
+                            NEED_B=nb,
+                            HAS_KEEP=True,
+                            FAST_LOG2=kind == 1,
+                            MEAN=na,
+                            BLOCK=C.block_bwd,
+                        ),
                         C.warps_bwd,
                     )
                 )
@@ -150,12 +209,22 @@ def main() -> int:
             (
                 K.finish1_kernel,
                 "fp32",
-                dict(KIND=kind, SMOOTH=smooth, ZLOSS=smooth, HAS_KEEP=True, WITH_ENTROPY=ent, BLOCK_N=C.block_rows),
+                dict(
+                    KIND=kind,
+                    SMOOTH=smooth,
+                    ZLOSS=smooth,
+                    HAS_KEEP=True,
+                    WITH_ENTROPY=ent,
+                    REDUCE=0 if ent else 2,
+                    BLOCK_N=C.block_rows,
+                    BLOCK_REDUCE=C.block_reduce,
+                ),
                 C.warps_finish,
             )
         )
     for kind in (0, 1):
-        jobs.append((K.finish2_kernel, "fp32", dict(KIND=kind, HAS_KEEP=True, BLOCK_N=C.block_rows), C.warps_finish))
+        const = dict(KIND=kind, HAS_KEEP=True, REDUCE=2, BLOCK_N=C.block_rows, BLOCK_REDUCE=C.block_reduce)
+        jobs.append((K.finish2_kernel, "fp32", const, C.warps_finish))
     # the one-launch sampling kernel: argmax, the plain draw, each restriction and all at once
     grain = {"bf16": 16, "fp16": 13, "fp32": 0}
     for dt, (gumbel, k, p, mp) in itertools.product(

@@ -258,3 +258,34 @@ def test_signature_covers_what_the_plan_depends_on():
     vtp.jsd(z, z, reduction="sum", normalizer=5, backend="eager")  # a number normalizer is data
     assert plan.size() == 11
     plan.clear()
+
+
+def test_options_as_passed_give_the_canonical_signature():
+    """The signature's options part, looked up by the options as passed, is the one
+    canonicalizing each option gives: in any order, spelled as ints, floats, numpy scalars or
+    defaults, and a bool never taken for the int it equals. The lookup holds no tensor."""
+    import numpy as np
+
+    spec = vtp.OPS["cross_entropy"]
+    spellings: list[dict[str, Any]] = [
+        {"reduction": "sum", "temperature": 2, "label_smoothing": 0.0},
+        {"label_smoothing": -0.0, "temperature": 2.0, "reduction": "sum"},
+        {"temperature": np.float32(2.0), "reduction": "sum", "ignore_index": -100},
+    ]
+    parts = set()
+    for given in spellings * 2:  # the second round is answered by the lookup
+        parts.add(plan._plain_options(spec, given) or plan._options_part(spec, given))
+        assert plan._plain_options(spec, given) in (None, plan._options_part(spec, given))
+    assert len(parts) == 1
+    # 1 and True hash alike: a bool option given 1 is another call (the checks refuse it)
+    logprobs = vtp.OPS["logprobs"]
+    assert plan._plain_options(logprobs, {"return_entropy": True}) != plan._plain_options(
+        logprobs, {"return_entropy": 1}
+    )
+    mask = torch.ones(4, dtype=torch.bool)
+    assert plan._plain_options(vtp.OPS["entropy"], {"mask": mask}) is None  # a tensor: computed every call
+    held = [v for key in plan._PLAIN_OPTIONS for v in key if isinstance(v, torch.Tensor)]
+    assert not held
+    for seed in range(3):  # a per-call number: one entry, whatever its value
+        plan._plain_options(vtp.OPS["sample"], {"seed": seed})
+    assert sum(1 for key in plan._PLAIN_OPTIONS if key[0] == "sample") == 1

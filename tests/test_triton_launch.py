@@ -6,6 +6,7 @@ passed) goes through the JIT again, and so does every launch while a launch hook
 (On a GPU every test of the triton backend runs through it.)"""
 
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def kernel(monkeypatch):
     active.get_current_device = lambda: active.device
     driver = types.SimpleNamespace(active=active)
     monkeypatch.setattr(launch_mod, "_runtime", (JITFunction, runtime, driver))
-    monkeypatch.setattr(launch_mod, "_kept", {})
+    monkeypatch.setattr(launch_mod, "_forms", {})
     return fn, log, runtime, active
 
 
@@ -109,16 +110,190 @@ def test_hooks_and_other_objects_take_the_jit(kernel):
     assert seen == [(3,), (3,)]
 
 
-def test_unspecialized_ints_are_keyed_by_range_only():
+def _seeded(x_ptr, n, seed, BLOCK):  # a kernel taking a per-call seed; never compiled here
+    pass
+
+
+def test_unspecialized_ints_are_keyed_by_range_only(kernel):
     """A per-call seed (``do_not_specialize``) must not make every launch a miss of the kept kernels."""
-    from vtp_runtime.backends.triton import launch as L
+    _, log, _, _ = kernel
+    fn = JITFunction(_seeded, do_not_specialize=["seed"])
+    fn.run = lambda *a, grid, warmup, **kw: log.append(("jit", grid, kw)) or _Compiled(log)
+    x = torch.zeros(8)
+    for seed in (1, 2, -5, 2**31 - 1, 2**31, 2**32 + 7):
+        launch_mod.launch(fn, (1,), True, x_ptr=x, n=3, seed=seed, BLOCK=4)
+    # int32 seeds share a kernel; past int32 the JIT compiles an int64 one, shared again
+    assert [entry[0] for entry in log] == ["jit", "launcher", "launcher", "launcher", "jit", "launcher"]
+    launch_mod.launch(fn, (1,), True, x_ptr=x, n=4, seed=1, BLOCK=4)  # a specialized int: exactly
+    assert log[-1][0] == "jit"
 
-    keys = [L._key("dev", {"x": 3, "seed": s}, frozenset({"seed"})) for s in (1, 2, -5, 2**31 - 1)]
-    assert len(set(keys)) == 1
-    assert L._key("dev", {"x": 3, "seed": 2**31}, frozenset({"seed"})) != keys[0]  # an int64 now
-    assert L._key("dev", {"x": 3, "seed": 1}) != L._key("dev", {"x": 3, "seed": 2})  # specialized ints: exactly
-    from vtp_runtime.backends.triton import sampling_kernels
 
-    assert L._unspecialized(sampling_kernels.scan_kernel) >= {"seed_key", "seed_lo", "seed_hi"} or not hasattr(
-        sampling_kernels.scan_kernel, "params"
-    )  # the interpreter's function has no params
+def test_the_same_values_under_swapped_names_are_not_confused(kernel):
+    """Two tensors of different dtypes passed in the other order are another specialization."""
+    fn, log, _, _ = kernel
+    a, b = torch.zeros(8), torch.zeros(8, dtype=torch.float16)
+    launch_mod.launch(fn, (1,), True, x_ptr=a, y_ptr=b, n=3, scale=0.5, BLOCK=16)
+    launch_mod.launch(fn, (1,), True, y_ptr=a, x_ptr=b, n=3, scale=0.5, BLOCK=16)
+    launch_mod.launch(fn, (1,), True, x_ptr=b, y_ptr=a, n=3, scale=0.5, BLOCK=16)
+    assert [entry[0] for entry in log] == ["jit", "jit", "jit"]
+
+
+def test_arguments_that_do_not_fit_their_form_take_the_jit(kernel):
+    fn, log, _, _ = kernel
+    x = torch.zeros(8)
+    args = dict(x_ptr=x, y_ptr=x, n=3, scale=0.5, BLOCK=16)
+    launch_mod.launch(fn, (1,), True, **args)
+    launch_mod.launch(fn, (1,), True, **{**args, "y_ptr": None})  # a tensor's slot without a tensor
+    launch_mod.launch(fn, (1,), True, **{**args, "BLOCK": [16]})  # unhashable
+    launch_mod.launch(fn, (1,), True, **{**args, "n": 3.0})  # an int's slot with a float
+    launch_mod.launch(fn, (1,), True, **{**args, "BLOCK": True})  # 1 == True: told apart by type
+    launch_mod.launch(fn, (1,), True, **{**args, "BLOCK": 1})
+    launch_mod.launch(fn, (1,), True, x_ptr=x, y_ptr=x, n=3, scale=0.5)  # BLOCK left to its default
+    assert [entry[0] for entry in log] == ["jit"] * 7
+
+
+def test_the_kept_kernels_are_bounded(kernel, monkeypatch):
+    fn, log, _, _ = kernel
+    monkeypatch.setattr(launch_mod, "MAX_KEPT", 4)
+    monkeypatch.setattr(launch_mod, "MAX_FORMS", 2)
+    x = torch.zeros(8)
+    for n in range(10):
+        launch_mod.launch(fn, (1,), True, x_ptr=x, y_ptr=x, n=n, scale=0.5, BLOCK=16)
+    assert launch_mod.kept_count() <= 4
+    launch_mod.launch(fn, (1,), True, x_ptr=x, y_ptr=x, n=9, scale=0.5, BLOCK=16)
+    assert log[-1][0] == "launcher"  # the latest survive
+    for order in (
+        ("x_ptr", "y_ptr", "n", "scale", "BLOCK"),
+        ("y_ptr", "x_ptr", "n", "scale", "BLOCK"),
+        ("n", "x_ptr", "y_ptr", "scale", "BLOCK"),
+    ):
+        values = dict(x_ptr=x, y_ptr=x, n=1, scale=0.5, BLOCK=16)
+        launch_mod.launch(fn, (1,), True, **{name: values[name] for name in order})
+    assert len(launch_mod._forms[fn]) <= 2
+    assert launch_mod.kept_count() <= 2 * 4
+
+
+def test_no_tensor_is_held(kernel):
+    import gc
+    import weakref
+
+    fn, log, _, _ = kernel
+    x = torch.zeros(8)
+    ref = weakref.ref(x)
+    for _ in range(2):
+        launch_mod.launch(fn, (1,), True, x_ptr=x, y_ptr=x, n=3, scale=0.5, BLOCK=16)
+    assert log[-1][0] == "launcher"
+    log.clear()  # the stand-ins record what they were given
+    del x
+    gc.collect()
+    assert ref() is None
+
+
+def test_the_interpreter_takes_the_jit_and_keeps_nothing(monkeypatch):
+    """Under TRITON_INTERPRET=1 (the test suite's mode) kernels are interpreted functions:
+    every launch goes through them, fast or not, and gives the JIT's results."""
+    from vtp_runtime.backends.triton import kernels
+
+    monkeypatch.setattr(launch_mod, "_forms", {})
+    x = torch.randn(40)
+    for fast in (True, False, True):
+        y = x.clone()
+        launch_mod.launch(
+            kernels.scale_kernel, (2,), fast, x_ptr=y, n=40, scale_ptr=torch.tensor(0.5), programs=2, BLOCK=16
+        )
+        assert torch.equal(y, x * 0.5)
+    assert launch_mod.kept_count() == 0
+
+
+# -- on a GPU: the kept kernels give the JIT's results ---------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0, 1, 8])  # elements: aligned, 2 bytes off, 16 bytes off
+def test_kept_kernels_match_the_jit_on_cuda(offset):
+    """The launcher's path and the JIT's give bit-identical results at every alignment, and
+    a change of alignment between launches is a new specialization, not a reuse."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with compiled Triton: TRITON_INTERPRET=0 pytest -m gpu")
+    from vtp_runtime.backends.triton import kernels
+
+    base = torch.randn(1 << 16, device="cuda", dtype=torch.bfloat16)
+    scale = torch.tensor(0.37, device="cuda")
+    for start in (offset, 0, offset):  # views at that offset: misaligned pointers reach the kernel
+        want_buffer = base.clone()
+        want = want_buffer[start : start + 50001]
+        launch_mod.launch(
+            kernels.scale_kernel, (64,), False, x_ptr=want, n=want.numel(), scale_ptr=scale, programs=64, BLOCK=1024
+        )
+        for _ in range(3):  # the first launch of a specialization compiles, the others reuse it
+            got_buffer = base.clone()
+            got = got_buffer[start : start + 50001]
+            launch_mod.launch(
+                kernels.scale_kernel, (64,), True, x_ptr=got, n=got.numel(), scale_ptr=scale, programs=64, BLOCK=1024
+            )
+            assert torch.equal(got_buffer, want_buffer)  # the elements outside the view untouched too
+    assert launch_mod.kept_count() >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 1024])
+def test_every_loss_is_the_same_through_the_launcher_on_cuda(rows):
+    """Every op, forward and backward, at the decode and training sizes of the CPU-cost
+    benchmark, with the launcher's path on and off: identical values and gradients."""
+    import dataclasses
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with compiled Triton: TRITON_INTERPRET=0 pytest -m gpu")
+    import vtp_runtime as vtp
+    from vtp_runtime.backends.triton import CUDA_CONFIG, TritonBackend
+    from vtp_runtime.registry import REGISTRY, register
+
+    class JitOnly(TritonBackend):
+        name, priority = "triton_jit_only", -5
+
+    class Plugin:
+        @staticmethod
+        def vtp_runtime_register_backends(register):
+            register(JitOnly(dataclasses.replace(CUDA_CONFIG, fast_launch=False)))
+
+    vtp.hookimpl(Plugin.vtp_runtime_register_backends)
+    register(Plugin(), name="triton_jit_only")
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(rows)
+        v = 151936
+        z = torch.randn(rows, v, device="cuda", generator=gen).to(torch.bfloat16) * 3
+        t = torch.randn(rows, v, device="cuda", generator=gen).to(torch.bfloat16) * 3
+        y = torch.randint(0, v, (rows,), device="cuda", generator=gen)
+        idx = torch.randint(0, v, (rows, 4), device="cuda", generator=gen)
+        calls: dict[str, Callable[[torch.Tensor, str], torch.Tensor]] = {
+            "cross_entropy": lambda s, b: vtp.cross_entropy(s, y, reduction="mean", backend=b),
+            "cross_entropy_smooth": lambda s, b: vtp.cross_entropy(
+                s, y, label_smoothing=0.1, z_loss=1e-4, reduction="sum", backend=b
+            ),
+            "logprobs": lambda s, b: vtp.logprobs(s, y, reduction="mean", backend=b),
+            "logprobs_entropy": lambda s, b: torch.stack(
+                vtp.logprobs(s, y, return_entropy=True, reduction="mean", backend=b)
+            ).sum(),
+            "logprobs_topk": lambda s, b: vtp.logprobs(s, idx, reduction="mean", backend=b),
+            "entropy": lambda s, b: vtp.entropy(s, reduction="mean", backend=b),
+            "kl": lambda s, b: vtp.kl(s, t, reduction="mean", backend=b),
+            "jsd": lambda s, b: vtp.jsd(s, t, beta=0.5, reduction="mean", backend=b),
+        }
+        for name, call in calls.items():
+            results: dict[str, list[torch.Tensor | None]] = {}
+            for backend in ("triton", "triton_jit_only"):
+                outs: list[torch.Tensor | None] = []
+                for source in (z, z[:, :]):  # twice: the second call takes the kept kernels
+                    s = source.detach().clone().requires_grad_(True)
+                    out = call(s, backend)
+                    out.backward()
+                    outs += [out.detach(), s.grad]
+                results[backend] = outs
+            for a, b in zip(results["triton"], results["triton_jit_only"]):
+                assert a is not None and b is not None and torch.equal(a, b), name
+        assert launch_mod.kept_count() >= 1
+    finally:
+        REGISTRY.unregister("triton_jit_only")

@@ -7,7 +7,7 @@ next_ids = vtp.sample(logits, seed=step, top_p=0.9, tp_group=group)  # global id
 """
 
 from .api import argmax, cross_entropy, entropy, explain, jsd, kl, logprobs, loss, sample
-from .backend import Backend, Call, Compiles, HeadSupport, OpCapability, Request, SavedState, TakesHead
+from .backend import Backend, Call, Compiles, HeadSupport, OpCapability, Reduces, Request, SavedState, TakesHead
 from .dispatch import Explanation, use_backend
 from .errors import BackendUnavailable, PluginError, ShardError, UnknownBackend, VtpError
 from .head import Head
@@ -39,6 +39,7 @@ __all__ = [
     "TakesHead",
     "HeadSupport",
     "Compiles",
+    "Reduces",
     "Request",
     "SavedState",
     "FEATURES",

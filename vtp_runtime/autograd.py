@@ -84,7 +84,7 @@ class LogitsComputation:
 
     def backward(self, saved: tuple[Tensor | None, ...], grad: Tensor) -> tuple[Tensor | None, ...]:
         state = None if self.state_type is None else self.state_type.from_tensors(saved)
-        return self.backend.backward(self.call, state, grad.contiguous())
+        return self.backend.backward(self.call, state, grad if self.backend.strided_upstream else grad.contiguous())
 
 
 def rows(t: Tensor, n: int, layout: str) -> Tensor:

@@ -39,10 +39,14 @@ graph is right (or raise a ``RuntimeError`` saying why it cannot be).
 Backward runs without building a graph: the core makes differentiating its result (a
 gradient penalty after ``create_graph=True``) raise, so no backend computes second order.
 
-Beyond the core, a backend may opt into two protocols by subclassing them (both are
-``Backend`` subclasses, so one class may take both): ``TakesHead`` (``vtp.Head`` inputs: the
-fused linear head) and ``Compiles`` (running inside a ``torch.compile``'d graph, where its
-state must be the op's inputs plus one statistics tensor of a width known when tracing).
+Beyond the core, a backend may opt into three protocols by subclassing them (all are
+``Backend`` subclasses, so one class may take several): ``TakesHead`` (``vtp.Head`` inputs:
+the fused linear head), ``Compiles`` (running inside a ``torch.compile``'d graph, where its
+state must be the op's inputs plus one statistics tensor of a width known when tracing) and
+``Reduces`` (a sum or mean computed by the backend itself, in its own kernels, instead of
+by the core in torch ops). A backend may also set ``strided_upstream`` to take the upstream
+gradient of ``backward`` in any strides (an expanded, stride-0 one too) instead of a
+contiguous copy.
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ class Call:
     options: Mapping[str, Any]  # op options: temperature, ignore_index, beta, ...
     needs_grad: tuple[bool, ...]  # per floating input
     topk: bool = False
+    # "sum" or "mean": the backend reduces this call itself (the ``Reduces`` protocol); else "none"
+    reduction: str = "none"
 
     @property
     def op(self) -> str:
@@ -209,6 +215,9 @@ class Backend:
     priority: ClassVar[int] = 0
     ops: ClassVar[Mapping[str, OpCapability]]
     input_layout: ClassVar[str] = "unit_vocab_stride"
+    # True: backward's ``grad`` comes in whatever strides autograd made it (the expanded,
+    # stride-0 upstream of a sum or mean too); False: a contiguous copy
+    strided_upstream: ClassVar[bool] = False
 
     # -- environment -------------------------------------------------------------------
     def probe(self, device_type: str) -> list[str]:
@@ -422,6 +431,33 @@ class Compiles(Backend):
         raise NotImplementedError
 
 
+class Reduces(Backend):
+    """A ``Backend`` that reduces its per-token values itself for the ops in
+    ``reduced_ops``: the core then skips its own reduction (a few torch ops in forward and
+    backward) on calls where the result is one number known on this rank alone -- logits
+    inputs (not a ``vtp.Head``), outside ``torch.compile``, ``reduction`` "sum" or "mean"
+    with no ``normalizer``, no ``sp_group`` of more than one rank, no ``return_entropy``.
+    Such a call has ``call.reduction`` "sum" or "mean" (else "none": per-token values as
+    always), and then:
+
+    - ``forward`` returns a 0-dim value (fp32; fp64 for fp64 inputs): the sum of the
+      per-token values, or for "mean" that sum divided by the count of what counts -- the
+      index entries that are not ``ignore_index`` where the op takes an index, the mask's
+      True tokens where there is a mask, else every token -- at least 1.
+    - ``backward`` gets the 0-dim upstream gradient ``g`` and back-propagates ``g`` to
+      every per-token value ("sum"), or ``g / count`` as one correctly rounded division in
+      the values' dtype ("mean"): bit for bit what the core's reduction sends for a plain
+      ``loss.backward()`` (``outputs.plain_upstream``: exactly ``1 / count``).
+    """
+
+    reduced_ops: ClassVar[frozenset[str]]
+
+
+def reduces(backend: Backend, op: str) -> bool:
+    """Whether ``backend`` reduces calls of ``op`` itself (the ``Reduces`` protocol)."""
+    return isinstance(backend, Reduces) and op in backend.reduced_ops
+
+
 def head_support(backend: Backend, op: str) -> HeadSupport | None:
     """How ``backend`` takes Head inputs for ``op``, or None where it does not."""
     return backend.head_ops.get(op) if isinstance(backend, TakesHead) else None
@@ -457,5 +493,9 @@ def check_backend(backend: Backend) -> None:
         for op, head in backend.head_ops.items():
             if op not in OPS or not isinstance(head, HeadSupport):
                 raise ValueError(f"backend {name!r}: head_ops[{op!r}] must be a HeadSupport of a known op")
+    if isinstance(backend, Reduces) and not set(backend.reduced_ops) <= set(OPS):
+        raise ValueError(f"backend {name!r}: reduced_ops {sorted(backend.reduced_ops)} must be known ops")
+    if not isinstance(backend.strided_upstream, bool):
+        raise ValueError(f"backend {name!r}: strided_upstream must be a bool")
     if isinstance(backend, Compiles) and not set(backend.compiled_ops) <= set(OPS):
         raise ValueError(f"backend {name!r}: compiled_ops {sorted(backend.compiled_ops)} must be known ops")

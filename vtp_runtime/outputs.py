@@ -95,6 +95,17 @@ def _mean(values: Tensor, index: Tensor | None, mask: Tensor | None, ignore_inde
     return values.sum() / _count(values, index, mask, ignore_index).clamp(min=1)
 
 
+def backend_reduction(options: Mapping[str, Any]) -> str:
+    """The reduction a backend that ``Reduces`` computes itself for a call on logits with
+    these ``options`` (as passed): "sum" or "mean" where the result is one number known on
+    this rank alone, "none" where the core reduces (or nothing is reduced): a
+    ``normalizer``, sums over ``sp_group``, two outputs (``return_entropy``)."""
+    reduction = options.get("reduction", "none")
+    if reduction == "none" or options.get("normalizer") is not None or options.get("return_entropy"):
+        return "none"
+    return "none" if group_size(options.get("sp_group")) > 1 else reduction
+
+
 def plain_upstream(
     options: Mapping[str, Any],
     index: Tensor | None,

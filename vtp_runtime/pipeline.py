@@ -28,11 +28,11 @@ from typing import Any, NoReturn
 import torch
 
 from . import autograd, checks, dispatch, head_chunks, inputs, library, metadata, plans, sequence
-from .backend import TakesHead, value_dtype
+from .backend import TakesHead, reduces, value_dtype
 from .comm import group_rank, group_size, is_group
 from .head import Head
 from .invocation import Check, Invocation
-from .outputs import finish, head_reduction, plain_upstream, values_shape
+from .outputs import backend_reduction, finish, head_reduction, plain_upstream, values_shape
 
 Tensor = torch.Tensor
 
@@ -89,7 +89,11 @@ def execute(plan: plans.Plan, tensors: tuple, options: Mapping[str, Any]) -> Ten
     spec, n = plan.spec, plan.num_tokens
     n_inputs = len(spec.inputs)
     index, mask = inputs.index_and_mask(spec, plan.topk, n, tensors[n_inputs] if spec.index else None, options)
-    call = plan.call(options.get("tp_group"), options)
+    # a backend that reduces itself (on logits, with tokens) makes the result in its kernels
+    reduction = "none"
+    if n and plan.head_rows is None and reduces(plan.backend, spec.name):
+        reduction = backend_reduction(options)
+    call = plan.call(options.get("tp_group"), options, reduction)
     inputs_ = tensors[:n_inputs]
     if spec.returns_ids:  # argmax, sample: token ids, no gradient
         with torch.no_grad():
@@ -108,6 +112,8 @@ def execute(plan: plans.Plan, tensors: tuple, options: Mapping[str, Any]) -> Ten
         )
     else:
         values = autograd.run_logits(plan.backend, call, inputs_, index, mask)
+        if reduction != "none":  # the backend's 0-dim result
+            return values
     return finish(values, plan.lead, plan.topk, index, mask, options)
 
 

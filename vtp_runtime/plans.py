@@ -91,9 +91,10 @@ class Plan:
     def num_tokens(self) -> int:
         return self.request.num_tokens
 
-    def call(self, group: Any, options: Mapping[str, Any] | None = None) -> Call:
+    def call(self, group: Any, options: Mapping[str, Any] | None = None, reduction: str = "none") -> Call:
         """The ``Call`` the backend gets, for this call's ``group``; ``options``: this call's
-        options as passed, whose per-call values (``sample``'s seed) the backend gets too."""
+        options as passed, whose per-call values (``sample``'s seed) the backend gets too;
+        ``reduction``: what the backend reduces itself (``Call.reduction``)."""
         backend_options = self.backend_options
         if options is not None and self.spec.per_call_backend:
             spec = self.spec
@@ -114,6 +115,7 @@ class Plan:
             options=backend_options,
             needs_grad=self.needs_grad,
             topk=self.topk,
+            reduction=reduction,
         )
 
 
@@ -244,9 +246,53 @@ def signature(
             key += (t.reduce_hidden_grad, t.chunk_rows, t.sequence_parallel)
         else:
             return None
+    opts = _plain_options(spec, options)
+    if opts is None:
+        opts = _options_part(spec, options)
+        if opts is None:
+            return None
+    return (*key, *opts)
+
+
+_GROUPS = ("tp_group", "sp_group")
+# A call's options as passed, when every one is a plain Python value -> their part of the
+# signature: repeated calls skip canonicalizing each option. Holds names, types and plain
+# values only (no tensor, no group); its result is the one _options_part gives, so what it
+# holds never changes a signature, only its cost.
+_PLAIN_OPTIONS: dict[tuple, tuple | None] = {}
+MAX_PLAIN_OPTIONS = 4096
+
+
+def _plain_options(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
+    """``_options_part`` looked up by the options as passed (in the order passed), where
+    each is a plain value (a per-call number by its type alone); None where some is not, or
+    where the options have no signature (then ``_options_part`` says so again)."""
+    raw: list[Any] = [spec.name]
+    per_call = spec.per_call
+    for name, value in options.items():
+        kind = type(value)
+        if kind in _PLAIN:
+            raw += (name, kind) if name in per_call and kind in (int, float) else (name, kind, value)
+        elif name not in _GROUPS:
+            return None
+    raw_key = tuple(raw)
+    try:
+        return _PLAIN_OPTIONS[raw_key]
+    except KeyError:
+        pass
+    if len(_PLAIN_OPTIONS) >= MAX_PLAIN_OPTIONS:
+        _PLAIN_OPTIONS.clear()
+    part = _PLAIN_OPTIONS[raw_key] = _options_part(spec, options)
+    return part
+
+
+def _options_part(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
+    """The options' part of a call's signature (see ``signature``), or None where the call
+    cannot have one."""
+    key: list[Any] = []
     schema = spec.options
     for name in sorted(options):
-        if name in ("tp_group", "sp_group"):
+        if name in _GROUPS:
             continue  # the TP group selects the cache; the SP group's ranks agree apart (sequence.py)
         option = schema.get(name)
         if option is None:

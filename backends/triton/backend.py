@@ -14,7 +14,11 @@ JSD             stats (1 read each) -> gather -> divergence (1 read     1 read e
 ==============  =====================================================  ==========================
 
 "gather" is one ``all_gather_stack`` of the ``[splits, N, F]`` fp32 partials (skipped at
-TP=1); the number of collectives never depends on V_local. Everything kept for backward is
+TP=1); the number of collectives never depends on V_local. At TP=1 there is nothing to
+gather and no finishing launch: a row's last program to store its partials merges them (an
+arrival counter per row), and a row that is not split is finished by its one program. A
+``sum`` or ``mean`` (``Reduces``) is made by the last program to finish a row, and backward
+reads its 0-dim upstream gradient on the device. Everything kept for backward is
 the inputs plus O(N) fp32 statistics.
 
 ``TritonBackend`` takes a ``LaunchConfig`` (tile sizes, warps, programs per pass); the Intel
@@ -38,6 +42,7 @@ from vtp_runtime.backend import (
     Compiles,
     HeadSupport,
     OpCapability,
+    Reduces,
     SavedState,
     TakesHead,
     meets_layout,
@@ -61,6 +66,7 @@ class OneInputState(SavedState):
     index: torch.Tensor | None  # int64 labels [N] or logprobs' index [N, k]; None for entropy
     stats: torch.Tensor  # fp32 [N, 2]: anchor, log2 sum (entropy, logprobs with return_entropy [N, 3]: and H)
     keep: torch.Tensor | None  # uint8 [N] (entropy with a mask), else None
+    scratch: torch.Tensor | None = None  # int32, a reduced call's (fields.R_COUNT: a mean's count)
 
     def statistics(self) -> torch.Tensor:
         return self.stats
@@ -78,6 +84,7 @@ class PairState(SavedState):
     teacher: torch.Tensor
     stats: torch.Tensor  # fp32, KL [N, 5]: a_a, log2 s_a, a_b, log2 s_b, KL; JSD [N, 6]: ..., KL_s, KL_t
     keep: torch.Tensor | None  # uint8 [N] with a mask, else None
+    scratch: torch.Tensor | None = None  # int32, a reduced call's (fields.R_COUNT: a mean's count)
 
     def statistics(self) -> torch.Tensor:
         return self.stats
@@ -154,6 +161,28 @@ def _one_input_options(call: Call, kind: int) -> dict[str, Any]:
     }
 
 
+_REDUCE = {"none": fields.REDUCE_NONE, "sum": fields.REDUCE_SUM, "mean": fields.REDUCE_MEAN}
+
+
+def _scratch(reduce: bool, merge_rows: int, dev: torch.device) -> torch.Tensor | None:
+    """The zeroed int32 counters of a call reduced in the kernels or whose ``merge_rows``
+    split rows are merged by their last program (``fields.R_*``), else None."""
+    if not reduce and not merge_rows:
+        return None
+    return torch.zeros(fields.R_ROWS + merge_rows, dtype=torch.int32, device=dev)
+
+
+def _upstream_args(call: Call, state: OneInputState | PairState, grad: torch.Tensor) -> dict[str, Any]:
+    """The upstream gradient as the backward kernels read it: in its own strides (0 where
+    expanded; a reduced call's is 0-dim), and the scratch holding a mean's count."""
+    red = state.scratch if state.scratch is not None else state.stats
+    args = {"grad_ptr": grad, "g_row": grad.stride(0) if grad.dim() else 0, "red_ptr": red}
+    if isinstance(state, OneInputState):  # [N, k] log-probs: a column stride too
+        args["g_col"] = grad.stride(1) if grad.dim() == 2 else 0
+    args["MEAN"] = call.reduction == "mean"
+    return args
+
+
 def _gather(part: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     """Every rank's ``[S, N, F]`` partials as one ``[W * S, N, F]`` tensor (one collective)."""
     if group_size(group) == 1:
@@ -162,7 +191,7 @@ def _gather(part: torch.Tensor, group) -> tuple[torch.Tensor, int]:
     return stacked.view(-1, *part.shape[1:]), stacked.shape[0] * part.shape[0]
 
 
-class TritonBackend(TakesHead, Compiles):
+class TritonBackend(TakesHead, Compiles, Reduces):
     """Fused vocabulary-parallel kernels, from logits or ``vtp.Head`` inputs, and inside
     ``torch.compile``. Subclass with another ``name``, ``priority``, ``ops`` (device types),
     ``probe`` and ``default_config`` to launch them elsewhere."""
@@ -172,11 +201,13 @@ class TritonBackend(TakesHead, Compiles):
     # a causal-shift view logits[:, :-1] reaches the kernels uncopied; a vocabulary stride
     # other than 1 is copied by the core (strided column loads would not coalesce anyway)
     input_layout = "unit_vocab_stride_3d"
+    strided_upstream = True  # the backward kernels read the upstream gradient in its strides
     ops = capabilities(frozenset({"cuda", "cpu"}))
     # sample from logits only (its noise is keyed by the row of the whole call, not of a chunk)
     # argmax's Head runs chunk by chunk on this rank's hidden rows: not sequence-parallel
     head_ops = {**{op: HeadSupport(sequence_parallel=True) for op in LOSSES}, "argmax": HeadSupport()}
     compiled_ops = frozenset(LOSSES)
+    reduced_ops = frozenset(LOSSES)  # the last program of the finishing pass reduces
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
         self._config = config
@@ -338,15 +369,20 @@ class TritonBackend(TakesHead, Compiles):
             val_shape = (n, n_idx) if (kind == fields.LOGPROBS and call.topk) else (n,)
         values = torch.empty(val_shape, dtype=torch.float32, device=dev)
         stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
-        state = OneInputState(z, idx, stats, keep)
         if n == 0:
-            return values, state
+            return values, OneInputState(z, idx, stats, keep)
         k = source.module("kernels")
         cfg = self.config_for(dev)
         tp = call.request.tp_size
         splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        # a row that is neither split nor sharded is finished by the program that reads it
+        # a row that is neither split nor sharded is finished by the program that reads it;
+        # split rows at one rank by the last program of the row (nothing to gather between)
         finish = splits == 1 and tp == 1 and tiles is None
+        merge = not finish and tp == 1 and cfg.merge_rows and tiles is None
+        reduce = _REDUCE[call.reduction]
+        scratch = _scratch(reduce != fields.REDUCE_NONE, n if merge else 0, dev)
+        out = torch.empty((), dtype=torch.float32, device=dev) if reduce else values
+        state = OneInputState(z, idx, stats, keep, scratch)
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
         # what both passes read besides the logits and the partials
         shared = {
@@ -356,7 +392,11 @@ class TritonBackend(TakesHead, Compiles):
             "val_ptr": values,
             "stat_ptr": stats,
             "n_rows": n,
+            "red_ptr": scratch if scratch is not None else values,
+            "out_ptr": out,
             "HAS_KEEP": keep is not None,
+            "REDUCE": reduce,
+            "BLOCK_REDUCE": cfg.block_reduce,
             **options,
         }
         if tiles is not None:
@@ -373,14 +413,15 @@ class TritonBackend(TakesHead, Compiles):
                 vocab_start=call.vocab_start,
                 splits=splits,
                 chunk=split_chunk(v_local, splits, cfg.block_stats),
-                # the z-loss term is added where a row is finished (here only with FINISH)
-                ZLOSS=zloss and finish,
+                # the z-loss term is added where a row is finished (here with FINISH or MERGE)
+                ZLOSS=zloss and (finish or merge),
                 FINISH=finish,
+                MERGE=merge,
                 BLOCK=cfg.block_stats,
                 num_warps=cfg.warps_stats,
             )
-        if finish:
-            return values, state
+        if finish or merge:
+            return out, state
         part, n_parts = _gather(part, call.group)
         launch(
             k.finish1_kernel,
@@ -393,7 +434,7 @@ class TritonBackend(TakesHead, Compiles):
             BLOCK_N=cfg.block_rows,
             num_warps=cfg.warps_finish,
         )
-        return values, state
+        return out, state
 
     def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
         student, teacher = inputs
@@ -403,14 +444,15 @@ class TritonBackend(TakesHead, Compiles):
         if n == 0:
             return values, state
         cfg = self.config_for(a.device)
-        splits = vocab_splits(
-            n, cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats, cfg.target_programs, cfg.max_splits
-        )
-        finish = splits == 1 and call.request.tp_size == 1  # see _forward1
-        part = self._stats2(call, cfg, a, b, values, state, splits, with_kl=True, finish=finish)
-        if not finish:
-            self._finish2(call, cfg, part, values, state, fields.KL, beta=0.0)  # beta: read only by the JSD kind
-        return values, state
+        tp = call.request.tp_size
+        splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        finish = splits == 1 and tp == 1  # see _forward1
+        merge = not finish and tp == 1 and cfg.merge_rows
+        out = _reduced(call, state, n if merge else 0, values)
+        part = self._stats2(call, cfg, a, b, values, out, state, splits, with_kl=True, finish=finish, merge=merge)
+        if not (finish or merge):
+            self._finish2(call, cfg, part, values, out, state, fields.KL, beta=0.0)  # beta: read only by the JSD kind
+        return out, state
 
     def _forward_jsd(self, call: Call, inputs, mask, beta: float, tiles: tuple | None = None):
         """``tiles``: both inputs' per-tile partials from the logits GEMM (``head_gemm``),
@@ -422,9 +464,19 @@ class TritonBackend(TakesHead, Compiles):
             return values, state
         k = source.module("kernels")
         cfg = self.config_for(dev)
-        v_per_rank = cdiv(call.vocab_size, call.request.tp_size)
+        tp = call.request.tp_size
+        v_per_rank = cdiv(call.vocab_size, tp)
         splits = vocab_splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
         div_splits = vocab_splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
+        whole = splits == 1 and div_splits == 1 and tp == 1 and tiles is None  # one launch, see _forward1
+        merge = not whole and tp == 1 and cfg.merge_rows  # the divergence pass's rows, see _forward1
+        out = _reduced(call, state, n if merge else 0, values)
+        reduce = {
+            "red_ptr": state.scratch if state.scratch is not None else values,
+            "out_ptr": out,
+            "REDUCE": _REDUCE[call.reduction],
+            "BLOCK_REDUCE": cfg.block_reduce,
+        }
         # what both JSD passes read (a = student, b = teacher) besides their partials
         shared = {
             **_pair_args(student, teacher),
@@ -440,20 +492,22 @@ class TritonBackend(TakesHead, Compiles):
             part = torch.empty((splits, n, fields.PAIR_FIELDS), dtype=torch.float32, device=dev)
             for side, (t, z) in enumerate(zip(tiles, inputs)):
                 head_gemm.tile_partials(cfg, call, t, part, z, pair_side=side)
-        elif splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
+        elif whole:
             launch(
                 k.jsd_row_kernel,
                 (n,),
                 cfg.fast_launch,
                 **shared,
+                **reduce,
                 val_ptr=values,
+                n_rows=n,
                 BLOCK_STATS=cfg.block_stats,
                 BLOCK_DIV=cfg.block_div,
                 num_warps=cfg.warps_div,
             )
-            return values, state
+            return out, state
         else:
-            part = self._stats2(call, cfg, student, teacher, values, state, splits, with_kl=False, finish=False)
+            part = self._stats2(call, cfg, student, teacher, values, out, state, splits, with_kl=False)
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, fields.DIV_FIELDS), dtype=torch.float32, device=dev)
         launch(
@@ -461,17 +515,21 @@ class TritonBackend(TakesHead, Compiles):
             (n * div_splits,),
             cfg.fast_launch,
             **shared,
+            **(reduce if merge else {**reduce, "REDUCE": fields.REDUCE_NONE}),
             stats_part_ptr=part,
             n_stats_parts=n_parts,
             part_ptr=part2,
+            val_ptr=values,
             n_rows=n,
             splits=div_splits,
             chunk=split_chunk(v_local, div_splits, cfg.block_div),
+            MERGE=merge,
             BLOCK=cfg.block_div,
             num_warps=cfg.warps_div,
         )
-        self._finish2(call, cfg, part2, values, state, fields.JSD, beta)
-        return values, state
+        if not merge:
+            self._finish2(call, cfg, part2, values, out, state, fields.JSD, beta)
+        return out, state
 
     def _stats2(
         self,
@@ -480,14 +538,18 @@ class TritonBackend(TakesHead, Compiles):
         a: torch.Tensor,
         b: torch.Tensor,
         values: torch.Tensor,
+        out: torch.Tensor,
         state: PairState,
         splits: int,
         with_kl: bool,
-        finish: bool,
+        finish: bool = False,
+        merge: bool = False,
     ) -> torch.Tensor:
         """The statistics pass over both inputs (``with_kl``: and the KL(A || B) term): the
         ``[splits, N, F]`` partials it fills, or with ``finish`` (KL, one split at TP 1) the
-        values, filled with the statistics as ``finish2_kernel`` would."""
+        values, filled with the statistics as ``finish2_kernel`` would; ``merge`` (KL, split
+        rows at TP 1): the partials, and the values merged from them by each row's last
+        program. ``out``: a reduced call's result (with ``finish`` or ``merge``)."""
         n, v_local, keep = values.shape[0], a.shape[-1], state.keep
         n_fields = fields.KL_FIELDS if with_kl else fields.PAIR_FIELDS
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=a.device)
@@ -500,6 +562,8 @@ class TritonBackend(TakesHead, Compiles):
             part_ptr=part,
             val_ptr=values,
             stat_ptr=state.stats,
+            red_ptr=state.scratch if state.scratch is not None else values,
+            out_ptr=out,
             n_rows=n,
             v_local=v_local,
             splits=splits,
@@ -508,13 +572,16 @@ class TritonBackend(TakesHead, Compiles):
             WITH_KL=with_kl,
             HAS_KEEP=keep is not None,
             FINISH=finish,
+            MERGE=merge,
+            REDUCE=_REDUCE[call.reduction] if finish or merge else fields.REDUCE_NONE,
             BLOCK=cfg.block_stats,
+            BLOCK_REDUCE=cfg.block_reduce,
             num_warps=cfg.warps_stats,
         )
         return part
 
     def _finish2(
-        self, call: Call, cfg: LaunchConfig, part: torch.Tensor, values, state: PairState, kind: int, beta: float
+        self, call: Call, cfg: LaunchConfig, part: torch.Tensor, values, out, state: PairState, kind: int, beta: float
     ) -> None:
         """Gather every rank's ``[S, N, F]`` partials and merge them into the values and the
         statistics (``kind``: KL or JSD)."""
@@ -530,11 +597,15 @@ class TritonBackend(TakesHead, Compiles):
             keep_ptr=keep if keep is not None else values,
             val_ptr=values,
             stat_ptr=state.stats,
+            red_ptr=state.scratch if state.scratch is not None else values,
+            out_ptr=out,
             k2=LOG2E / call.options["temperature"],
             beta=beta,
             KIND=kind,
             HAS_KEEP=keep is not None,
+            REDUCE=_REDUCE[call.reduction],
             BLOCK_N=cfg.block_rows,
+            BLOCK_REDUCE=cfg.block_reduce,
             num_warps=cfg.warps_finish,
         )
 
@@ -563,7 +634,7 @@ class TritonBackend(TakesHead, Compiles):
             **_row_args(z),
             **_one_input_options(call, kind),
             dz_ptr=dz,
-            grad_ptr=grad.contiguous(),
+            **_upstream_args(call, state, grad),
             idx_ptr=idx if idx is not None else stats,
             n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
             keep_ptr=keep if keep is not None else stats,
@@ -605,7 +676,7 @@ class TritonBackend(TakesHead, Compiles):
                 **_pair_args(a, b),
                 da_ptr=da if need_a else db,
                 db_ptr=db if need_b else da,  # NEED_A / NEED_B gate the writes
-                grad_ptr=grad.contiguous(),
+                **_upstream_args(call, state, grad),
                 keep_ptr=keep if keep is not None else stats,
                 stat_ptr=stats,
                 v_local=v_local,
@@ -635,6 +706,14 @@ def _pair_outputs(student: torch.Tensor, teacher: torch.Tensor, mask, n_stats: i
     values = torch.empty((n,), dtype=torch.float32, device=dev)
     stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
     return values, PairState(student, teacher, stats, keep)
+
+
+def _reduced(call: Call, state: PairState, merge_rows: int, values: torch.Tensor) -> torch.Tensor:
+    """kl/jsd: the 0-dim result of a call the kernels reduce (its scratch set in ``state``),
+    else the values."""
+    reduce = call.reduction != "none"
+    state.scratch = _scratch(reduce, merge_rows, values.device)
+    return torch.empty((), dtype=torch.float32, device=values.device) if reduce else values
 
 
 def _num_rows(z: torch.Tensor) -> int:

@@ -27,6 +27,10 @@ class LaunchConfig:
     max_splits: int = 64
     bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
     block_rows: int = 128  # finishing kernels: rows per program
+    block_reduce: int = 1024  # a call reduced in the kernels: the tile of its last program
+    # split rows at one rank: the last program of a row merges the row's partials (an
+    # arrival counter per row) instead of a finishing launch
+    merge_rows: bool = True
     decode_rows: int = 1  # a TP = 1 argmax / sample in one launch: rows per program (a power of two)
     warps_finish: int = 4
     block_scale: int = 2048  # scaling a fused head's gradients in backward: tile, warps, programs
@@ -67,6 +71,7 @@ INTERPRETER_CONFIG = LaunchConfig(
     max_splits=4,
     bwd_target_programs=16,
     block_rows=16,
+    block_reduce=16,
     decode_rows=16,
     warps_finish=1,
     block_scale=16,

@@ -30,3 +30,14 @@ STATS = 2  # cross_entropy, logprobs: anchor a, log2 sum
 ENTROPY_STATS = 3  # and the entropy (nats); also logprobs with return_entropy
 KL_STATS = 5  # anchor_a, log2 sum_a, anchor_b, log2 sum_b, KL (nats)
 JSD_STATS = 6  # anchor_s, log2 sum_s, anchor_t, log2 sum_t, KL(p_s || M), KL(p_t || M) (nats)
+
+# Reductions a kernel computes itself (its REDUCE constexpr): none, sum, mean.
+REDUCE_NONE = 0
+REDUCE_SUM = 1
+REDUCE_MEAN = 2
+# The int32 scratch of a reduced or merged call, zeroed per call: programs done, the count a
+# mean divided by (read again by backward), then one arrival counter per row (split rows
+# merged by their last program).
+R_DONE = 0
+R_COUNT = 1
+R_ROWS = 2

@@ -73,6 +73,13 @@ S_LOG2_SUM_B = tl.constexpr(3)
 S_KL_A = tl.constexpr(4)  # KL: KL(A || B); JSD: KL(p_s || M)
 S_KL_B = tl.constexpr(5)  # JSD: KL(p_t || M)
 
+REDUCE_NONE = tl.constexpr(fields.REDUCE_NONE)
+REDUCE_SUM = tl.constexpr(fields.REDUCE_SUM)
+REDUCE_MEAN = tl.constexpr(fields.REDUCE_MEAN)
+R_DONE = tl.constexpr(fields.R_DONE)
+R_COUNT = tl.constexpr(fields.R_COUNT)
+R_ROWS = tl.constexpr(fields.R_ROWS)
+
 LN2 = tl.constexpr(0.6931471805599453)
 # The smallest normal fp32: the JSD mixture is clamped to it before its log2, so that the
 # fast .ftz log2 never sees a denormal and a mixture that flushed to 0 stays finite.
@@ -189,6 +196,115 @@ def _parts_max(part_ptr, n_parts, n_rows, rows, rmask, n_fields, field, BLOCK_N:
 
 
 @triton.jit
+def _arrive(counter_ptr, total):
+    """Count this program in at ``counter_ptr``: whether it is the last of ``total``. Every
+    lane's stores before it are visible to the last one (a barrier, then a release; the
+    last one acquires)."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == total - 1
+
+
+@triton.jit
+def _reduce_if_last(
+    red_ptr,
+    n_done,
+    out_ptr,
+    val_ptr,
+    n_vals,
+    idx_ptr,
+    keep_ptr,
+    ignore_index,
+    BY_INDEX: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    REDUCE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """With REDUCE, the last of the ``n_done`` programs that write values reduces all
+    ``n_vals`` of them into ``out``: their sum, or for a mean that sum over the count of what
+    counts (index entries that are not ``ignore_index`` with BY_INDEX, kept tokens with
+    HAS_KEEP, else every value), at least 1, the count kept at ``R_COUNT`` for backward. The
+    last program reads every value in one fixed order, whichever program it is: the result
+    does not depend on the order the programs ran in."""
+    if REDUCE != REDUCE_NONE:
+        if _arrive(red_ptr + R_DONE, n_done):
+            acc = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, n_vals, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                acc += tl.load(val_ptr + offs, mask=offs < n_vals, other=0.0, cache_modifier=".cg")
+            total = tl.sum(acc, 0)
+            if REDUCE == REDUCE_MEAN:
+                if BY_INDEX:
+                    kept = tl.zeros([BLOCK], tl.int32)
+                    for start in range(0, n_vals, BLOCK):
+                        offs = start + tl.arange(0, BLOCK)
+                        i = tl.load(idx_ptr + offs, mask=offs < n_vals, other=ignore_index)
+                        kept += (i != ignore_index).to(tl.int32)
+                    count = tl.sum(kept, 0)
+                elif HAS_KEEP:
+                    kept = tl.zeros([BLOCK], tl.int32)
+                    for start in range(0, n_vals, BLOCK):
+                        offs = start + tl.arange(0, BLOCK)
+                        kept += (tl.load(keep_ptr + offs, mask=offs < n_vals, other=0) != 0).to(tl.int32)
+                    count = tl.sum(kept, 0)
+                else:
+                    count = n_vals + tl.zeros([], tl.int32)
+                tl.store(red_ptr + R_COUNT, count)
+                total = tl.math.div_rn(total, tl.maximum(count, 1).to(tl.float32))
+            tl.store(out_ptr, total)
+
+
+@triton.jit
+def _reduce1_if_last(
+    red_ptr,
+    n_done,
+    out_ptr,
+    val_ptr,
+    n_rows,
+    idx_ptr,
+    n_idx,
+    keep_ptr,
+    ignore_index,
+    KIND: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    REDUCE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``_reduce_if_last`` of a one-input op: cross entropy and log-probs count their index
+    entries (one value each), entropy its kept tokens."""
+    if KIND == ENTROPY:
+        _reduce_if_last(
+            red_ptr, n_done, out_ptr, val_ptr, n_rows, idx_ptr, keep_ptr, ignore_index, False, HAS_KEEP, REDUCE, BLOCK
+        )
+    else:
+        _reduce_if_last(
+            red_ptr,
+            n_done,
+            out_ptr,
+            val_ptr,
+            n_rows * n_idx,
+            idx_ptr,
+            keep_ptr,
+            ignore_index,
+            True,
+            False,
+            REDUCE,
+            BLOCK,
+        )
+
+
+@triton.jit
+def _upstream(grad_ptr, offset, red_ptr, MEAN: tl.constexpr):
+    """The upstream gradient of one value at ``grad_ptr + offset`` (any strides: 0 for an
+    expanded or a reduced call's 0-dim gradient); with MEAN, the reduced call's ``g`` over
+    the count its forward kept, one correctly rounded division as torch's backward of a
+    mean makes it."""
+    g = tl.load(grad_ptr + offset)
+    if MEAN:
+        g = tl.math.div_rn(g, tl.maximum(tl.load(red_ptr + R_COUNT), 1).to(tl.float32))
+    return g
+
+
+@triton.jit
 def stats1_kernel(
     z_ptr,
     rows_b,
@@ -200,6 +316,8 @@ def stats1_kernel(
     part_ptr,
     val_ptr,
     stat_ptr,
+    red_ptr,
+    out_ptr,
     n_rows,
     v_local,
     vocab_start,
@@ -216,7 +334,10 @@ def stats1_kernel(
     HAS_KEEP: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     FINISH: tl.constexpr,
+    MERGE: tl.constexpr,
+    REDUCE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_REDUCE: tl.constexpr,
 ):
     """Partial statistics of one row over one vocabulary chunk, one read of the logits.
 
@@ -228,7 +349,10 @@ def stats1_kernel(
 
     FINISH: the chunk is the whole row of the whole vocabulary (one split, one rank), so
     there is nothing to merge: the program writes the values and statistics itself, as
-    ``finish1_kernel`` would, and no partials (one launch instead of two).
+    ``finish1_kernel`` would, and no partials (one launch instead of two). MERGE (split rows
+    at one rank): the last program of a row to store its partials (an arrival counter per
+    row) merges them as ``finish1_kernel`` would, in the same order, to the same bits. With
+    REDUCE, the last row finished reduces the values (``_reduce_if_last``).
     """
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
@@ -313,6 +437,21 @@ def stats1_kernel(
             n_stats = ENTROPY_STATS
         tl.store(stat_ptr + row * n_stats + S_ANCHOR, a)
         tl.store(stat_ptr + row * n_stats + S_LOG2_SUM, log_s)
+        _reduce1_if_last(
+            red_ptr,
+            n_rows,
+            out_ptr,
+            val_ptr,
+            n_rows,
+            idx_ptr,
+            n_idx,
+            keep_ptr,
+            ignore_index,
+            KIND,
+            HAS_KEEP,
+            REDUCE,
+            BLOCK_REDUCE,
+        )
     else:
         out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
         tl.store(out + P_MAX, m)
@@ -334,10 +473,53 @@ def stats1_kernel(
                 tl.store(out + first + j, tl.where(mine, zj, 0.0))
         else:
             tl.store(out + P_MOMENT, t)
+        if MERGE:
+            if _arrive(red_ptr + R_ROWS + row, splits):
+                rows = row + tl.arange(0, 1)
+                _finish1_rows(
+                    rows,
+                    rows < n_rows,
+                    part_ptr,
+                    splits,
+                    n_rows,
+                    idx_ptr,
+                    n_idx,
+                    keep_ptr,
+                    val_ptr,
+                    stat_ptr,
+                    vocab_size,
+                    k2,
+                    ignore_index,
+                    smoothing,
+                    z_loss,
+                    KIND,
+                    SMOOTH,
+                    ZLOSS,
+                    HAS_KEEP,
+                    WITH_ENTROPY,
+                    1,
+                )
+                _reduce1_if_last(
+                    red_ptr,
+                    n_rows,
+                    out_ptr,
+                    val_ptr,
+                    n_rows,
+                    idx_ptr,
+                    n_idx,
+                    keep_ptr,
+                    ignore_index,
+                    KIND,
+                    HAS_KEEP,
+                    REDUCE,
+                    BLOCK_REDUCE,
+                )
 
 
 @triton.jit
-def finish1_kernel(
+def _finish1_rows(
+    rows,
+    rmask,
     part_ptr,
     n_parts,
     n_rows,
@@ -358,14 +540,14 @@ def finish1_kernel(
     WITH_ENTROPY: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Merge the ``[P, N, F]`` partials of every split and rank into per-token values (nats)
-    and the O(N) statistics the backward pass needs: ``[a, log2 s]`` (+ H for entropy and
-    for log-probs WITH_ENTROPY), so that ``log p = (z - a) k2 - log2 s`` in bits. Log-probs
-    WITH_ENTROPY write ``[N, k + 1]`` values: the k log-probs, then the entropy (0 where every
-    index entry is ignored). Every rank merges the same gathered partials in the same order,
-    so the values are identical on every rank."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < n_rows
+    """Merge the ``[P, N, F]`` partials of every split and rank of ``rows`` into per-token
+    values (nats) and the O(N) statistics the backward pass needs: ``[a, log2 s]`` (+ H for
+    entropy and for log-probs WITH_ENTROPY), so that ``log p = (z - a) k2 - log2 s`` in bits.
+    Log-probs WITH_ENTROPY write ``[N, k + 1]`` values: the k log-probs, then the entropy (0
+    where every index entry is ignored). The partials merge in the order of ``p``, one row
+    per lane: a block of rows (``finish1_kernel``) or one row (``stats1_kernel``'s last
+    program of a row) give the same bits, and every rank merging the same gathered partials
+    the same values."""
     if KIND == CE:
         n_fields = CE_FIELDS
         n_stats = STATS
@@ -440,6 +622,75 @@ def finish1_kernel(
 
 
 @triton.jit
+def finish1_kernel(
+    part_ptr,
+    n_parts,
+    n_rows,
+    idx_ptr,
+    n_idx,
+    keep_ptr,
+    val_ptr,
+    stat_ptr,
+    red_ptr,
+    out_ptr,
+    vocab_size,
+    k2,
+    ignore_index,
+    smoothing,
+    z_loss,
+    KIND: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    ZLOSS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    REDUCE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_REDUCE: tl.constexpr,
+):
+    """``_finish1_rows`` of a block of rows; with REDUCE the last program reduces the values
+    (``_reduce_if_last``)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _finish1_rows(
+        rows,
+        rows < n_rows,
+        part_ptr,
+        n_parts,
+        n_rows,
+        idx_ptr,
+        n_idx,
+        keep_ptr,
+        val_ptr,
+        stat_ptr,
+        vocab_size,
+        k2,
+        ignore_index,
+        smoothing,
+        z_loss,
+        KIND,
+        SMOOTH,
+        ZLOSS,
+        HAS_KEEP,
+        WITH_ENTROPY,
+        BLOCK_N,
+    )
+    _reduce1_if_last(
+        red_ptr,
+        tl.num_programs(0),
+        out_ptr,
+        val_ptr,
+        n_rows,
+        idx_ptr,
+        n_idx,
+        keep_ptr,
+        ignore_index,
+        KIND,
+        HAS_KEEP,
+        REDUCE,
+        BLOCK_REDUCE,
+    )
+
+
+@triton.jit
 def backward1_kernel(
     z_ptr,
     rows_b,
@@ -447,6 +698,9 @@ def backward1_kernel(
     stride_b,
     dz_ptr,
     grad_ptr,
+    g_row,
+    g_col,
+    red_ptr,
     idx_ptr,
     n_idx,
     keep_ptr,
@@ -466,12 +720,14 @@ def backward1_kernel(
     ZLOSS: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Gradient w.r.t. the logits from the saved O(N) statistics: probabilities recomputed
     in registers (one exp per element), one read of the logits, one write of the gradient
     in the input dtype. Log-probs WITH_ENTROPY take ``[N, k + 1]`` upstream gradients (the
-    entropy's last) and write both gradients' sum in the same pass. Masked rows read nothing
+    entropy's last) and write both gradients' sum in the same pass. The upstream gradients
+    are read at ``row * g_row + j * g_col`` (strides 0 for one number: ``_upstream``). Masked rows read nothing
     and write exact zeros; a row whose logits were all -inf gets NaN (its value is NaN),
     every other row is unaffected."""
     pid = tl.program_id(0)
@@ -490,7 +746,7 @@ def backward1_kernel(
     alive = log_s > float("-inf")
     if KIND == ENTROPY:
         h = tl.load(stat_ptr + row * ENTROPY_STATS + S_ENTROPY)
-        coef = tl.where(alive, tl.load(grad_ptr + row) * inv_t, nan)
+        coef = tl.where(alive, _upstream(grad_ptr, row * g_row, red_ptr, MEAN) * inv_t, nan)
         if HAS_KEEP:
             keep = tl.load(keep_ptr + row) != 0
         else:
@@ -499,22 +755,18 @@ def backward1_kernel(
         y = tl.load(idx_ptr + row)
         keep = y != ignore_index
         bad = keep & ((y < 0) | (y >= vocab_size))
-        coef = tl.where(bad | (alive == 0), nan, tl.load(grad_ptr + row) * inv_t)
+        coef = tl.where(bad | (alive == 0), nan, _upstream(grad_ptr, row * g_row, red_ptr, MEAN) * inv_t)
         y_local = y - vocab_start
         p_coef = 1.0
         if ZLOSS:
             p_coef = 1.0 + 2.0 * z_loss * ((a * k2 + log_s) * LN2)
     else:
         # log-probs: d = sum_j g_j onehot(i_j) - (sum_j g_j) p (- g_H p (log p + H) WITH_ENTROPY)
-        if WITH_ENTROPY:
-            n_vals = n_idx + 1
-        else:
-            n_vals = n_idx
         total = tl.zeros([], tl.float32)
         keep = row < 0  # false; true below when any index entry is not ignored
         for j in range(n_idx):
             ij = tl.load(idx_ptr + row * n_idx + j)
-            gj = tl.load(grad_ptr + row * n_vals + j) * inv_t
+            gj = _upstream(grad_ptr, row * g_row + j * g_col, red_ptr, MEAN) * inv_t
             gj = tl.where(ij != ignore_index, gj, 0.0)
             gj = tl.where((ij != ignore_index) & ((ij < 0) | (ij >= vocab_size)), nan, gj)
             total += gj
@@ -523,7 +775,7 @@ def backward1_kernel(
         total = tl.where(alive | (total == 0), total, nan)
         if WITH_ENTROPY:
             h = tl.load(stat_ptr + row * ENTROPY_STATS + S_ENTROPY)
-            coef_h = tl.where(alive, tl.load(grad_ptr + row * n_vals + n_idx) * inv_t, nan)
+            coef_h = tl.where(alive, _upstream(grad_ptr, row * g_row + n_idx * g_col, red_ptr, MEAN) * inv_t, nan)
     hi_read = tl.where(keep, hi, lo)  # masked rows read nothing
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -544,7 +796,7 @@ def backward1_kernel(
                 d = tl.where(total != 0, -p * total, 0.0)
             for j in range(n_idx):
                 ij = tl.load(idx_ptr + row * n_idx + j)
-                gj = tl.load(grad_ptr + row * n_vals + j) * inv_t
+                gj = _upstream(grad_ptr, row * g_row + j * g_col, red_ptr, MEAN) * inv_t
                 d += tl.where((cols == ij - vocab_start) & (ij != ignore_index), gj, 0.0)
         else:  # entropy: as the log-probs' entropy term above
             d = -p * (tl.maximum(lp, LOGP_FLOOR) * LN2 + h) * coef
@@ -616,6 +868,8 @@ def stats2_kernel(
     part_ptr,
     val_ptr,
     stat_ptr,
+    red_ptr,
+    out_ptr,
     n_rows,
     v_local,
     splits,
@@ -624,14 +878,20 @@ def stats2_kernel(
     WITH_KL: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     FINISH: tl.constexpr,
+    MERGE: tl.constexpr,
+    REDUCE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_REDUCE: tl.constexpr,
 ):
     """Partial statistics of two inputs over one chunk, one read of each.
 
     Fields ``[m_a, s_a, m_b, s_b]`` and with WITH_KL ``sum e_a ((z_a - a_a) - (z_b - a_b)) k2``,
     the unnormalized KL(A || B) term. (``sa_*``/``sb_*`` are the row strides of a and b.)
     FINISH (KL only): the chunk is the whole row of the whole vocabulary, so the program
-    writes the value and statistics as ``finish2_kernel`` would, and no partials."""
+    writes the value and statistics as ``finish2_kernel`` would, and no partials. MERGE
+    (KL, split rows at one rank): the last program of a row merges its partials as
+    ``finish2_kernel`` would (see ``stats1_kernel``). With REDUCE, the last row finished
+    reduces the values."""
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     if HAS_KEEP:
@@ -652,6 +912,7 @@ def stats2_kernel(
         if HAS_KEEP:
             val = tl.where(keep, val, 0.0)
         tl.store(val_ptr + row, val)
+        _reduce2_if_last(red_ptr, n_rows, out_ptr, val_ptr, n_rows, keep_ptr, HAS_KEEP, REDUCE, BLOCK_REDUCE)
     else:
         n_fields = KL_FIELDS if WITH_KL else PAIR_FIELDS
         out = part_ptr + ((pid % splits) * n_rows + row) * n_fields
@@ -661,6 +922,13 @@ def stats2_kernel(
         tl.store(out + P_SUM_B, sb)
         if WITH_KL:
             tl.store(out + P_KL, kl)
+        if MERGE:
+            if _arrive(red_ptr + R_ROWS + row, splits):
+                rows = row + tl.arange(0, 1)
+                _finish2_rows(
+                    rows, rows < n_rows, part_ptr, splits, n_rows, keep_ptr, val_ptr, stat_ptr, k2, 0.0, KL, HAS_KEEP, 1
+                )
+                _reduce2_if_last(red_ptr, n_rows, out_ptr, val_ptr, n_rows, keep_ptr, HAS_KEEP, REDUCE, BLOCK_REDUCE)
 
 
 @triton.jit
@@ -721,6 +989,9 @@ def jsd_div_kernel(
     n_stats_parts,
     part_ptr,
     stat_ptr,
+    val_ptr,
+    red_ptr,
+    out_ptr,
     n_rows,
     v_local,
     splits,
@@ -729,12 +1000,17 @@ def jsd_div_kernel(
     beta,
     HAS_KEEP: tl.constexpr,
     FAST_LOG2: tl.constexpr,
+    MERGE: tl.constexpr,
+    REDUCE: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_REDUCE: tl.constexpr,
 ):
     """JSD divergence pass (a = student, b = teacher, as in every two-input kernel): merges the
     row's gathered statistics itself (a few scalars, no separate launch), then one more read
     of both inputs accumulating ``sum p_s (lp_s - lm)`` and ``sum p_t (lp_t - lm)`` (bits)
-    into ``[P, N, 2]`` partials."""
+    into ``[P, N, 2]`` partials. MERGE (at one rank): the last program of a row merges its
+    partials as ``finish2_kernel`` would (see ``stats1_kernel``); with REDUCE, the last row
+    finished reduces the values."""
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     if HAS_KEEP:
@@ -751,6 +1027,13 @@ def jsd_div_kernel(
     out = part_ptr + ((pid % splits) * n_rows + row) * DIV_FIELDS
     tl.store(out + P_KL_S, kl_s)
     tl.store(out + P_KL_T, kl_t)
+    if MERGE:
+        if _arrive(red_ptr + R_ROWS + row, splits):
+            rows = row + tl.arange(0, 1)
+            _finish2_rows(
+                rows, rows < n_rows, part_ptr, splits, n_rows, keep_ptr, val_ptr, stat_ptr, k2, beta, JSD, HAS_KEEP, 1
+            )
+            _reduce2_if_last(red_ptr, n_rows, out_ptr, val_ptr, n_rows, keep_ptr, HAS_KEEP, REDUCE, BLOCK_REDUCE)
 
 
 @triton.jit
@@ -765,13 +1048,18 @@ def jsd_row_kernel(
     keep_ptr,
     val_ptr,
     stat_ptr,
+    red_ptr,
+    out_ptr,
+    n_rows,
     v_local,
     k2,
     beta,
     HAS_KEEP: tl.constexpr,
     FAST_LOG2: tl.constexpr,
+    REDUCE: tl.constexpr,
     BLOCK_STATS: tl.constexpr,
     BLOCK_DIV: tl.constexpr,
+    BLOCK_REDUCE: tl.constexpr,
 ):
     """The whole JSD forward of one row (a = student, b = teacher) when it is neither split nor
     sharded (one program per row, one launch): the statistics pass, the divergence pass, the value. The same reads
@@ -802,10 +1090,13 @@ def jsd_row_kernel(
     tl.store(base + S_KL_A, kl_s)
     tl.store(base + S_KL_B, kl_t)
     tl.store(val_ptr + row, val)
+    _reduce2_if_last(red_ptr, n_rows, out_ptr, val_ptr, n_rows, keep_ptr, HAS_KEEP, REDUCE, BLOCK_REDUCE)
 
 
 @triton.jit
-def finish2_kernel(
+def _finish2_rows(
+    rows,
+    rmask,
     part_ptr,
     n_parts,
     n_rows,
@@ -818,12 +1109,11 @@ def finish2_kernel(
     HAS_KEEP: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """KL: merge ``[m_a, s_a, m_b, s_b, kl]`` partials into KL(A||B) and the stats
+    """KL: merge ``[m_a, s_a, m_b, s_b, kl]`` partials of ``rows`` into KL(A||B) and the stats
     ``[a_a, log2 s_a, a_b, log2 s_b, KL]``. JSD: add the ``[kl_s, kl_t]`` divergence partials
     into the value and stats columns 4, 5 (columns 0-3 were written by the divergence pass).
-    ``beta`` is the JSD's; the KL kind never reads it (one kernel serves both kinds)."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < n_rows
+    ``beta`` is the JSD's; the KL kind never reads it (one kernel serves both kinds). As
+    ``_finish1_rows``: one row per lane, the partials in the order of ``p``."""
     if KIND == KL:
         aa = _anchor(_parts_max(part_ptr, n_parts, n_rows, rows, rmask, KL_FIELDS, P_MAX_A, BLOCK_N))
         ab = _anchor(_parts_max(part_ptr, n_parts, n_rows, rows, rmask, KL_FIELDS, P_MAX_B, BLOCK_N))
@@ -868,6 +1158,48 @@ def finish2_kernel(
 
 
 @triton.jit
+def _reduce2_if_last(
+    red_ptr,
+    n_done,
+    out_ptr,
+    val_ptr,
+    n_rows,
+    keep_ptr,
+    HAS_KEEP: tl.constexpr,
+    REDUCE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``_reduce_if_last`` of a two-input op: a mean counts the kept tokens."""
+    _reduce_if_last(red_ptr, n_done, out_ptr, val_ptr, n_rows, keep_ptr, keep_ptr, 0, False, HAS_KEEP, REDUCE, BLOCK)
+
+
+@triton.jit
+def finish2_kernel(
+    part_ptr,
+    n_parts,
+    n_rows,
+    keep_ptr,
+    val_ptr,
+    stat_ptr,
+    red_ptr,
+    out_ptr,
+    k2,
+    beta,
+    KIND: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    REDUCE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_REDUCE: tl.constexpr,
+):
+    """``_finish2_rows`` of a block of rows; with REDUCE the last program reduces the values."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _finish2_rows(
+        rows, rows < n_rows, part_ptr, n_parts, n_rows, keep_ptr, val_ptr, stat_ptr, k2, beta, KIND, HAS_KEEP, BLOCK_N
+    )
+    _reduce2_if_last(red_ptr, tl.num_programs(0), out_ptr, val_ptr, n_rows, keep_ptr, HAS_KEEP, REDUCE, BLOCK_REDUCE)
+
+
+@triton.jit
 def backward2_kernel(
     a_ptr,
     b_ptr,
@@ -879,6 +1211,8 @@ def backward2_kernel(
     da_ptr,
     db_ptr,
     grad_ptr,
+    g_row,
+    red_ptr,
     keep_ptr,
     stat_ptr,
     v_local,
@@ -892,12 +1226,14 @@ def backward2_kernel(
     NEED_B: tl.constexpr,
     HAS_KEEP: tl.constexpr,
     FAST_LOG2: tl.constexpr,
+    MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """Gradients of KL(A||B) (``dA = p_a (lp_a - lp_b - KL)``, ``dB = p_b - p_a``) or of the
     JSD (a = student, b = teacher: ``d_s = (1-beta) p_s (lp_s - lm - KL_s)``, and the same for
     the teacher with beta), from saved statistics; only requested gradients are computed and
-    written, in the input dtype. The KL kind never reads ``beta``."""
+    written, in the input dtype. The KL kind never reads ``beta``. The upstream gradient is
+    read at ``row * g_row`` (``_upstream``)."""
     pid = tl.program_id(0)
     row, lo, hi = _chunk(pid, splits, chunk, v_local)
     src_a = _row_start(a_ptr, row, rows_b, sa_a, sa_b)
@@ -912,7 +1248,7 @@ def backward2_kernel(
     kl_a = tl.load(base + S_KL_A)
     if KIND == JSD:
         kl_b = tl.load(base + S_KL_B)
-    coef = tl.load(grad_ptr + row) * inv_t
+    coef = _upstream(grad_ptr, row * g_row, red_ptr, MEAN) * inv_t
     coef = tl.where((ls_a > float("-inf")) & (ls_b > float("-inf")), coef, float("nan"))
     if HAS_KEEP:
         keep = tl.load(keep_ptr + row) != 0

@@ -1,32 +1,39 @@
 """Launching a ``@triton.jit`` kernel with less Python per launch.
 
 ``kernel[grid](**args)`` goes through Triton's JIT dispatch on every launch: binding the
-arguments, specializing each one, building the cache key, looking the compiled kernel up,
-then calling its launcher. ``launch`` does that the first time a call site meets a new
-specialization, keeps the compiled kernel the JIT returns, and afterwards calls the
-compiled kernel's launcher directly, the way the JIT itself calls it
-(``compiled.run(grid_0, grid_1, grid_2, stream, function, packed_metadata, metadata,
-enter_hook, exit_hook, *args)`` with every argument in signature order), as Triton 3.6
-and 3.9 do.
+arguments, specializing each one, building the cache key, checking the kernel's global
+constants, looking the compiled kernel up, then calling its launcher. ``launch`` does that
+the first time a call site meets a new specialization, keeps the compiled kernel the JIT
+returns, and afterwards calls the compiled kernel's launcher directly, the way the JIT
+itself calls it (``compiled.run(grid_0, grid_1, grid_2, stream, function, packed_metadata,
+launch_metadata, enter_hook, exit_hook, *args)`` with every argument in signature order),
+as Triton 3.6 and 3.9 do.
 
-The key of a kept kernel holds everything the JIT specializes on, conservatively: the
-current device, the argument names in call order, each tensor's dtype and whether its
-address is a multiple of 16, each int and constexpr exactly (an int the kernel declares
-``do_not_specialize``, such as a per-call seed, only by whether it fits int32), each float
-as a float. Launch hooks (a profiler's) or
-pre-run hooks send every launch through the JIT, as do objects that are not plain JIT
-functions (Triton's interpreter, test doubles).
+A kernel's arguments are sorted once per kernel and set of names passed (a ``_Form``),
+from the first call's values: tensors, floats, ints the kernel declares
+``do_not_specialize`` (a per-call seed), and the rest (ints, bools, constexprs, launch
+options such as ``num_warps``). The key of a kept kernel is then built with C-level getters,
+holding everything the JIT specializes on, conservatively: the current device, each
+tensor's dtype and whether its address is a multiple of 16, every value of the rest exactly,
+each float and unspecialized int by its type (the latter also by whether it fits int32), and
+the type of every non-tensor value. A launch whose arguments do not fit their form (a
+non-tensor where the first call had a tensor) goes through the JIT. Launch hooks (a
+profiler's) or pre-run hooks send every launch through the JIT, as do objects that are not
+plain JIT functions (Triton's interpreter, test doubles). Nothing here holds a tensor.
 """
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import attrgetter, itemgetter, or_
 from typing import Any
 
 import torch
 
-MAX_KEPT = 256  # per kernel; past it the kept kernels are dropped and found again
+MAX_KEPT = 256  # per kernel and set of names; past it the kept kernels are dropped and found again
+MAX_FORMS = 64  # per kernel: sets of argument names passed
 
-_kept: dict[Any, dict[tuple, Any]] = {}
+_forms: dict[Any, dict[tuple[str, ...], _Form | None]] = {}  # by kernel, then by names passed
 _runtime: Any = None  # (JITFunction, knobs.runtime, driver), imported on first use
 
 
@@ -43,6 +50,71 @@ def _triton() -> Any:
 
 def _hook_active(hook: Any) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = attrgetter("dtype")
+
+
+def _getter(names: list[str]) -> Any:
+    """A C-level ``lambda d: tuple(d[n] for n in names)``."""
+    if len(names) == 1:
+        one = names[0]
+        return lambda d: (d[one],)
+    return itemgetter(*names) if names else (lambda d: ())
+
+
+class _Form:
+    """How one kernel's arguments, passed under one set of names, enter its key."""
+
+    __slots__ = ("tensors", "exact", "scalars", "unspecialized", "ordered", "kept")
+
+    def __init__(self, kernel: Any, args: dict[str, Any]) -> None:
+        params = {p.name: p for p in getattr(kernel, "params", ())}
+        tensors, exact, scalars, unspecialized = [], [], [], []
+        for name, value in args.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append(name)
+                continue
+            scalars.append(name)
+            param = params.get(name)
+            constexpr = param is not None and getattr(param, "is_constexpr", False)
+            if type(value) is float and not constexpr:
+                continue  # the JIT does not specialize on a float's value
+            if type(value) is int and param is not None and getattr(param, "do_not_specialize", False):
+                unspecialized.append(name)  # its type follows its range, nothing else
+                continue
+            exact.append(name)
+        self.tensors, self.exact, self.scalars = _getter(tensors), _getter(exact), _getter(scalars)
+        self.unspecialized = _getter(unspecialized) if unspecialized else None
+        self.ordered = _getter(list(kernel.arg_names))  # the launcher's arguments, constexprs too
+        self.kept: dict[tuple, Any] = {}  # compiled kernels by key
+
+    def key(self, device: Any, args: dict[str, Any]) -> tuple:
+        tensors = self.tensors(args)
+        # the tensors' alignment: one bitwise or of every address, each apart only if some is off
+        aligned: Any = not reduce(or_, map(_DATA_PTR, tensors), 0) & 15
+        if not aligned:
+            aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+        ranges = () if self.unspecialized is None else tuple(-(2**31) <= v < 2**31 for v in self.unspecialized(args))
+        types = tuple(map(type, self.scalars(args)))
+        return (device, self.exact(args), types, tuple(map(_DTYPE, tensors)), aligned, ranges)
+
+
+def _form(kernel: Any, args: dict[str, Any]) -> _Form | None:
+    """The form of ``kernel`` for the names in ``args``, made on first use; None where the
+    names leave a parameter of the kernel out (its default: let the JIT bind it)."""
+    names = tuple(args)
+    forms = _forms.setdefault(kernel, {})
+    try:
+        return forms[names]
+    except KeyError:
+        pass
+    form = _Form(kernel, args) if set(kernel.arg_names) <= set(names) else None
+    if len(forms) >= MAX_FORMS:
+        forms.clear()
+    forms[names] = form
+    return form
 
 
 def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
@@ -62,56 +134,41 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
         kernel[grid](**args)
         return
     device = driver.active.get_current_device()  # the JIT keeps compiled kernels per device too
-    key = _key(device, args, _unspecialized(kernel))
-    kept = _kept.setdefault(kernel, {})
-    compiled = kept.get(key) if key is not None else None
+    form = _form(kernel, args)
+    key = compiled = None
+    if form is not None:
+        try:
+            key = form.key(device, args)
+            compiled = form.kept.get(key)
+        except (AttributeError, TypeError):  # a non-tensor where the form has a tensor, an unhashable value
+            key = None
     if compiled is None:
         compiled = kernel[grid](**args)  # compiles on a miss; returns the compiled kernel
-        if key is not None and hasattr(compiled, "packed_metadata") and hasattr(compiled, "function"):
-            if len(kept) >= MAX_KEPT:
-                kept.clear()
-            kept[key] = compiled
+        if (
+            form is not None
+            and key is not None
+            and hasattr(compiled, "packed_metadata")
+            and hasattr(compiled, "function")
+        ):
+            if len(form.kept) >= MAX_KEPT:
+                form.kept.clear()
+            form.kept[key] = compiled
         return
-    stream = driver.active.get_current_stream(device)
-    values = [args[name] for name in kernel.arg_names]
+    assert form is not None  # a kept kernel has a form
     compiled.run(
         grid[0],
         grid[1] if len(grid) > 1 else 1,
         grid[2] if len(grid) > 2 else 1,
-        stream,
+        driver.active.get_current_stream(device),
         compiled.function,
         compiled.packed_metadata,
         None,
         runtime.launch_enter_hook,
         runtime.launch_exit_hook,
-        *values,
+        *form.ordered(args),
     )
 
 
-_UNSPECIALIZED: dict[Any, frozenset[str]] = {}
-
-
-def _unspecialized(kernel: Any) -> frozenset[str]:
-    """The names of the kernel's ``do_not_specialize`` parameters."""
-    names = _UNSPECIALIZED.get(kernel)
-    if names is None:
-        params = getattr(kernel, "params", ())
-        names = _UNSPECIALIZED[kernel] = frozenset(p.name for p in params if getattr(p, "do_not_specialize", False))
-    return names
-
-
-def _key(device: Any, args: dict[str, Any], unspecialized: frozenset[str] = frozenset()) -> tuple | None:
-    key: list[Any] = [device, tuple(args)]
-    for name, value in args.items():
-        kind = type(value)
-        if kind is torch.Tensor:
-            key.append((value.dtype, value.data_ptr() % 16 == 0))
-        elif kind is int and name in unspecialized:  # its type follows its range, nothing else
-            key.append((int, -(2**31) <= value < 2**31))
-        elif kind is int or kind is bool:
-            key.append(value)
-        elif kind is float:
-            key.append(float)
-        else:  # anything else: let the JIT decide every time
-            return None
-    return tuple(key)
+def kept_count() -> int:
+    """How many compiled kernels are kept, over every kernel and form."""
+    return sum(len(form.kept) for forms in _forms.values() for form in forms.values() if form is not None)
