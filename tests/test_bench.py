@@ -5,13 +5,12 @@ in CI)."""
 import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
+from tests.helpers import ROOT
 from vtp_runtime.tools import bench
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "h200_final.json"
 
 

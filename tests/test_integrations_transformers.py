@@ -33,7 +33,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vtp_runtime as vtp
-from tests.models import tiny_llama_config
+from tests.helpers import tiny_llama_config
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.doc_examples import ROOT
+from tests.helpers import ROOT
 from vtp_runtime.testing.distributed import RankPool, outcome
 from vtp_runtime.testing.launch import accelerate_tensor_parallel_on_cpu
 

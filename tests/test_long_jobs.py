@@ -23,7 +23,6 @@ world gets a pool of its own. Runtime internals are read only by the helpers rig
 import datetime
 import gc
 import os
-import pathlib
 import subprocess
 import sys
 import warnings
@@ -34,14 +33,12 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
-from tests.test_dtensor import _dt
+from tests.helpers import ROOT, as_dtensor
 from vtp_runtime.testing.distributed import RankPool, environ, free_port, outcome
 from vtp_runtime.testing.reference import topk_kl
 from vtp_runtime.testing.reference import values as reference
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/inf edges
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 # -- runtime internals: the only lines of this file that read them -------------------------
@@ -251,25 +248,25 @@ def _dtensor_forms(mesh, d: _Full, mine) -> list[float]:
     z, y = dt(d.z, Shard(1), grad=True), dt(d.y, Replicate())
     out = vtp.cross_entropy(z, y)
     out.sum().backward()
-    errs.append(_err(_dt(out).to_local(), reference("cross_entropy", (d.z,), d.y)))
+    errs.append(_err(as_dtensor(out).to_local(), reference("cross_entropy", (d.z,), d.y)))
     mine("DTensor cross_entropy", logits=z, local_logits=local(z), labels=y, local_labels=local(y))
 
     z, t = dt(d.z, Shard(1), grad=True), dt(d.t, Shard(1), grad=True)
     out = vtp.jsd(z, t, beta=0.3)
     out.sum().backward()
-    errs.append(_err(_dt(out).to_local(), reference("jsd", (d.z, d.t), beta=0.3)))
+    errs.append(_err(as_dtensor(out).to_local(), reference("jsd", (d.z, d.t), beta=0.3)))
     mine("DTensor jsd", student=z, local_student=local(z), teacher=t, local_teacher=local(t))
 
     h, w, y = d.h.clone().requires_grad_(), dt(d.w, Shard(0), grad=True), d.y.clone()
     out = vtp.cross_entropy(vtp.Head(h, w), y, reduction="sum")
     out.backward()
-    errs.append(_err(_dt(out).to_local(), reference("cross_entropy", (d.h @ d.w.T,), d.y).sum()))
+    errs.append(_err(as_dtensor(out).to_local(), reference("cross_entropy", (d.h @ d.w.T,), d.y).sum()))
     mine("DTensor Head", hidden=h, weight=w, local_weight=local(w), labels=y)
 
     z, lp_t, ids = dt(d.z, Shard(1), grad=True), d.lp.clone(), d.ids.clone()
     out = vtp.kl(z, vtp.TopK(lp_t, ids))
     out.sum().backward()
-    errs.append(_err(_dt(out).to_local(), topk_kl(d.z, d.lp, d.ids)))
+    errs.append(_err(as_dtensor(out).to_local(), topk_kl(d.z, d.lp, d.ids)))
     mine("DTensor kl TopK", student=z, local_student=local(z), teacher_logprobs=lp_t, teacher_index=ids)
     return errs
 
@@ -466,7 +463,7 @@ def _world_calls(seed: int) -> tuple[dict[str, float], list]:
     errs = {}
     z, y = (distribute_tensor(x, mesh, [p], src_data_rank=None) for x, p in ((d.z, Shard(1)), (d.y, Replicate())))
     errs["DTensor on an equal mesh"] = _err(
-        _dt(vtp.cross_entropy(z, y)).to_local(), reference("cross_entropy", (d.z,), d.y)
+        as_dtensor(vtp.cross_entropy(z, y)).to_local(), reference("cross_entropy", (d.z,), d.y)
     )
     jsd = vtp.jsd(_shard(d.z, rank, sizes), _shard(d.t, rank, sizes), tp_group=g)
     errs["new group"] = _err(jsd, reference("jsd", (d.z, d.t)))
@@ -560,7 +557,7 @@ def dtensor_failure_on_one_rank(rank, world, group, case, bad_rank):
         teacher = vtp.TopK(dt(d.lp, placement), dt(d.ids, placement))
         call = lambda: vtp.kl(z, teacher)  # noqa: E731
     got = outcome(call)
-    after = _err(_dt(vtp.cross_entropy(z, d.y)).to_local(), reference("cross_entropy", (d.z,), d.y))
+    after = _err(as_dtensor(vtp.cross_entropy(z, d.y)).to_local(), reference("cross_entropy", (d.z,), d.y))
     return got, max(after, _healthy(rank, world, group))
 
 

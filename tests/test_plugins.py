@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 PLUGINS = ("vtp-example-backend", "vtp-broken-plugin")
 BROKEN = {"broken_import", "broken_half", "broken_duplicate", "broken_hookname"}
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import vtp_runtime as vtp
-from tests.doc_examples import ROOT, run_main, torchrun_examples
+from tests.helpers import ROOT, run_main, torchrun_examples
 from vtp_runtime import sequence
 from vtp_runtime.backend import ALL_DTYPES, HeadSupport, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
@@ -874,15 +874,13 @@ def test_the_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/sequence_parallel.py at tiny sizes on gloo CPU ranks: both arms, the same numbers."""
     import json
     import os
-    import pathlib
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the eager backend: quick
     out = tmp_path / "sp.json"
     run = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "sequence_parallel.py"), "--cpu", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "sequence_parallel.py"), "--cpu", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -303,9 +303,9 @@ def test_options_and_errors():
 def _dtensor_student(rank, world, group):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from tests.test_dtensor import _mesh
+    from tests.helpers import pool_mesh
 
-    mesh = _mesh(world, (world,))
+    mesh = pool_mesh(world, (world,))
     case = replace(BASE, vocab=10, tail=True, masked="labels", seed=40)
     student, lp_t, ids, extra = _inputs(case, 10)
     ds = distribute_tensor(student, mesh, (Shard(2),)).requires_grad_()
