@@ -48,7 +48,7 @@ def test_logprobs_entropy_arm_matches_the_dense_arm_on_cpu():
 
     z, y = bench.make_inputs("logprobs_entropy", 6, 50, torch.float32, "cpu", seed=0)
     (got,) = bench.vtp_arm("eager", "logprobs_entropy", z, y, 0.5)()
-    (want,) = bench._torch_arm("logprobs_entropy", z, y, 0.5)()
+    (want,) = bench.torch_arm("logprobs_entropy", z, y, 0.5)()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -141,7 +141,7 @@ def test_head_per_token_arm_gives_the_gradients_of_its_weighted_loss():
     h = torch.randn(12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(40, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 40, (12,), generator=gen)
-    got = bench_head._arm("cross_entropy", "fused_none", "eager", h, w, y, None, None, 0.5)()
+    got = bench_head.head_arm("cross_entropy", "fused_none", "eager", h, w, y, None, None, 0.5)()
     g = torch.rand(12, generator=torch.Generator().manual_seed(0), dtype=torch.float32).double()
     want = torch.autograd.grad((F.cross_entropy(h @ w.T, y, reduction="none") * g).sum() / 12, (h, w))
     assert g.std() > 0.1  # the tokens' upstream gradients differ

@@ -43,7 +43,7 @@ def _trl(student, teacher, labels, beta, temperature, reduction, num_items=None)
     """TRL's value and gradients on full logits; "none" summed over the vocabulary (TRL
     keeps it per entry) and scattered back to [batch, seq] with 0 at ignored tokens."""
     s, t = student.detach().requires_grad_(), teacher.detach().requires_grad_()
-    out = vtp_trl._gkd_trainer().generalized_jsd_loss(s, t, labels, beta, temperature, reduction, num_items)
+    out = vtp_trl.trl_trainer("GKD").generalized_jsd_loss(s, t, labels, beta, temperature, reduction, num_items)
     if reduction == "none" and num_items is None:
         per_token = out.sum(-1)
         if labels is not None:

@@ -260,7 +260,7 @@ def _recorded(model, who, into):
 def _stock(kind):
     import vtp_runtime.integrations.trl as vtp_trl
 
-    return vtp_trl._trl_trainer(kind)
+    return vtp_trl.trl_trainer(kind)
 
 
 def _ours(kind):
