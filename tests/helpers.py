@@ -65,19 +65,28 @@ def run_main(block: str, source: str, **offered: Any) -> float:
         return float(main(**taken))
 
 
+# -- test ids ----------------------------------------------------------------------------------
+
+
+def head_case_id(case) -> str:
+    """A ``HeadCase``'s test id: its own id and its token shape."""
+    return f"{case.id}-N{'x'.join(map(str, case.shape))}"
+
+
 # -- DTensors in rank jobs ---------------------------------------------------------------------
 
 _MESHES: dict = {}
 
 
-def pool_mesh(world: int, shape: tuple[int, ...]):
-    """The CPU mesh of ``shape`` over every rank of the pool, made once per rank process (a
-    2-D mesh creates process groups, a collective)."""
+def pool_mesh(world: int, shape: tuple[int, ...], names: tuple[str, ...] | None = None):
+    """The CPU mesh of ``shape`` (its dimensions named ``names``) over every rank of the pool,
+    made once per rank process (a 2-D mesh creates process groups, a collective)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if (world, shape) not in _MESHES:
-        _MESHES[(world, shape)] = DeviceMesh("cpu", torch.arange(world).reshape(shape))
-    return _MESHES[(world, shape)]
+    key = (world, shape, names)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh("cpu", torch.arange(world).reshape(shape), mesh_dim_names=names)
+    return _MESHES[key]
 
 
 def as_dtensor(x: object) -> DTensor:
