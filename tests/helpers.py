@@ -1,6 +1,6 @@
-"""What several test files share: the repository's root, the tiny transformers model the
-integration tests build, the docs' multi-rank examples, and the device mesh and DTensor check
-of rank jobs."""
+"""What several test files share: the repository's root, the tiny transformers models the
+integration tests build (and a step of one), the docs' multi-rank examples, and the device
+mesh and DTensor check of rank jobs."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-# -- the tiny transformers model ---------------------------------------------------------------
+# -- the tiny transformers models --------------------------------------------------------------
 
 
 def tiny_llama_config(vocab_size: int, hidden_size: int = 32, **overrides: Any):
@@ -36,6 +36,82 @@ def tiny_llama_config(vocab_size: int, hidden_size: int = 32, **overrides: Any):
         tie_word_embeddings=False,
     )
     return LlamaConfig(**{**fields, **overrides})
+
+
+TINY_CONFIG: dict[str, Any] = {  # the tiny decoder of every family (vocabulary, sizes)
+    "vocab_size": 101,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+TINY_FAMILIES: dict[str, dict[str, Any]] = {  # the decoder families fuse_lm_head claims; extra config, tied head or not
+    "Llama": {"tie_word_embeddings": False},
+    "Llama-tied": {"tie_word_embeddings": True},
+    "Qwen2": {},
+    "Qwen3": {"head_dim": 8},
+    "Mistral": {},
+    "Phi3": {"pad_token_id": 0},
+    "Gemma": {"head_dim": 8},
+    "Gemma2": {"head_dim": 8, "final_logit_softcapping": None},
+    "Cohere": {"logit_scale": 0.25},  # logits * 0.25
+    "Granite": {"logits_scaling": 4.0},  # logits / 4
+}
+
+
+def tiny_causal_lm(name, **extra):
+    """The tiny ``<family>ForCausalLM`` of ``name`` (a key of ``TINY_FAMILIES``), seeded;
+    ``extra`` replaces any of its config."""
+    import transformers
+
+    base = name.split("-")[0]
+    config = getattr(transformers, f"{base}Config")(**{**TINY_CONFIG, **TINY_FAMILIES.get(name, {}), **extra})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{base}ForCausalLM")(config)
+
+
+def _grads(model):
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def train_step(model, **kw):
+    """``model(**kw)`` and its loss's backward: (the output, the loss, every parameter's gradient)."""
+    model.zero_grad(set_to_none=True)
+    out = model(**kw)
+    loss = out.loss if not isinstance(out, tuple) else out[0]
+    loss *= 1  # as transformers' Trainer scales it (average_tokens_across_devices): in place
+    loss.backward()
+    return out, loss.detach(), _grads(model)
+
+
+def small_batch(v=101):
+    """(ids, labels) of 2 x 9 tokens, a prompt and padding ignored (-100)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, v, (2, 9), generator=g)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt
+    labels[1, -2:] = -100  # padding
+    return ids, labels
+
+
+def assert_fused_like(model, reference):
+    """``model`` fused (no logits) with ``reference``'s loss and gradients, ``reference``
+    unfused; both with the same weights."""
+    import vtp_runtime as vtp
+    from vtp_runtime.integrations.transformers import is_fused
+
+    assert is_fused(model) and not is_fused(reference)
+    device = next(model.parameters()).device
+    ids, labels = (t.to(device) for t in small_batch())
+    with vtp.use_backend("eager"):
+        _, want_loss, want_grads = train_step(reference.train(), input_ids=ids, labels=labels)
+        got, got_loss, got_grads = train_step(model.train(), input_ids=ids, labels=labels)
+    assert got.logits is None
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 # -- the docs' multi-rank examples, as written -------------------------------------------------

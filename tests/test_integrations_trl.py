@@ -2,7 +2,8 @@
 ``GKDTrainer.generalized_jsd_loss`` gives on the full logits — every reduction, beta 0 / 0.5
 / 1, temperature 1 and 2, with and without labels and ``num_items_in_batch`` — at TP=1, on
 uneven TP=2 shards and on DTensor shards (an empty one at TP=4). The trainers themselves are
-in ``test_integrations_trl_trainers.py``."""
+in ``test_integrations_trl_trainers.py`` and
+``test_integrations_trl_launched.py``."""
 
 import importlib.util
 import os
