@@ -1,6 +1,7 @@
 """What several test files share: the repository's root, the tiny transformers models the
-integration tests build (and a step of one), the docs' multi-rank examples, and the device
-mesh and DTensor check of rank jobs."""
+integration tests build (and a step of one), the docs' multi-rank examples, the device mesh and
+DTensor check of rank jobs, float64 inputs with each rank's shard of them, and rank pools
+that fail fast."""
 
 from __future__ import annotations
 
@@ -171,3 +172,89 @@ def as_dtensor(x: object) -> DTensor:
 
     assert isinstance(x, DTensor), f"a {type(x).__name__}, not a DTensor"
     return x
+
+
+# -- float64 inputs on the full vocabulary, and each rank's shard of them ---------------------
+
+SHARD_SIZES = {1: [13], 2: [5, 8]}  # the vocabulary's shards at TP 1 and 2: uneven at TP 2
+H, K = 4, 3  # hidden size of the Heads, k of the TopK teachers
+
+
+class FullInputs:
+    """Fresh float64 inputs on the full vocabulary, the same on every rank for one seed."""
+
+    def __init__(self, n: int, seed: int, vocab: int):
+        g = torch.Generator().manual_seed(seed)
+        self.z = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2
+        self.t = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2
+        self.y = torch.randint(0, vocab, (n,), generator=g)
+        self.y[0] = -100
+        self.m = torch.rand(n, generator=g) > 0.3
+        self.idx = torch.randint(0, vocab, (n, 2), generator=g)
+        teacher = torch.log_softmax(torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2, -1)
+        self.lp, self.ids = teacher.topk(K, dim=-1)
+        self.h = torch.randn(n, H, generator=g, dtype=torch.float64)
+        self.w = torch.randn(vocab, H, generator=g, dtype=torch.float64)
+        self.b = torch.randn(vocab, generator=g, dtype=torch.float64)
+        self.wt = torch.randn(vocab, H, generator=g, dtype=torch.float64)
+
+
+def shard(x: torch.Tensor, rank: int, sizes, dim: int = -1) -> torch.Tensor:
+    """A copy of ``rank``'s block of ``x`` along ``dim``, the blocks of ``sizes`` in rank order."""
+    start = sum(sizes[:rank])
+    return x.narrow(dim, start, sizes[rank]).clone()
+
+
+def max_error(got, want) -> float:
+    """The largest absolute difference, in float64, of two tensors of one shape."""
+    got, want = got.double(), want.double()
+    assert got.shape == want.shape, (tuple(got.shape), tuple(want.shape))
+    return (got - want).abs().max().item() if got.numel() else 0.0
+
+
+def healthy_calls(rank: int, world: int, group) -> float:
+    """Valid calls on every rank of ``group`` (its shards of ``SHARD_SIZES``): their largest
+    deviation from float64 on the full logits."""
+    import vtp_runtime as vtp
+    from vtp_runtime.testing.reference import values as reference
+
+    sizes = SHARD_SIZES[world]
+    d = FullInputs(5, seed=77, vocab=sum(sizes))
+    ce = vtp.cross_entropy(shard(d.z, rank, sizes), d.y, label_smoothing=0.2, tp_group=group)
+    jsd = vtp.jsd(shard(d.z, rank, sizes), shard(d.t, rank, sizes), beta=0.3, tp_group=group)
+    return max(
+        max_error(ce, reference("cross_entropy", (d.z,), d.y, label_smoothing=0.2)),
+        max_error(jsd, reference("jsd", (d.z, d.t), beta=0.3)),
+    )
+
+
+# -- rank pools that fail fast ---------------------------------------------------------------
+
+
+class QuickPools:
+    """Gloo rank pools, one per world size, apart from the ``ranks`` fixture's: their
+    collectives time out in ``collective_timeout`` s, so that a hang fails its test in
+    seconds; a job that failed or timed out takes its ranks down with it (their collectives
+    may be out of step), so that the next job starts on fresh ones."""
+
+    def __init__(self, collective_timeout: float, job_timeout: float):
+        self.collective_timeout, self.job_timeout = collective_timeout, job_timeout
+        self._pools: dict = {}
+
+    def run(self, world: int, fn, *args, timeout: float | None = None):
+        """``fn(rank, world, group, *args)`` on ``world`` ranks; per-rank results in rank order."""
+        from vtp_runtime.testing.distributed import RankPool
+
+        pool = self._pools.get(world)
+        if pool is None or not pool.alive:
+            pool = self._pools[world] = RankPool(world, collective_timeout=self.collective_timeout)
+        try:
+            return pool.run(fn, *args, timeout=timeout or self.job_timeout)
+        except AssertionError:  # RankFailure, RankTimeout: its collectives may be out of step now
+            pool.close(force=True)
+            raise
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 from vtp_runtime.tools import bench
 
@@ -335,3 +337,43 @@ def test_generate_benchmark_runs_on_cpu_at_tiny_sizes(tmp_path):
         assert r["vtp"]["frames_warmup"] == r["vtp"]["frames_timed"] == r["torch"]["frames_timed"] == 0, r
         assert r["torch"]["graph_breaks"] == r["vtp"]["graph_breaks"] == 0, r
     assert rows[2]["torch"]["frames_warmup"] >= 1  # the compile, in the first static row's torch arm
+
+
+# == 9. the benchmark command line ==========================================================
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--ops", "cross_entropy"],
+        [
+            "--head",
+            "8",
+            "--device",
+            "cpu",
+            "--tokens",
+            "4",
+            "--vocab",
+            "16",
+            "--tp",
+            "1",
+            "--peers",
+            "",
+            "--warmup",
+            "0",
+            "--reps",
+            "1",
+        ],
+    ],
+    ids=["logits", "head"],
+)
+def test_bench_names_an_unknown_backend_and_fails(argv):
+    """Item 9: ``vtp-runtime bench --backends nosuch`` exits non-zero with a message naming
+    the unknown backend, before it times anything (also where no GPU is)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "vtp_runtime", "bench", "--backends", "eager,nosuch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0 and "nosuch" in run.stderr, (run.returncode, run.stdout, run.stderr)
