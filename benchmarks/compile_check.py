@@ -18,6 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from vtp_runtime.backends.triton import kernels as K  # noqa: E402
+from vtp_runtime.backends.triton import sampling_kernels as S  # noqa: E402
 from vtp_runtime.backends.triton.backend import CUDA_CONFIG as C  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -43,8 +44,11 @@ INT_ARGS = {
     "st_a",
     "st_b",
     "n_stats_parts",
+    "seed_key",
+    "row_offset",
+    "top_k",
 }
-FLOAT_ARGS = {"k2", "inv_t", "smoothing", "z_loss", "beta"}
+FLOAT_ARGS = {"k2", "inv_t", "smoothing", "z_loss", "beta", "scale_s", "scale_b", "top_p", "log2_min_p"}
 
 
 def signature(fn, dtype: str, const: dict) -> dict:
@@ -53,12 +57,12 @@ def signature(fn, dtype: str, const: dict) -> dict:
         if name in const:
             sig[name] = "constexpr"
         elif name in INT_ARGS:
-            sig[name] = "i64" if name.startswith(("s", "stride")) and name not in ("splits",) else "i32"
+            sig[name] = "i64" if name.startswith(("s", "stride")) and name not in ("splits", "seed_key") else "i32"
         elif name in FLOAT_ARGS:
             sig[name] = "fp32"
         elif name in ("z_ptr", "a_ptr", "b_ptr", "s_ptr", "t_ptr", "dz_ptr", "da_ptr", "db_ptr"):
             sig[name] = f"*{dtype}"
-        elif name in ("idx_ptr",):
+        elif name in ("idx_ptr", "out_ptr") and fn is S.decode_kernel:
             sig[name] = "*i64"
         elif name == "keep_ptr":
             sig[name] = "*u8"
@@ -152,6 +156,30 @@ def main() -> int:
         )
     for kind in (0, 1):
         jobs.append((K.finish2_kernel, "fp32", dict(KIND=kind, HAS_KEEP=True, BLOCK_N=C.block_rows), C.warps_finish))
+    # the one-launch sampling kernel: argmax, the plain draw, each restriction and all at once
+    grain = {"bf16": 16, "fp16": 13, "fp32": 0}
+    for dt, (gumbel, k, p, mp) in itertools.product(
+        ("bf16", "fp16", "fp32"),
+        (
+            (False, False, False, False),
+            (True, False, False, False),
+            (True, True, False, False),
+            (True, False, True, False),
+            (True, False, False, True),
+            (True, True, True, True),
+        ),
+    ):
+        const = dict(
+            GUMBEL=gumbel,
+            TOP_K=k,
+            TOP_P=p,
+            MIN_P=mp,
+            GRAIN=grain[dt],
+            FAST_LOG2=True,
+            ROWS=C.decode_rows,
+            BLOCK=C.block_stats,
+        )
+        jobs.append((S.decode_kernel, dt, const, C.warps_stats))
     failed = 0
     for fn, dt, const, warps in jobs:
         try:

@@ -13,9 +13,13 @@ on one GPU, as the repository's TP-on-one-GPU tests run):
   ``torch.compile(fullgraph=True, dynamic=True)``;
 - on rank 0 only, a group-less call (``tp_group=None``) of a random shape, as a local
   metric would be;
-- every ``--rebuild-every`` steps the TP group is rebuilt: ``new_group`` -> used ->
-  ``destroy_process_group(g)`` -> dropped (compiled functions are recompiled for the new
-  group: ``torch._dynamo.reset()``).
+- every ``--rebuild-every`` steps the TP group of the eager forms is rebuilt: ``new_group``
+  -> used -> ``destroy_process_group(g)`` -> dropped. The compiled form runs on a TP group
+  made once for the job, as a compiled model's is, and is compiled once per shape family
+  (dynamo's dynamic-shape graphs). With ``--recompile-on-rebuild`` it runs on the rebuilt
+  group too and is compiled again at every rebuild (``torch._dynamo.reset()``): a group is
+  a constant of the graph (its name), so a new group is a new graph, and torch keeps part of
+  every dropped compilation; the run then measures what torch itself retains per rebuild.
 
 ``VTP_CHECK`` is ``once`` by default, the runtime's mode on a device-only group such as
 NCCL (gloo's default, a host gather per call, would hide a plan cache that drifts between
@@ -27,17 +31,26 @@ calls through the current group. At the end the targets are checked and the exit
 
 - allocated memory after the loop within ``--memory-slack`` MiB of before it (64; 1 on the
   CPU, whose sizes are a thousandth of the GPU's);
+- the resident set's slope after warm-up (``--warmup-steps``: caches filling, first
+  compilations) at most ``--rss-slope-bound`` KiB per 1000 steps (256): a least-squares line
+  through RSS samples taken every ``--sample-every`` steps; on CUDA the same for allocated
+  memory (not checked with ``--recompile-on-rebuild``, whose growth is torch's);
 - live tensors after the loop at most ``--tensor-slack`` (16) more than before it;
 - plans held at most the runtime's bound;
 - no destroyed group alive;
 - no hang: every step within ``--step-timeout`` s (a watchdog ends a rank that waits longer);
 - every float64 check within 1e-6.
 
+Where memory grows, the report says what: the object types (``gc.get_objects()`` grouped by
+type) whose counts grew most between the end of warm-up and the end, and with
+``--tracemalloc`` the source lines whose allocations since warm-up grew most.
+
 The output is Markdown (tables, with the command and setup on top): it can be saved under
 ``benchmarks/results/`` as it is and its tables pasted into ``docs/benchmarks.md``.
 
     # one GPU, two gloo ranks sharing it (TRITON_INTERPRET unset)
     python benchmarks/soak.py --device cuda --steps 10000 | tee benchmarks/results/h200_soak.md
+    # the CPU, 100,000 steps (benchmarks/soak_cpu.sh)
     # the CPU, briefly (tests/test_long_jobs.py runs this)
     python benchmarks/soak.py --device cpu --steps 200 --rebuild-every 100 --report-every 100 \
         --backend eager --compile-backend eager --step-timeout 30
@@ -48,6 +61,7 @@ Rank 0's stdout is the report; the ranks' errors and a hang's step go to stderr.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import gc
 import math
@@ -59,7 +73,10 @@ import sys
 import threading
 import time
 import traceback
+import tracemalloc
 import weakref
+
+from vtp_runtime.cli_flags import non_negative_int, positive_int
 
 OPS = ("cross_entropy", "logprobs", "entropy", "kl", "jsd", "kl_topk")
 FORMS = ("logits", "head", "compiled")
@@ -82,6 +99,13 @@ def drop_compiled(compiled: dict) -> None:
     torch._dynamo.reset()
     for name in [k for k in globals() if k.startswith("__compiled_fn")]:
         globals()[name] = None  # torch's own cleanup deletes the name later
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def runtime_plans() -> tuple[int, int]:
@@ -115,6 +139,37 @@ def live_tensors() -> tuple[int, int]:
                 except (RuntimeError, NotImplementedError):  # a tensor without storage
                     pass
     return count, sum(storages.values())
+
+
+def type_counts() -> collections.Counter:
+    """Live objects the garbage collector tracks, by type."""
+    gc.collect()
+    return collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+
+
+def grown(before: collections.Counter, after: collections.Counter, top: int = 8) -> list[tuple[str, int]]:
+    """The ``top`` types whose counts grew most, with the growth."""
+    return [(name, n) for name, n in (after - before).most_common(top)]
+
+
+def grown_lines(before, after, top: int = 8) -> list[tuple[str, float]]:
+    """The ``top`` source lines whose traced allocations grew most between two tracemalloc
+    snapshots, in KiB."""
+    stats = after.compare_to(before, "lineno")
+    return [(f"{st.traceback[0].filename}:{st.traceback[0].lineno}", st.size_diff / 1024) for st in stats[:top]]
+
+
+def slope_per_1000(points: list[tuple[int, float]]) -> float | None:
+    """The least-squares slope of ``(step, bytes)`` points in KiB per 1000 steps (None for
+    fewer than 3 points)."""
+    if len(points) < 3:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in points) / sxx * 1000 / 1024
 
 
 def rss_bytes() -> int:
@@ -183,9 +238,10 @@ def _op(op: str, student, teacher, labels, index, mask, topk_lp, topk_ids, group
     return vtp.kl(student, vtp.TopK(topk_lp, topk_ids), tail=True, **common)
 
 
-def step(args, s: int, rank: int, model: Model, group, compiled: dict, device, dtype) -> None:
+def step(args, s: int, rank: int, model: Model, group, compiled_group, compiled: dict, device, dtype) -> None:
     """Step ``s``: its op, form and token count (the same on every rank), fresh inputs,
-    forward and backward; nothing of it outlives the call."""
+    forward and backward (the compiled form on ``compiled_group``); nothing of it outlives
+    the call."""
     import torch
 
     import vtp_runtime as vtp
@@ -217,6 +273,7 @@ def step(args, s: int, rank: int, model: Model, group, compiled: dict, device, d
         if "fn" not in compiled:
             compiled["fn"] = torch.compile(_op, backend=args.compile_backend, fullgraph=args.fullgraph, dynamic=True)
         fn = compiled["fn"]
+        group = compiled_group
     out = fn(op, student, teacher, labels, index, mask, topk_lp, topk_ids, group, args.backend)
     out.sum().backward()
     if not bool(torch.isfinite(out.detach()).all()):
@@ -309,6 +366,9 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     group = None
     compiled: dict = {}
     rows, checks = [], []
+    samples: list[tuple[int, int, int | None]] = []  # (step, RSS, allocated CUDA memory)
+    types_warm: collections.Counter = collections.Counter()
+    traced_warm = None
     started = time.monotonic()
     s = 0
     try:
@@ -323,19 +383,31 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         if rank == 0:
             print_rows(table, first=True)
         last = time.monotonic()
+        timeout = datetime.timedelta(seconds=args.step_timeout)
+        # the compiled form's group: made once for the job (rebuilt with the others under
+        # --recompile-on-rebuild)
+        compiled_group = None if args.recompile_on_rebuild else dist.new_group(list(range(world)), timeout=timeout)
         for s in range(args.steps):
             if s % args.rebuild_every == 0:
                 if group is not None:
                     dist.destroy_process_group(group)
                     destroyed.append(weakref.ref(group))
                     group = None
-                drop_compiled(compiled)
-                group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=args.step_timeout))
-            step(args, s, rank, model, group, compiled, device, dtype)
+                if args.recompile_on_rebuild:
+                    drop_compiled(compiled)
+                group = dist.new_group(list(range(world)), timeout=timeout)
+            step(args, s, rank, model, group, compiled_group or group, compiled, device, dtype)
             if rank == 0 and s % args.local_every == 0:
                 local_call(args, s, device, dtype)
             watchdog.beat(s)
             done = s + 1
+            if done % args.sample_every == 0:
+                samples.append((done, rss_bytes(), torch.cuda.memory_allocated() if args.device == "cuda" else None))
+            if done == args.warmup_steps:  # what is alive once warm, to compare with the end
+                types_warm = type_counts()
+                if args.tracemalloc:
+                    tracemalloc.start(1)
+                    traced_warm = tracemalloc.take_snapshot()
             if done % args.report_every == 0 or done == args.steps:
                 checks.append(float64_check(args, rank, world, model, group, device))
                 now = time.monotonic()
@@ -351,10 +423,17 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                 dist.all_gather_object(table, rows[-1])
                 if rank == 0:
                     print_rows(table, first=False)
-        if group is not None:
-            dist.destroy_process_group(group)
-            destroyed.append(weakref.ref(group))
-            group = None
+        seconds = time.monotonic() - started
+        growth = grown(types_warm, type_counts())
+        lines = grown_lines(traced_warm, tracemalloc.take_snapshot()) if traced_warm is not None else []
+        tracemalloc.stop()
+        warm = [(x, rss, alloc) for x, rss, alloc in samples if x >= args.warmup_steps]
+        graphs = graphs_compiled()
+        for last_group in (group, compiled_group):
+            if last_group is not None:
+                dist.destroy_process_group(last_group)
+                destroyed.append(weakref.ref(last_group))
+        group = compiled_group = last_group = None
         drop_compiled(compiled)
         after = {"step": args.steps, **snapshot(args.device, destroyed)}
         summary = {
@@ -362,7 +441,13 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             "before": before,
             "after": after,
             "worst_check": max(checks) if checks else math.nan,
-            "seconds": time.monotonic() - started,
+            "seconds": seconds,
+            "rss_slope": slope_per_1000([(x, rss) for x, rss, _ in warm]),
+            "allocated_slope": slope_per_1000([(x, a) for x, _, a in warm if a is not None]),
+            "samples": len(warm),
+            "graphs": graphs,
+            "grown_types": growth,
+            "grown_lines": lines,
         }
         table = [None] * world
         dist.all_gather_object(table, summary)
@@ -449,6 +534,22 @@ def targets(args, summaries: list[dict]) -> list[tuple[str, list[str], bool]]:
             all(s["after"]["groups_alive"] == 0 for s in summaries),
         )
     )
+    unchecked = " (not checked with --recompile-on-rebuild: torch's growth)" if args.recompile_on_rebuild else ""
+    slopes = [("rss_slope", "the resident set (RSS)")]
+    if args.device == "cuda":
+        slopes.append(("allocated_slope", "allocated CUDA memory"))
+    for key, what in slopes:
+        out.append(
+            (
+                f"{what} after step {args.warmup_steps}: slope at most {args.rss_slope_bound:g} KiB per 1000 steps"
+                + unchecked,
+                [
+                    "-" if s[key] is None else f"{s[key]:+.1f} KiB / 1000 steps ({s['samples']} samples)"
+                    for s in summaries
+                ],
+                bool(unchecked) or all(s[key] is not None and s[key] <= args.rss_slope_bound for s in summaries),
+            )
+        )
     out.append(
         (
             f"no hang: every step within {args.step_timeout:g} s",
@@ -489,6 +590,15 @@ def print_header(args, argv: list[str]) -> None:
         f"- the TP group rebuilt every {args.rebuild_every} steps (new_group, use, destroy_process_group, drop); "
         f"rank 0 makes a group-less call every {args.local_every} step(s)"
     )
+    print(
+        "- the compiled form "
+        + (
+            "on the rebuilt group, compiled again at every rebuild (--recompile-on-rebuild)"
+            if args.recompile_on_rebuild
+            else "on a group made once for the job, compiled once per shape family"
+        )
+        + f"; RSS sampled every {args.sample_every} steps, its slope fitted from step {args.warmup_steps} on"
+    )
     if args.device == "cpu":
         print('- on the CPU, "allocated" is the bytes of the live tensors\' storages')
     print()
@@ -503,6 +613,17 @@ def print_targets(args, summaries: list[dict]) -> bool:
         print(f"| {what} | " + " | ".join(values) + f" | {'met' if met else '**missed**'} |")
     missed = [what for what, _, met in rows if not met]
     print()
+    print(
+        "graphs compiled: "
+        + ", ".join(f"rank {r}: {s['graphs']}" for r, s in enumerate(summaries))
+        + f"; plans held at the end of the loop: see the last table row (bound {summaries[0]['after']['plan_bound']})"
+    )
+    for r, s in enumerate(summaries):
+        growth = ", ".join(f"{name} +{n}" for name, n in s["grown_types"]) or "none"
+        print(f"\nrank {r}: object types grown most from step {args.warmup_steps} to the end: {growth}")
+        for where, kib in s["grown_lines"]:
+            print(f"- {where}: {kib:+.1f} KiB")
+    print()
     print("result: all targets met" if not missed else "result: MISSED: " + "; ".join(missed), flush=True)
     return not missed
 
@@ -513,15 +634,41 @@ def print_targets(args, summaries: list[dict]) -> bool:
 def parse(argv: list[str]):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda", help="tensors' device (default cuda)")
-    p.add_argument("--steps", type=int, default=10_000, help="steps of the loop (default 10000)")
-    p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--steps", type=positive_int, default=10_000, help="steps of the loop (default 10000)")
+    p.add_argument("--world", type=positive_int, default=2, help="ranks (default 2)")
     p.add_argument("--tokens", default=None, help="LO,HI of the random token count (default 1,8192; CPU 1,48)")
     p.add_argument("--vocab", type=int, default=None, help="global vocabulary (default 151936; CPU 384)")
     p.add_argument("--hidden", type=int, default=None, help="hidden size of the Head inputs (default 1024; CPU 32)")
     p.add_argument("--dtype", default=None, help="logits and Head dtype (default bfloat16; CPU float32)")
-    p.add_argument("--rebuild-every", type=int, default=500, help="steps between TP group rebuilds (default 500)")
-    p.add_argument("--report-every", type=int, default=1000, help="steps between reports (default 1000)")
-    p.add_argument("--local-every", type=int, default=1, help="steps between rank 0's group-less calls (default 1)")
+    p.add_argument(
+        "--rebuild-every", type=positive_int, default=500, help="steps between TP group rebuilds (default 500)"
+    )
+    p.add_argument("--report-every", type=positive_int, default=1000, help="steps between reports (default 1000)")
+    p.add_argument(
+        "--local-every", type=positive_int, default=1, help="steps between rank 0's group-less calls (default 1)"
+    )
+    p.add_argument(
+        "--recompile-on-rebuild",
+        action="store_true",
+        help="run the compiled form on the rebuilt group, compiling it again at every rebuild\n"
+        "(measures what torch retains of dropped compilations; the slope targets are then not checked)",
+    )
+    p.add_argument("--sample-every", type=positive_int, default=50, help="steps between RSS samples (default 50)")
+    p.add_argument(
+        "--warmup-steps",
+        type=non_negative_int,
+        default=None,
+        help="steps before the slopes are fit (default steps/5)",
+    )
+    p.add_argument(
+        "--rss-slope-bound",
+        type=float,
+        default=256.0,
+        help="KiB per 1000 steps the RSS (and on CUDA allocated memory) may grow after warm-up (default 256)",
+    )
+    p.add_argument(
+        "--tracemalloc", action="store_true", help="trace allocations after warm-up: report the lines that grew most"
+    )
     p.add_argument("--backend", default=None, help="force a vtp backend (default: dispatch chooses)")
     p.add_argument("--compile-backend", default="aot_eager", help="torch.compile backend (default aot_eager)")
     p.add_argument("--no-fullgraph", dest="fullgraph", action="store_false", help="compile with graph breaks allowed")
@@ -538,6 +685,8 @@ def parse(argv: list[str]):
     args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
     if args.memory_slack is None:  # the CPU's sizes are a thousandth of the GPU's
         args.memory_slack = 1.0 if cpu else 64.0
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 5
     return args
 
 

@@ -94,3 +94,124 @@ def test_unknown_command(capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["infoo"])
     assert exit.value.code == 2 and "invalid choice: 'infoo'" in capsys.readouterr().err
+
+
+# -- bad flags: refused while parsing, naming the flag, before anything runs ------------------
+
+
+def outcome(capsys, *argv: str) -> tuple[int, str]:
+    """(exit status, stderr) of ``vtp-runtime ARGV`` run in this process."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exit:  # argparse's refusal
+        assert isinstance(exit.code, int)
+        code = exit.code
+    return code, capsys.readouterr().err
+
+
+# (argv, the flag the message must name); each alone is a complete command line but for it
+BAD_FLAGS = [
+    (["bench", "--tokens", "-1"], "--tokens"),
+    (["bench", "--tokens", "abc"], "--tokens"),
+    (["bench", "--tokens", "8,0"], "--tokens"),
+    (["bench", "--tp", "0"], "--tp"),
+    (["bench", "--tp", "1,0"], "--tp"),
+    (["bench", "--tp", "1,,2"], "--tp"),
+    (["bench", "--vocab", "0"], "--vocab"),
+    (["bench", "--reps", "0"], "--reps"),
+    (["bench", "--warmup", "-1"], "--warmup"),
+    (["bench", "--beta", "1.5"], "--beta"),
+    (["bench", "--beta", "nan"], "--beta"),
+    (["bench", "--head", "0", "--device", "cpu"], "--head"),
+    (["bench", "--head", "-5", "--device", "cpu"], "--head"),
+    (["bench", "--ops", "nosuch"], "--ops"),
+    (["bench", "--ops", ""], "--ops"),
+    (["bench", "--peers", "nosuch"], "--peers"),
+    (["bench", "--backends", "nosuch"], "--backends"),
+    (["demo", "--tp", "0"], "--tp"),
+    (["demo", "--vocab", "0"], "--vocab"),
+    (["demo", "--hidden", "-1"], "--hidden"),
+    (["demo", "--tokens", "x"], "--tokens"),
+    (["demo", "--jsd-steps", "-1"], "--jsd-steps"),
+    (["demo", "--lr-ce", "0"], "--lr-ce"),
+    (["demo", "--tolerance", "inf"], "--tolerance"),
+    (["info", "--explain", "jsd", "--tp", "0"], "--tp"),
+    (["info", "--explain", "jsd", "--vocab", "-3"], "--vocab"),
+    (["info", "--explain", "jsd", "--tokens", "-1"], "--tokens"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD_FLAGS, ids=[" ".join(argv) for argv, _ in BAD_FLAGS])
+def test_a_bad_flag_is_refused_naming_it(capsys, argv, flag):
+    code, err = outcome(capsys, *argv)
+    assert code == 2 and f"argument {flag}: " in err, (code, err)
+    assert "Traceback" not in err and "CUDA" not in err
+
+
+def test_an_unknown_op_is_named_with_the_valid_ones(capsys):
+    from vtp_runtime.ops import OPS
+    from vtp_runtime.tools import bench, bench_sample
+
+    code, err = outcome(capsys, "bench", "--ops", "jsd,nosuch")
+    assert code == 2 and "unknown op 'nosuch'" in err and "CUDA" not in err, err
+    valid = err.split("the ops are:")[1]
+    assert all(op in valid for op in (*bench.OPS, *bench_sample.SAMPLE_OPS))
+    assert set(OPS) <= {*bench.OPS, *bench_sample.SAMPLE_OPS}  # every op of the registry can be timed
+
+
+# flags that parse one by one but not together: refused before anything runs, naming them
+CONFLICTS = [
+    (["bench", "--ops", "jsd,sample", "--device", "cpu"], "--ops jsd"),
+    (["bench", "--head", "8", "--ops", "kl", "--device", "cpu"], "--ops kl"),
+    (["bench", "--peers", "cce"], "--peers cce"),
+    (["bench", "--ops", "argmax", "--peers", "liger", "--device", "cpu"], "--peers liger"),
+    (["bench", "--ops", "sample", "--vocab", "3", "--tp", "4", "--device", "cpu"], "--vocab 3"),
+    (["demo", "--vocab", "1", "--tp", "2"], "--vocab 1"),
+    (["demo", "--jsd-steps", "0", "--ce-steps", "0"], "--jsd-steps"),
+]
+
+
+@pytest.mark.parametrize("argv,named", CONFLICTS, ids=[" ".join(argv) for argv, _ in CONFLICTS])
+def test_flags_that_do_not_fit_together_are_refused(capsys, argv, named):
+    code, err = outcome(capsys, *argv)
+    assert code == 2 and named in err and "CUDA" not in err, (code, err)
+
+
+def test_no_numeric_flag_takes_a_bare_int_or_float():
+    """Every number a subcommand takes goes through vtp_runtime.cli_flags: none is a bare
+    ``int`` or ``float``, which would take 0 and negative counts."""
+    import argparse
+    import importlib
+
+    bare = []
+    for name, (module, _) in COMMANDS.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(module).add_arguments(parser)
+        bare += [f"{name} {a.option_strings[0]}" for a in parser._actions if a.type in (int, float)]
+    assert bare == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--ops", "sample,argmax", "--peers", "torch"],
+        ["--head", "8", "--peers", "torch"],
+    ],
+    ids=["sampling", "head"],
+)
+def test_a_backend_whose_every_row_fails_fails_the_run(tmp_path, argv):
+    """``--backends triton`` on the CPU without the Triton interpreter: every triton row is
+    unavailable, so the run exits non-zero saying so (the peer's rows ran)."""
+    sizes = ["--device", "cpu", "--vocab", "32", "--tokens", "2", "--tp", "1", "--warmup", "0", "--reps", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "vtp_runtime", "bench", "--backends", "triton", *argv, *sizes],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert "every row of backend 'triton' failed" in done.stderr and "BackendUnavailable" in done.stderr
+    assert " torch " in done.stdout  # the table is printed all the same

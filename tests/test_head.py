@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime import head as head_mod
+from vtp_runtime import head_chunks as head_mod
 from vtp_runtime.backend import ALL_DTYPES, HeadSupport, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.backends.triton import TritonBackend

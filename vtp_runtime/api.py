@@ -40,7 +40,7 @@ def loss(op: str, *tensors: Any, **options: Any) -> Any:
     its own tokens. ``"none"`` is per token as without it. Every rank of ``sp_group`` must
     make the same call but for its tokens (else they all raise); see
     ``vtp_runtime/sequence.py``. A ``vtp.Head(..., sequence_parallel=True)`` is Megatron's
-    sequence parallelism inside ``tp_group`` instead (``vtp_runtime/head.py``).
+    sequence parallelism inside ``tp_group`` instead (``vtp_runtime/head_gather.py``).
     """
     if op in OPS and OPS[op].returns_ids:
         raise TypeError(f"{op} returns token ids, not a loss: call vtp.{op}(logits, ...)")

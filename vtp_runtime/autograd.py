@@ -1,15 +1,15 @@
-"""The one autograd node of every op call, and the runner of calls on logits.
+"""The one autograd node of every op call, and the computation of calls on logits.
 
-``OpFunction.apply(runner, *flat)`` runs ``runner.forward(flat)`` in forward and
-``runner.backward(saved, grad)`` in backward. A runner is how a call is computed:
+``OpFunction.apply(computation, *flat)`` runs ``computation.forward(flat)`` in forward and
+``computation.backward(saved, grad)`` in backward. A computation is how a call is computed:
 
-- ``LogitsRunner``: the backend's ``forward`` on the logits rows, its ``backward`` from the
+- ``LogitsComputation``: the backend's ``forward`` on the logits rows, its ``backward`` from the
   state it returned (a ``SavedState``, whose tensors autograd saves: an input modified in
   place before backward raises).
-- ``vtp_runtime.head.HeadRunner``: ``vtp.Head`` inputs, through token chunks.
+- ``vtp_runtime.head_chunks.ChunkedComputation``: ``vtp.Head`` inputs, through token chunks.
 
 Both hand autograd the tensors to save and get them back in backward; whatever else a
-runner keeps lives on the runner, which the graph holds until it is freed. Inside
+computation keeps lives on the computation, which the graph holds until it is freed. Inside
 ``torch.compile`` the same backend calls run in two custom ops instead
 (``vtp_runtime.library``).
 """
@@ -26,7 +26,7 @@ from .backend import Backend, Call, SavedState, meets_layout, value_dtype
 Tensor = torch.Tensor
 
 
-class Runner(Protocol):
+class Computation(Protocol):
     op: str
 
     def forward(self, flat: tuple[Tensor | None, ...]) -> tuple[Tensor, tuple[Tensor | None, ...]]:
@@ -40,9 +40,9 @@ class Runner(Protocol):
 
 class OpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, runner: Runner, *flat: Tensor | None) -> Tensor:
-        values, saved = runner.forward(flat)
-        ctx.runner = runner
+    def forward(ctx: Any, computation: Computation, *flat: Tensor | None) -> Tensor:
+        values, saved = computation.forward(flat)
+        ctx.computation = computation
         ctx.save_for_backward(*saved)
         ctx.links = second_order.graph_links(tuple(t for t in flat if t is not None), saved)
         return values
@@ -51,7 +51,9 @@ class OpFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors  # raises if an input was modified in place since forward
         links = (*saved, *ctx.links, grad)
-        return second_order.gradients(ctx.runner.op, lambda: (None, *ctx.runner.backward(saved, grad)), 1, links)
+        return second_order.gradients(
+            ctx.computation.op, lambda: (None, *ctx.computation.backward(saved, grad)), 1, links
+        )
 
 
 def state_type(backend: Backend, state: Any) -> type[SavedState] | None:
@@ -66,7 +68,7 @@ def state_type(backend: Backend, state: Any) -> type[SavedState] | None:
     return type(state)
 
 
-class LogitsRunner:
+class LogitsComputation:
     """A call on logits rows ``[N, V_local]``: the backend's forward and backward."""
 
     def __init__(self, backend: Backend, call: Call, index: Tensor | None, mask: Tensor | None) -> None:
@@ -102,7 +104,7 @@ def run_logits(backend: Backend, call: Call, inputs: tuple[Tensor, ...], index, 
     """Per-token values of a call on logits, differentiable in each input."""
     n = call.request.num_tokens
     flat = tuple(rows(t, n, backend.input_layout) for t in inputs)
-    return OpFunction.apply(LogitsRunner(backend, call, index, mask), *flat)
+    return OpFunction.apply(LogitsComputation(backend, call, index, mask), *flat)
 
 
 def no_tokens(call: Call, values_shape: tuple[int, ...], parts: tuple[Tensor | None, ...]) -> Tensor:

@@ -294,23 +294,60 @@ class HeadSupport:
     # also a sequence-parallel Head (Head(sequence_parallel=True) at TP > 1): the token-chunk
     # driver gathers each chunk's hidden rows from the ranks and reduce-scatters their
     # gradient, so a backend using it need do nothing more; a head_driver of its own must run
-    # them through HeadRun as HeadDriver says
+    # them through TokenChunks as HeadDriver says
     sequence_parallel: bool = False
 
 
 class TakesHead(Backend):
     """A ``Backend`` that takes ``vtp.Head`` inputs (the fused linear head,
-    ``vtp_runtime/head.py``). By default the core's token-chunk driver computes each chunk's
-    logits into a reused buffer and calls ``forward`` and ``head_backward`` on them: ``state``
-    must then refer to the input tensors themselves (the driver refills the buffer before
-    backward)."""
+    ``vtp_runtime/head.py``). By default the core's token-chunk driver
+    (``vtp_runtime/head_chunks.py``) computes each chunk's logits into a reused buffer and
+    calls ``forward`` and ``head_backward`` on them: ``state`` must then refer to the input
+    tensors themselves (the driver refills the buffer before backward)."""
 
     head_ops: ClassVar[Mapping[str, HeadSupport]]  # the ops that take Head inputs
 
     def head_driver(self, call: Call) -> Any:
-        """A ``vtp_runtime.head.HeadDriver`` that runs a call with Head inputs its own way
+        """A ``HeadDriver`` that runs a call with Head inputs its own way
         (e.g. a library's fused linear cross entropy), or None for the token-chunk driver."""
         return None
+
+    def head_logits(
+        self, call: Call, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
+    ) -> Any:
+        """Under the chunk driver: compute one token chunk's logits ``hidden [rows, H] @
+        weight.T (+ bias)`` into ``out [rows, V_local]`` (the weight's dtype) this backend's
+        own way, and return what ``head_forward`` gets for them (e.g. statistics computed on
+        the way); None: not handled, the driver computes them with ``torch.mm`` (cuBLAS on
+        CUDA). Called for every chunk, in forward and when backward recomputes the logits of
+        per-token results; ``call`` is the whole call's (``call.request.num_tokens`` is N)."""
+        return None
+
+    def head_forward(
+        self,
+        call: Call,
+        inputs: tuple[torch.Tensor, ...],
+        index: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        partials: tuple[Any, ...],
+    ) -> tuple[torch.Tensor, SavedState | None]:
+        """``forward`` of one token chunk under the chunk driver; ``partials[i]`` is what
+        ``head_logits`` returned for input i's logits (None for logits it did not compute,
+        and for logits inputs). The default calls ``forward``."""
+        return self.forward(call, inputs, index, mask)
+
+    def head_logits_route(
+        self,
+        device_type: str,
+        request: Request | None = None,
+        options: Mapping[str, Any] | None = None,
+        parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = (),
+    ) -> str:
+        """How this backend computes the logits of Head inputs, in a few words, for
+        ``vtp.explain`` and ``vtp-runtime info``: for ``request`` (with its ``options`` and
+        this rank's Heads' ``(hidden, weight, bias)``) where given, else on ``device_type`` in
+        general."""
+        return "cuBLAS chunks (torch.mm into the chunk buffer)"
 
     def head_backward(
         self, call: Call, state: SavedState | None, grad: torch.Tensor, scratch: tuple[bool, ...]
@@ -328,6 +365,29 @@ class TakesHead(Backend):
         ``mul_`` by a 0-dim fp32 tensor would send bf16 gradients through torch's unvectorized
         casting kernel); a backend may skip the pass on the device where ``scale`` is 1."""
         torch._foreach_mul_(grads, scale)
+
+
+class HeadDriver:
+    """How a call with Head inputs runs on a backend (``TakesHead.head_driver``). ``run`` is
+    the call cut in token chunks, a ``vtp_runtime.head_chunks.TokenChunks``. ``forward`` returns the per-token values
+    (fp32, fp64 for fp64 inputs; ``[N]`` or ``[N, k]``) and, when ``run.scalar`` and
+    ``run.needs_grad``, leaves the gradients for the upstream gradient
+    ``run.upstream_like(values)`` in the inputs' accumulators (after ``run.start_grads()``);
+    a driver that computes them for ones sets ``run.upstream = None``. ``backward``
+    (per-token results only) does the same for the upstream gradient ``grad``. The caller
+    all-reduces hidden gradients.
+
+    A driver of a backend declaring ``HeadSupport(sequence_parallel=True)`` also gets calls
+    with a sequence-parallel Head (``run.sequence`` set): it runs over ``run.chunks()`` after
+    ``run.begin()``, and before ``run.end()``, with ``run.chunk_logits`` and
+    ``run.accumulate``, which gather the hidden rows and scatter their gradient, and returns
+    the values in the chunk order (the order of ``run.index`` and ``run.mask``)."""
+
+    def forward(self, run: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, run: Any, grad: torch.Tensor) -> None:
+        raise NotImplementedError
 
 
 class Compiles(Backend):

@@ -1,5 +1,5 @@
 """This rank's checks of a call: what it can verify and look up on its own, before any
-collective, and what it contributes to the metadata gather.
+collective.
 
 Everything here raises ``ValueError``/``TypeError`` (or ``UnknownBackend``) saying what to
 change; the caller (``vtp_runtime.plans``) routes a failure through the metadata gather so
@@ -8,28 +8,25 @@ that every rank of the group raises.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import dispatch, head, metadata
-from .backend import Request
+from . import dispatch, head
 from .comm import group_size, is_group
 from .errors import UnknownBackend
 from .head import Head
-from .ops import OpSpec, check_options, features_of, get_spec, normalize_options
-from .outputs import head_reduction
+from .invocation import Check, Invocation
+from .ops import OpSpec, check_options, get_spec, normalize_options
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
-Check = Callable[[], None]  # a check of per-call data; raises what is wrong
 
 
 @dataclass(frozen=True)
-class Local:
+class CheckedCall:
     """A call after this rank's own checks: what the metadata gather and dispatch need."""
 
     spec: OpSpec
@@ -48,23 +45,23 @@ class Local:
     covered: bool = True
 
 
-def check_arguments(spec: OpSpec, tensors: tuple, given: Mapping[str, Any]) -> None:
-    """The number of tensors and the option names."""
+def check_arguments(spec: OpSpec, tensors: tuple, options: Mapping[str, Any]) -> None:
+    """The number of tensors and the option names (``options`` as passed)."""
     if len(tensors) != spec.n_tensors:
         names = ", ".join(spec.inputs + ((spec.index,) if spec.index else ()))
         raise TypeError(f"{spec.name} takes {spec.n_tensors} tensor argument(s) ({names}), got {len(tensors)}")
-    unknown = sorted(given.keys() - spec.options.keys())
+    unknown = sorted(options.keys() - spec.options.keys())
     if unknown:
         raise TypeError(f"{spec.name} got unknown option(s) {', '.join(unknown)}; it takes: {', '.join(spec.options)}")
 
 
-def local(op: str, tensors: tuple, given: Mapping[str, Any], traced: Any = None) -> Local:
-    """Everything this rank can check and look up on its own; raises on a bad call.
-    ``traced``: a ``plans.Traced`` (needs_grad and the forced backend fixed when tracing)."""
-    spec = get_spec(op)
-    check_arguments(spec, tensors, given)
-    options = {**spec.defaults, **given}
-    normalize_options(spec, options, given)
+def this_rank(invocation: Invocation) -> CheckedCall:
+    """Everything this rank can check and look up on its own about ``invocation``; raises on a
+    bad invocation."""
+    spec, tensors = get_spec(invocation.op), invocation.tensors
+    check_arguments(spec, tensors, invocation.options)
+    options = {**spec.defaults, **invocation.options}
+    normalize_options(spec, options, invocation.options)
     index = tensors[len(spec.inputs)] if spec.index else None
     group = options["tp_group"]
     world = group_size(group) if is_group(group) else 1
@@ -77,15 +74,15 @@ def local(op: str, tensors: tuple, given: Mapping[str, Any], traced: Any = None)
     lead = tuple(logits[0].shape[:-1])
     grad_on = torch.is_grad_enabled()
     needs_grad = tuple(grad_on and t.requires_grad for t in logits)
-    forced, forced_by = dispatch.forced_backend(op, options["backend"])
-    if traced is not None:
-        needs_grad, forced, forced_by = traced.needs_grad, traced.forced, traced.forced_by
+    forced, forced_by = invocation.traced_backend or dispatch.forced_backend(spec.name, options["backend"])
+    if invocation.traced_needs_grad is not None:
+        needs_grad = invocation.traced_needs_grad
     registered = REGISTRY.backends()  # under VTP_STRICT_PLUGINS=1, a plugin that failed raises here
     if forced is not None and forced not in registered:
         raise UnknownBackend(
             f"unknown backend {forced!r} (from {forced_by}); registered backends: {', '.join(sorted(registered))}"
         )
-    return Local(
+    return CheckedCall(
         spec=spec,
         options=options,
         inputs=logits,
@@ -181,13 +178,13 @@ def check_tensors(spec: OpSpec, logits: tuple, index: Tensor | None, options: Ma
             )
 
 
-def per_call_failure(spec: OpSpec, given: Mapping[str, Any], check: Check | None) -> Exception | None:
+def per_call_failure(spec: OpSpec, options: Mapping[str, Any], check: Check | None) -> Exception | None:
     """What is wrong with a planned call's per-call data (its signature was checked before):
     a number option given per call (``normalizer``, ``seed``) and ``check``."""
     try:
         for name in spec.per_call:
             option = spec.options[name]
-            value = option.canonical(given.get(name))
+            value = option.canonical(options.get(name))
             if type(value) in (int, float) and option.valid is not None and not option.valid(value):
                 raise option.error(f"{name} must be {option.rule}, got {value!r}")
         if check is not None:
@@ -197,93 +194,32 @@ def per_call_failure(spec: OpSpec, given: Mapping[str, Any], check: Check | None
     return None
 
 
-def fingerprint(loc: Local, compiled: bool, per_call: bool = True) -> str:
+def fingerprint(checked: CheckedCall, compiled: bool, per_call: bool = True) -> str:
     """``name=value|...`` of everything about a call that every rank must agree on (beyond the
     shapes and dtypes gathered on their own); shown per option when ranks disagree.
     ``per_call=False``: per-call options (a number normalizer) by kind only, as a plan keeps it."""
-    options = loc.options
+    options = checked.options
     parts = [
-        f"op={loc.spec.name}",
-        f"top-k size={loc.index.shape[-1] if loc.topk and loc.index is not None else 0}",
-        f"requires_grad={loc.needs_grad}",
+        f"op={checked.spec.name}",
+        f"top-k size={checked.index.shape[-1] if checked.topk and checked.index is not None else 0}",
+        f"requires_grad={checked.needs_grad}",
         f"mask={options.get('mask') is not None}",
         f"labels={options.get('labels') is not None}",
-        f"leading dims={len(loc.lead)}",
+        f"leading dims={len(checked.lead)}",
     ]
     for name in sorted(options):
-        if not loc.spec.options[name].compared:
+        if not checked.spec.options[name].compared:
             continue
         value = options[name]
         # a tensor normalizer is compared by kind only: reading its value would sync the device
         if isinstance(value, Tensor):
             shown = "<tensor>"
-        elif not per_call and loc.spec.options[name].per_call and value is not None:
+        elif not per_call and checked.spec.options[name].per_call and value is not None:
             shown = "<number>"
         else:
             shown = repr(value)
         parts.append(f"{name}={shown}")
-    return "|".join(parts) + head.fingerprint(loc.heads) + ("|torch.compile=True" if compiled else "")
-
-
-def local_call(loc: Local, compiled: bool) -> metadata.LocalCall:
-    """This rank's part of the metadata gather."""
-    first, options = loc.inputs[0], loc.options
-    device = first.device
-    checksums = metadata.checksums(_checked(loc), device) if metadata.check_enabled() else None
-    sequence = loc.sequence
-    return metadata.LocalCall(
-        op=loc.spec.name,
-        v_local=first.shape[-1],
-        vocab_start=options["vocab_start"],
-        vocab_end=options["vocab_end"],
-        global_vocab_size=options["global_vocab_size"],
-        num_tokens=math.prod(loc.lead) if loc.covered else -1,  # -1: the ranks' shards say
-        dtype=first.dtype,
-        device_type=device.type,
-        options_fingerprint=fingerprint(loc, compiled),
-        forced=loc.forced,
-        forced_by=loc.forced_by,
-        available=dispatch.local_availability(device.type),
-        checksums=checksums,
-        sequence_first=-1 if sequence is None else sequence[0],
-        sequence_rows=-1 if sequence is None else math.prod(sequence),
-    )
-
-
-def _checked(loc: Local) -> list[Tensor | None]:
-    """The tensors ``VTP_CHECK=1`` compares across ranks, as the op declares them
-    (``OpSpec.checked``): the index, then the tensor options; a number option's tensor (a
-    normalizer) as float64, so that an int tensor and a float one holding one value agree."""
-    spec, out = loc.spec, []
-    for name in spec.checked:
-        if name == spec.index:
-            out.append(loc.index)
-            continue
-        t = loc.options[name]
-        number = spec.options[name].kind is float
-        out.append(None if not isinstance(t, Tensor) else t.double() if number else t)
-    return out
-
-
-def request_of(loc: Local, shards: metadata.Shards, compiled: bool) -> Request:
-    """The ``Request`` dispatch matches against capabilities."""
-    logits = loc.inputs[0]
-    teacher_grad = len(loc.inputs) == 2 and loc.needs_grad[1]
-    return Request(
-        op=loc.spec.name,
-        device_type=logits.device.type,
-        dtype=logits.dtype,
-        tp_size=shards.tp_size,
-        vocab_size=shards.vocab_size,
-        num_tokens=shards.num_tokens,
-        even_shards=shards.even_shards,
-        empty_shard=0 in shards.sizes,
-        features=features_of(loc.spec, loc.options, topk=loc.topk, teacher_grad=teacher_grad),
-        head_inputs=loc.heads is not None,
-        head_per_token=loc.heads is not None and head_reduction(loc.options) == "none",
-        head_sequence_parallel=loc.sequence is not None,
-        compiled=compiled,
-    )
+    return "|".join(parts) + head.fingerprint(checked.heads) + ("|torch.compile=True" if compiled else "")
 
 
 def device_of(tensors: tuple) -> torch.device | None:

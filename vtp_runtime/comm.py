@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_stack", "all_reduce", "group_rank", "group_size", "is_group"]
+__all__ = [
+    "all_gather_into",
+    "all_gather_stack",
+    "all_reduce",
+    "group_rank",
+    "group_size",
+    "is_group",
+    "reduce_scatter_into",
+]
 
 
 def is_group(group) -> bool:
@@ -47,7 +55,22 @@ def all_gather_stack(tensor: torch.Tensor, group) -> torch.Tensor:
     flat = tensor.contiguous().view(-1)
     # the concatenated form: every process group backend (gloo too) accepts it
     out = torch.empty(world * flat.numel(), dtype=tensor.dtype, device=tensor.device)
-    # torch >= 2.13 names it all_gather_single (the old name is deprecated); 2.11 has only the old.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, flat, group=group)
+    all_gather_into(out, flat, group)
     return out.view(world, *tensor.shape)
+
+
+# torch >= 2.13 names the two below *_single (the old names are deprecated); 2.11 has only the old.
+
+
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """Every rank's ``tensor`` into ``out`` (``world`` times its size, rank order) with one
+    collective; the work handle where ``async_op``."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group, async_op: bool = False):
+    """This rank's block of the sum over the ranks of ``tensor`` (``world`` blocks the size of
+    ``out``) into ``out``, with one collective; the work handle where ``async_op``."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

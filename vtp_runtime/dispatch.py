@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from . import env
-from .backend import Backend, Request
+from .backend import Backend, Request, TakesHead
 from .errors import BackendUnavailable, add_note
 from .metadata import Shards, backend_key
 from .ops import dtype_name
@@ -79,6 +80,7 @@ class Explanation:
     reasons: Mapping[str, list[str]] = field(default_factory=dict)
     local_notes: Mapping[str, list[str]] = field(default_factory=dict)
     view: str = ""  # set when only this rank was consulted (explain without gather=True)
+    head_logits: str = ""  # with Head inputs: how the selected backend computes their logits
 
     def __str__(self) -> str:
         r = self.request
@@ -93,6 +95,8 @@ class Explanation:
         if self.forced:
             lines.append(f"forced: {self.forced} (by {self.forced_by})")
         lines.append(f"selected: {self.backend or 'none'}")
+        if self.head_logits:
+            lines.append(f"head logits: {self.head_logits}")
         for name, why in self.reasons.items():
             if name == self.backend:
                 lines.append(f"`{name}`: selected")
@@ -142,6 +146,20 @@ def explain_request(
         if chosen is None and not why and (forced is None or forced == name):
             chosen = name
     return Explanation(request, chosen, forced, forced_by, reasons, notes)
+
+
+def with_head_logits(
+    ex: Explanation,
+    options: Mapping[str, Any] | None = None,
+    parts: Sequence[tuple[Any, Any, Any]] = (),
+) -> Explanation:
+    """``ex`` with the selected backend's ``head_logits_route`` where the call has Head
+    inputs (``parts``: this rank's ``(hidden, weight, bias)`` of each, where known)."""
+    if ex.request.head_inputs and ex.backend is not None:
+        backend = REGISTRY.backends().get(ex.backend)
+        if isinstance(backend, TakesHead):
+            ex.head_logits = backend.head_logits_route(ex.request.device_type, ex.request, options, parts)
+    return ex
 
 
 # selections already made, by everything they depend on (no tensors, no groups); cleared past

@@ -34,3 +34,12 @@ def check_mode() -> str:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: Triton runs kernels on CPU tensors through its interpreter."""
     return text("TRITON_INTERPRET") == "1"
+
+
+def head_gemm() -> str:
+    """``VTP_HEAD_GEMM``: "cublas" forces the fused head's logits through ``torch.mm``
+    (cuBLAS chunks) on a backend that has a GEMM of its own (the triton backend's epilogue
+    GEMM); "triton" takes that GEMM wherever it can run, also where cuBLAS chunks were
+    measured faster; "" (unset, or any other value) lets the backend choose."""
+    value = text("VTP_HEAD_GEMM").lower()
+    return value if value in ("cublas", "triton") else ""

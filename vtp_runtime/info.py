@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from . import dispatch
-from .backend import Backend, Request, compiles, head_support
+from .backend import Backend, Request, TakesHead, compiles, head_support
+from .cli_flags import non_negative_int, positive_int
 from .errors import PluginError, VtpError
 from .ops import FEATURES, OPS, dtype_name
 from .registry import REGISTRY, PluginLoadWarning
@@ -51,9 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"explain the backend choice for a call of OP ({', '.join(OPS)})",
     )
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="logits dtype (--explain)")
-    parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size (--explain)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (--explain)")
-    parser.add_argument("--tokens", type=int, default=1024, help="tokens per rank (--explain)")
+    parser.add_argument("--vocab", type=positive_int, default=151936, help="global vocabulary size (--explain)")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (--explain)")
+    parser.add_argument("--tokens", type=non_negative_int, default=1024, help="tokens per rank (--explain)")
     parser.add_argument("--uneven", action="store_true", help="uneven vocabulary shards (--explain)")
     parser.add_argument("--empty-shard", action="store_true", help="one rank holds V_local = 0 (--explain)")
     parser.add_argument(
@@ -204,6 +205,8 @@ def collect() -> dict[str, Any]:
             "plugin": owner.name if owner else "",
             "source": owner.source if owner else "",
             "ops": ops,
+            # how the fused head's logits are computed on this device (None: no Head inputs)
+            "head_logits": b.head_logits_route(device) if isinstance(b, TakesHead) else None,
         }
     plugins = [
         {
@@ -290,6 +293,8 @@ def _head_lines(data: dict[str, Any]) -> list[str]:
                 groups.setdefault(", ".join(how), []).append(op)
         if groups:
             lines.append(f"  {name + ':':<20} " + "; ".join(f"{', '.join(ops)} ({how})" for how, ops in groups.items()))
+            if b.get("head_logits"):
+                lines.append(f"  {'':<20} head logits: {b['head_logits']}")
     if not lines:
         return []
     return ["vtp.Head inputs (per-token: reduction='none'; sequence-parallel: Head(sequence_parallel=True)):", *lines]
@@ -363,6 +368,7 @@ def explain_data(ex: dispatch.Explanation) -> dict[str, Any]:
         "forced": ex.forced,
         "forced_by": ex.forced_by,
         "reasons": {name: list(why) for name, why in ex.reasons.items()},
+        "head_logits": ex.head_logits,
     }
 
 
@@ -417,6 +423,7 @@ def _explain(args) -> int:
         )
         forced, forced_by = dispatch.forced_backend(args.explain, args.backend)
         ex = dispatch.explain_request(request, shards=None, forced=forced, forced_by=forced_by or "--backend")
+        ex = dispatch.with_head_logits(ex)
     except (VtpError, ValueError) as exc:
         print(f"vtp-runtime info: {exc}", file=sys.stderr)
         return 2

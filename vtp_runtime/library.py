@@ -42,9 +42,9 @@ import torch
 
 from . import checks, dispatch, inputs, metadata, plans
 from .backend import Call, Compiles, Request, value_dtype
-from .checks import Check
-from .ops import OPS, OpSpec, features_of, get_spec
-from .outputs import finish
+from .invocation import Check, Invocation
+from .ops import OPS, OpSpec, backend_options, features_of, get_spec
+from .outputs import finish, values_shape
 from .registry import REGISTRY
 
 Tensor = torch.Tensor
@@ -89,22 +89,25 @@ def _group(name: str) -> Any:
     return found
 
 
-def _given(spec: OpSpec, mask: Tensor | None, a: Mapping[str, Any]) -> dict[str, Any]:
+def _options(spec: OpSpec, mask: Tensor | None, a: Mapping[str, Any]) -> dict[str, Any]:
     """The options of an eager call that the custom op's arguments stand for."""
-    given: dict[str, Any] = {"tp_group": _group(a["group_name"])}
+    options: dict[str, Any] = {"tp_group": _group(a["group_name"])}
     for name in (*_BACKEND_OPTIONS, *_LAYOUT):
         if name in spec.options and a[name] is not None:
-            given[name] = a[name]
+            options[name] = a[name]
     if mask is not None:
-        given["mask"] = mask
-    return given
+        options["mask"] = mask
+    return options
 
 
 def _backend_options(spec: OpSpec, a: Mapping[str, Any]) -> dict[str, Any]:
-    """What the op's backends get in ``Call.options``, from the custom op's arguments."""
-    return {
-        name: (spec.defaults[name] if a[name] is None else a[name]) for name in spec.options if name in _BACKEND_OPTIONS
-    }
+    """What the op's backends get in ``Call.options``, from the custom op's arguments (None:
+    the op's default)."""
+    return backend_options(spec, {**spec.defaults, **{k: v for k, v in a.items() if v is not None}})
+
+
+def _values_shape(n: Any, index: Tensor | None, a: Mapping[str, Any]) -> tuple:
+    return values_shape(n, index, a["topk"], bool(a["return_entropy"]))
 
 
 def _width(op: str, options: Mapping[str, Any]) -> int:
@@ -121,13 +124,6 @@ def _width(op: str, options: Mapping[str, Any]) -> int:
     return max(widths)
 
 
-def _values_shape(op: str, n: Any, index: Tensor | None, a: Mapping[str, Any]) -> tuple:
-    k = index.shape[1] if a["topk"] and index is not None else 1
-    if op == "logprobs" and a["return_entropy"]:
-        return (n, k + 1)
-    return (n, k) if a["topk"] else (n,)
-
-
 def _forward(
     op: str, rows: list[Tensor], index: Tensor | None, mask: Tensor | None, *scalars: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -138,36 +134,42 @@ def _forward(
     a = _args(scalars)
     spec = get_spec(op)
     tensors = tuple(rows) + ((index,) if index is not None else ())
-    traced = plans.Traced(tuple(a["needs_grad"]), a["backend"] or None, a["backend_source"])
-    given = _given(spec, mask, a)
-    made = plans.plan_for(op, tensors, given, traced)
-    backend = made.backend
+    options = _options(spec, mask, a)
+    invocation = Invocation(
+        op,
+        tensors,
+        options,
+        traced_needs_grad=tuple(a["needs_grad"]),
+        traced_backend=(a["backend"] or None, a["backend_source"]),
+    )
+    plan = plans.plan_for(invocation)
+    backend = plan.backend
     assert isinstance(backend, Compiles)  # dispatch gave a compiled call to a backend that compiles
-    call = made.call(given["tp_group"])
-    n = made.num_tokens
-    width = _width(op, made.backend_options)
+    call = plan.call(options["tp_group"])
+    n = plan.num_tokens
+    width = _width(op, plan.backend_options)
     dtype = value_dtype(rows[0].dtype)
     chosen = torch.tensor(
         [
             metadata.backend_key(backend.name, backend.priority),
-            made.rank,
-            made.vocab_start,
-            made.vocab_end,
-            made.request.vocab_size,
-            made.request.tp_size,
-            int(made.request.even_shards),
-            int(made.request.empty_shard),
+            plan.rank,
+            plan.vocab_start,
+            plan.vocab_end,
+            plan.request.vocab_size,
+            plan.request.tp_size,
+            int(plan.request.even_shards),
+            int(plan.request.empty_shard),
         ],
         dtype=torch.int64,
     )
     if n == 0:  # no rank has a token: nothing to compute or communicate
-        values = rows[0].new_zeros(_values_shape(op, 0, index, a), dtype=dtype)
+        values = rows[0].new_zeros(_values_shape(0, index, a), dtype=dtype)
         return values, rows[0].new_zeros((0, width), dtype=dtype), chosen
     values, state = backend.forward(call, tuple(rows), index, mask)
     if state is None:
         raise RuntimeError(f"backend {backend.name!r} returned no state; it cannot run inside torch.compile")
     stats = backend.statistics(call, state)
-    w = backend.statistics_width(op, made.backend_options)
+    w = backend.statistics_width(op, plan.backend_options)
     if tuple(stats.shape) != (n, w):
         raise RuntimeError(
             f"backend {backend.name!r}: statistics() gave shape {tuple(stats.shape)}, "
@@ -195,7 +197,7 @@ def _(op, inputs, index, mask, *scalars):
     dtype = value_dtype(z.dtype)
     width = _width(op, _backend_options(spec, a))
     chosen = torch.empty((len(_CHOSEN),), dtype=torch.int64, device="cpu")
-    return z.new_empty(_values_shape(op, n, index, a), dtype=dtype), z.new_empty((n, width), dtype=dtype), chosen
+    return z.new_empty(_values_shape(n, index, a), dtype=dtype), z.new_empty((n, width), dtype=dtype), chosen
 
 
 def _call_of(op: str, chosen: list[int], rows: list[Tensor], index: Tensor | None, mask, a) -> tuple[Compiles, Call]:
@@ -315,7 +317,7 @@ def _forced(op: str, argument: str | None) -> str:
     return f"{name or ''}\0{source}"
 
 
-def traced_loss(op: str, tensors: tuple, given: dict[str, Any], check: Check | None = None) -> Any:
+def traced_loss(op: str, tensors: tuple, passed: dict[str, Any], check: Check | None = None) -> Any:
     """``loss(op, *tensors, **options)`` as dynamo traces it: this rank's checks on what
     tracing knows (shapes, dtypes, option values), then the custom op. ``check`` (per-call
     data checks, which read the host) does not run here: callers make bad data NaN on the
@@ -329,8 +331,8 @@ def traced_loss(op: str, tensors: tuple, given: dict[str, Any], check: Check | N
                 f"pass a DTensor's local shard (.to_local()) with tp_group, vocab_start and "
                 f"vocab_end, and call a Head outside the compiled region"
             )
-    checks.check_arguments(spec, tensors, given)
-    options = {**spec.defaults, **given}
+    checks.check_arguments(spec, tensors, passed)
+    options = {**spec.defaults, **passed}
     index = tensors[n_inputs] if spec.index else None
     checks.check_tensors(spec, tensors[:n_inputs], index, options)
     group = options["tp_group"]

@@ -105,7 +105,7 @@ def checksums(tensors: Sequence[torch.Tensor | None], device: torch.device) -> t
 
 
 @dataclass
-class LocalCall:
+class RankMetadata:
     """What this rank knows before the gather."""
 
     op: str
@@ -171,38 +171,59 @@ def single_rank_shards(v_local: int, vocab_start: int | None, global_vocab_size:
     )
 
 
-def encode(local: LocalCall) -> list[int]:
+def alike_shards(
+    rank: int, world: int, v_local: int, vocab_start: int | None, global_vocab_size: int | None, num_tokens: int
+) -> Shards:
+    """The shards of a call as one rank of ``world`` sees them before any gather, the other
+    ranks assumed alike (``vtp.explain`` without ``gather``)."""
+    vocab_size = v_local * world if global_vocab_size is None else global_vocab_size
+    first = rank * v_local if vocab_start is None else vocab_start
+    return Shards(
+        rank=rank,
+        tp_size=world,
+        vocab_start=first,
+        vocab_end=first + v_local,
+        vocab_size=vocab_size,
+        sizes=(v_local,) * world,
+        num_tokens=num_tokens,
+        even_shards=vocab_size == v_local * world and first == rank * v_local,
+        available=frozenset(),
+        available_per_rank=(),
+    )
+
+
+def encode(mine: RankMetadata) -> list[int]:
     """This rank's metadata vector; raises ValueError for a value int64 cannot carry."""
     row = [0] * META_SIZE
     row[F["magic"]] = MAGIC
-    row[F["v_local"]] = local.v_local
-    row[F["vocab_start"]] = -1 if local.vocab_start is None else local.vocab_start
-    row[F["vocab_end"]] = -1 if local.vocab_end is None else local.vocab_end
-    row[F["global_vocab_size"]] = -1 if local.global_vocab_size is None else local.global_vocab_size
-    row[F["num_tokens"]] = local.num_tokens
-    row[F["sequence_first"]] = local.sequence_first
-    row[F["sequence_rows"]] = local.sequence_rows
+    row[F["v_local"]] = mine.v_local
+    row[F["vocab_start"]] = -1 if mine.vocab_start is None else mine.vocab_start
+    row[F["vocab_end"]] = -1 if mine.vocab_end is None else mine.vocab_end
+    row[F["global_vocab_size"]] = -1 if mine.global_vocab_size is None else mine.global_vocab_size
+    row[F["num_tokens"]] = mine.num_tokens
+    row[F["sequence_first"]] = mine.sequence_first
+    row[F["sequence_rows"]] = mine.sequence_rows
     for name in ("vocab_start", "vocab_end", "global_vocab_size", "num_tokens", "sequence_first", "sequence_rows"):
         if row[F[name]] not in _INT64:
             raise ValueError(
-                f"{name}={getattr(local, name)} is out of range: vocabulary ids and token counts must be below 2**63"
+                f"{name}={getattr(mine, name)} is out of range: vocabulary ids and token counts must be below 2**63"
             )
-    row[F["dtype"]] = DTYPES.index(local.dtype) if local.dtype in DTYPES else 99
+    row[F["dtype"]] = DTYPES.index(mine.dtype) if mine.dtype in DTYPES else 99
     row[F["device_type"]] = (
-        DEVICE_TYPES.index(local.device_type)
-        if local.device_type in DEVICE_TYPES
-        else 100 + stable_hash(local.device_type) % 1000
+        DEVICE_TYPES.index(mine.device_type)
+        if mine.device_type in DEVICE_TYPES
+        else 100 + stable_hash(mine.device_type) % 1000
     )
-    row[F["op"]] = list(OPS).index(local.op)
-    row[F["options"]] = stable_hash(local.options_fingerprint)
-    row[F["forced"]] = stable_hash(local.forced) if local.forced else 0
-    row[F["check"]] = int(local.checksums is not None)
-    if len(local.available) > MAX_BACKEND_SLOTS:
+    row[F["op"]] = list(OPS).index(mine.op)
+    row[F["options"]] = stable_hash(mine.options_fingerprint)
+    row[F["forced"]] = stable_hash(mine.forced) if mine.forced else 0
+    row[F["check"]] = int(mine.checksums is not None)
+    if len(mine.available) > MAX_BACKEND_SLOTS:
         raise RuntimeError(
             f"more than {MAX_BACKEND_SLOTS} backends are available; uninstall some, or "
             f"load fewer plugins with VTP_PLUGINS"
         )
-    for i, key in enumerate(local.available):
+    for i, key in enumerate(mine.available):
         row[len(FIELDS) + i] = key
     return row
 
@@ -234,12 +255,12 @@ def gather_device(group, device: torch.device | None) -> torch.device:
     return _metadata_device(group, device)
 
 
-def pack(local: LocalCall, group, device: torch.device) -> torch.Tensor:
+def pack(mine: RankMetadata, group, device: torch.device) -> torch.Tensor:
     """This rank's metadata vector as an int64 tensor on the device ``group`` gathers on:
     the host where the group has a CPU transport (gloo, ``cpu:gloo,cuda:nccl``)."""
-    row = torch.tensor(encode(local), dtype=torch.int64, device=_metadata_device(group, device))
-    if local.checksums is not None:  # device to device: no host read here
-        row[F[CHECKSUMS[0]] : F[CHECKSUMS[-1]] + 1] = local.checksums.to(row.device)
+    row = torch.tensor(encode(mine), dtype=torch.int64, device=_metadata_device(group, device))
+    if mine.checksums is not None:  # device to device: no host read here
+        row[F[CHECKSUMS[0]] : F[CHECKSUMS[-1]] + 1] = mine.checksums.to(row.device)
     return row
 
 
@@ -346,16 +367,20 @@ def differences(texts: list[str]) -> dict[str, str]:
 FORCED = "forced backend"
 
 
-def _detail_text(local: LocalCall) -> str:
-    forced = f"{local.forced!r} ({local.forced_by})" if local.forced else "none"
-    return f"{local.options_fingerprint}|{FORCED}={forced}"
+def _detail_text(mine: RankMetadata) -> str:
+    forced = f"{mine.forced!r} ({mine.forced_by})" if mine.forced else "none"
+    return f"{mine.options_fingerprint}|{FORCED}={forced}"
 
 
 def validate(
-    table: list[list[int]], local: LocalCall | None, group, device: torch.device, failure: Exception | None = None
+    table: list[list[int]],
+    mine: RankMetadata | None,
+    group,
+    device: torch.device,
+    failure: Exception | None = None,
 ) -> Shards:
     """Check the gathered table; raise on every rank, or return the shards. ``failure``: this
-    rank's local exception (``local`` is None then); ``device``: where the table was gathered."""
+    rank's mine exception (``mine`` is None then); ``device``: where the table was gathered."""
     rank, world = group_rank(group), len(table)
     _disagree(table, "magic", "vtp_runtime metadata version (install the same vtp_runtime on every rank)", show=hex)
     _failures(table, failure, rank, group, device)
@@ -370,8 +395,8 @@ def validate(
     )
     _disagree(table, "device_type", "the device type", show=lambda v: DEVICE_TYPES[v] if v < len(DEVICE_TYPES) else v)
     if len({row[F["options"]] for row in table}) > 1 or len({row[F["forced"]] for row in table}) > 1:
-        assert local is not None  # a rank without its LocalCall failed, and _failures raised
-        diff = differences(gather_texts(_detail_text(local), group, device))
+        assert mine is not None  # a rank without its RankMetadata failed, and _failures raised
+        diff = differences(gather_texts(_detail_text(mine), group, device))
         forced = diff.pop(FORCED, None)
         what = (
             f"op options: {'; '.join(f'{k}: {v}' for k, v in diff.items())}"

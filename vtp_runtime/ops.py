@@ -243,11 +243,14 @@ class OpSpec:
     inputs: tuple[str, ...]  # floating-point logits inputs, in call order
     index: str | None  # name of the integer index input, if any
     own: tuple[Option, ...]  # the options of this op beyond (or in place of) the common ones
-    features: tuple[str, ...]  # the FEATURES that apply to this op
+    # the FEATURES a call of this op turns on other than by an option's value (topk, teacher_grad)
+    call_features: tuple[str, ...] = ()
     # the op returns int64 token ids (argmax, sample): no gradient, no reduction, no mask
     returns_ids: bool = False
     options: Mapping[str, Option] = field(init=False)  # every option, common ones first, by name
     defaults: Mapping[str, Any] = field(init=False)  # every option's default, by name
+    # the FEATURES that apply to this op: its options' (Option.feature) and call_features
+    features: tuple[str, ...] = field(init=False)
     per_call: tuple[str, ...] = field(init=False)  # the per-call options
     per_call_backend: tuple[str, ...] = field(init=False)  # ... and those backends get
     # the tensors beside the logits that VTP_CHECK=1 compares across ranks: the index, then
@@ -262,7 +265,9 @@ class OpSpec:
         object.__setattr__(self, "per_call_backend", tuple(n for n in self.per_call if options[n].backend))
         tensors = tuple(n for n, o in options.items() if o.tensor)
         object.__setattr__(self, "checked", ((self.index,) if self.index else ()) + tensors)
-        unknown = set(self.features) - set(FEATURES)
+        on = {o.feature for o in options.values() if o.feature} | set(self.call_features)
+        object.__setattr__(self, "features", tuple(f for f in FEATURES if f in on))
+        unknown = on - set(FEATURES)
         assert not unknown, f"{self.name}: unknown features {unknown}"
 
     @property
@@ -305,7 +310,6 @@ OPS: dict[str, OpSpec] = {
                     "z_loss", 0.0, float, "a finite number >= 0", _finite_non_negative, backend=True, feature="z_loss"
                 ),
             ),
-            ("label_smoothing", "z_loss", "temperature"),
         ),
         OpSpec(
             "logprobs",
@@ -315,15 +319,15 @@ OPS: dict[str, OpSpec] = {
                 _IGNORE_INDEX,
                 Option("return_entropy", False, bool, "a bool", _is_bool, backend=True, feature="return_entropy"),
             ),
-            ("topk", "temperature", "return_entropy"),
+            ("topk",),
         ),
-        OpSpec("entropy", ("logits",), None, _MASKING, ("mask", "temperature")),
+        OpSpec("entropy", ("logits",), None, _MASKING),
         OpSpec(
             "kl",
             ("student_logits", "teacher_logits"),
             None,
             (Option("reverse", False, bool, "a bool", _is_bool, backend=True, feature="reverse"), *_MASKING),
-            ("mask", "temperature", "reverse", "teacher_grad"),
+            ("teacher_grad",),
         ),
         OpSpec(
             "jsd",
@@ -340,9 +344,9 @@ OPS: dict[str, OpSpec] = {
                 ),
                 *_MASKING,
             ),
-            ("mask", "temperature", "teacher_grad"),
+            ("teacher_grad",),
         ),
-        OpSpec("argmax", ("logits",), None, _IDS, (), returns_ids=True),
+        OpSpec("argmax", ("logits",), None, _IDS, returns_ids=True),
         OpSpec(
             "sample",
             ("logits",),
@@ -401,7 +405,6 @@ OPS: dict[str, OpSpec] = {
                     type_error=True,
                 ),
             ),
-            ("row_offset",),
             returns_ids=True,
         ),
     )

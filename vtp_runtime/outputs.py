@@ -20,6 +20,15 @@ from .comm import all_reduce, group_size
 Tensor = torch.Tensor
 
 
+def values_shape(n: Any, index: Tensor | None, topk: bool, return_entropy: bool) -> tuple:
+    """The shape of a backend's per-token values for ``n`` tokens: ``[N]``, ``[N, k]`` for
+    top-k log-probs, ``[N, k + 1]`` with ``return_entropy`` (``k = 1`` for an ``[N]`` index)."""
+    k = index.shape[-1] if topk and index is not None else 1
+    if return_entropy:
+        return (n, k + 1)
+    return (n, k) if topk else (n,)
+
+
 def finish(
     values: Tensor, lead: tuple[int, ...], topk: bool, index: Tensor | None, mask: Tensor | None, options
 ) -> Tensor | tuple[Tensor, Tensor]:

@@ -6,7 +6,7 @@
                             path -- this rank's checks (``checks``), the metadata gather and its
                             checks (``metadata``), dispatch (``dispatch``)
       3. execute            the backend under one autograd node (``autograd``): logits rows,
-                            or Head inputs in token chunks (``head``)
+                            or Head inputs in token chunks (``head_chunks``)
       4. outputs.finish     the per-token values back to the token shape, reduced
 
 With a TP group, any failure on this rank before the metadata gather -- of any type, in
@@ -27,12 +27,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import autograd, checks, dispatch, head, inputs, library, metadata, plans, sequence
+from . import autograd, checks, dispatch, head_chunks, inputs, library, metadata, plans, sequence
 from .backend import TakesHead, value_dtype
-from .checks import Check
 from .comm import group_rank, group_size, is_group
 from .head import Head
-from .outputs import finish, head_reduction, plain_upstream
+from .invocation import Check, Invocation
+from .outputs import finish, head_reduction, plain_upstream, values_shape
 
 Tensor = torch.Tensor
 
@@ -58,23 +58,24 @@ def run(
     tensors, options, wrap, normalized = inputs.normalize(op, tensors, options)
     failure = failure or normalized
     sp = options.get("sp_group")
+    invocation = Invocation(op, tensors, options, check, failure)
     if not sequence.active(sp):
-        made = plans.plan_for(op, tensors, options, check=check, failure=failure)
+        plan = plans.plan_for(invocation)
     else:  # every rank of sp_group reaches the agreement, whatever its TP step gave
-        found: plans.Plan | None = None
+        planned: plans.Plan | None = None
         try:
-            found = plans.plan_for(op, tensors, options, check=check, failure=failure)
+            planned = plans.plan_for(invocation)
         except Exception as exc:
             failure = exc
-        text = None if found is None else sequence.call_text(found.fingerprint, options, agree)
+        text = None if planned is None else sequence.call_text(planned.fingerprint, options, agree)
         # per-call data checks (a TopK teacher's) read the host anyway, and fail on some ranks
         # only: their outcome is gathered on every call
         sequence.agree(
             sp, text, options.get("normalizer"), failure, checks.device_of(tensors), every_call=check is not None
         )
-        assert found is not None  # agree raised otherwise
-        made = found
-    out = execute(made, tensors, options)
+        assert planned is not None  # agree raised otherwise
+        plan = planned
+    out = execute(plan, tensors, options)
     if wrap is None:
         return out
     return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
@@ -83,44 +84,44 @@ def run(
 _eager = torch.compiler.disable(run)  # a call with sp_group inside a compiled function runs eagerly
 
 
-def execute(made: plans.Plan, tensors: tuple, given: Mapping[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
-    """Run a planned call on this call's tensors; ``given``: its options as passed."""
-    spec, n = made.spec, made.num_tokens
+def execute(plan: plans.Plan, tensors: tuple, options: Mapping[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
+    """Run a planned call on this call's tensors; ``options``: its options as passed."""
+    spec, n = plan.spec, plan.num_tokens
     n_inputs = len(spec.inputs)
-    index, mask = inputs.index_and_mask(spec, made.topk, n, tensors[n_inputs] if spec.index else None, given)
-    call = made.call(given.get("tp_group"), given)
+    index, mask = inputs.index_and_mask(spec, plan.topk, n, tensors[n_inputs] if spec.index else None, options)
+    call = plan.call(options.get("tp_group"), options)
     inputs_ = tensors[:n_inputs]
     if spec.returns_ids:  # argmax, sample: token ids, no gradient
         with torch.no_grad():
-            return _ids(made, call, inputs_[0]).view(made.lead)
+            return _ids(plan, call, inputs_[0]).view(plan.lead)
     if n == 0:  # no rank has a token: nothing to compute or communicate
         parts = [p for x in inputs_ for p in ((x.hidden, x.weight, x.bias) if isinstance(x, Head) else (x,))]
-        values = autograd.no_tokens(call, _values_shape(made, index), tuple(parts))
-    elif made.head_rows is not None:
-        assert isinstance(made.backend, TakesHead)  # dispatch gave Head inputs to a backend taking them
-        scalar = head_reduction(given) != "none"
+        values = autograd.no_tokens(call, _empty_values_shape(plan, index), tuple(parts))
+    elif plan.head_rows is not None:
+        assert isinstance(plan.backend, TakesHead)  # dispatch gave Head inputs to a backend taking them
+        scalar = head_reduction(options) != "none"
         upstream = None
         if scalar:  # the gradients computed in forward are for what a plain backward sends
-            upstream = plain_upstream(given, index, mask, n, value_dtype(inputs_[0].dtype), inputs_[0].device)
-        values = head.run_heads(
-            made.backend, call, inputs_, index, mask, scalar, made.head_rows, made.sequence, upstream
+            upstream = plain_upstream(options, index, mask, n, value_dtype(inputs_[0].dtype), inputs_[0].device)
+        values = head_chunks.run_head_values(
+            plan.backend, call, inputs_, index, mask, scalar, plan.head_rows, plan.sequence, upstream
         )
     else:
-        values = autograd.run_logits(made.backend, call, inputs_, index, mask)
-    return finish(values, made.lead, made.topk, index, mask, given)
+        values = autograd.run_logits(plan.backend, call, inputs_, index, mask)
+    return finish(values, plan.lead, plan.topk, index, mask, options)
 
 
-def _ids(made: plans.Plan, call: Any, x: Any) -> Tensor:
+def _ids(plan: plans.Plan, call: Any, x: Any) -> Tensor:
     """The ids an op returning them gives for logits ``x``, or for a Head chunk by chunk."""
-    n, layout = made.num_tokens, made.backend.input_layout
+    n, layout = plan.num_tokens, plan.backend.input_layout
     if not isinstance(x, Head):
         if n == 0:
             return torch.zeros(0, dtype=torch.int64, device=x.device)
-        return made.backend.forward(call, (autograd.rows(x, n, layout),), None, None)[0]
-    assert made.head_rows is not None  # planned with a Head
+        return plan.backend.forward(call, (autograd.rows(x, n, layout),), None, None)[0]
+    assert plan.head_rows is not None  # planned with a Head
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.weight.device)
-    return head.run_ids(made.backend, call, x, made.head_rows, made.sequence)
+    return head_chunks.run_head_ids(plan.backend, call, x, plan.head_rows, plan.sequence)
 
 
 def fail(exc: Exception, options: Mapping[str, Any], device: torch.device | None) -> NoReturn:
@@ -132,11 +133,8 @@ def fail(exc: Exception, options: Mapping[str, Any], device: torch.device | None
         sequence.fail(raised, options.get("sp_group"), device)
 
 
-def _values_shape(made: plans.Plan, index: Tensor | None) -> tuple[int, ...]:
-    k = index.shape[-1] if made.topk and index is not None else 1
-    if made.backend_options.get("return_entropy"):
-        return (0, k + 1)
-    return (0, k) if made.topk else (0,)
+def _empty_values_shape(plan: plans.Plan, index: Tensor | None) -> tuple[int, ...]:
+    return values_shape(0, index, plan.topk, bool(plan.backend_options.get("return_entropy")))
 
 
 # -- explain --------------------------------------------------------------------------------
@@ -149,36 +147,34 @@ def explain(op: str, tensors: tuple, options: dict[str, Any], gather: bool = Fal
     group = options.get("tp_group")
     world = group_size(group) if is_group(group) else 1
     if gather and world > 1:
-        loc, _, shards, _, _ = plans.checked(op, tensors, options, group, None, None, None, failure)
-        return dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+        checked, _, shards, _, _ = plans.gathered(Invocation(op, tensors, options, failure=failure))
+        ex = dispatch.explain_request(
+            plans.request_of(checked, shards, False), shards, checked.forced, checked.forced_by
+        )
+        return _with_head_logits(ex, checked)
     if failure is not None:
         raise failure
-    loc = checks.local(op, tensors, options)
-    n, v_local = math.prod(loc.lead), loc.inputs[0].shape[-1]
-    start, given = loc.options["vocab_start"], loc.options["global_vocab_size"]
+    checked = checks.this_rank(Invocation(op, tensors, options))
+    n, v_local = math.prod(checked.lead), checked.inputs[0].shape[-1]
+    start, vocab_size = checked.options["vocab_start"], checked.options["global_vocab_size"]
     if world == 1:
-        shards = metadata.single_rank_shards(v_local, start, given, n)
-        return dispatch.explain_request(checks.request_of(loc, shards, False), shards, loc.forced, loc.forced_by)
+        shards = metadata.single_rank_shards(v_local, start, vocab_size, n)
+        ex = dispatch.explain_request(
+            plans.request_of(checked, shards, False), shards, checked.forced, checked.forced_by
+        )
+        return _with_head_logits(ex, checked)
     rank = group_rank(group)
-    vocab_size = v_local * world if given is None else given
-    even = vocab_size == v_local * world and start in (None, rank * v_local)
-    first = rank * v_local if start is None else start
-    assumed = metadata.Shards(
-        rank=rank,
-        tp_size=world,
-        vocab_start=first,
-        vocab_end=first + v_local,
-        vocab_size=vocab_size,
-        sizes=(v_local,) * world,
-        num_tokens=n,
-        even_shards=even,
-        available=frozenset(),
-        available_per_rank=(),
-    )
-    ex = dispatch.explain_request(checks.request_of(loc, assumed, False), None, loc.forced, loc.forced_by)
+    assumed = metadata.alike_shards(rank, world, v_local, start, vocab_size, n)
+    ex = dispatch.explain_request(plans.request_of(checked, assumed, False), None, checked.forced, checked.forced_by)
     ex.view = (
         f"this rank's view: rank {rank} of {world}, other ranks assumed alike "
-        f"(shards {'even' if even else 'uneven'}); explain(..., gather=True) on every rank "
+        f"(shards {'even' if assumed.even_shards else 'uneven'}); explain(..., gather=True) on every rank "
         f"checks them all"
     )
-    return ex
+    return _with_head_logits(ex, checked)
+
+
+def _with_head_logits(ex: dispatch.Explanation, checked: checks.CheckedCall) -> dispatch.Explanation:
+    """How the selected backend computes the logits of this rank's Head inputs."""
+    parts = [(h.hidden, h.weight, h.bias) for h in checked.heads or () if h is not None]
+    return dispatch.with_head_logits(ex, checked.options, parts)

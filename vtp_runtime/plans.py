@@ -40,30 +40,20 @@ from typing import Any
 
 import torch
 
-from . import checks, dispatch, env, head, metadata
+from . import checks, dispatch, env, head_chunks, metadata
 from .backend import Backend, Call, Request
-from .checks import Check
 from .comm import group_size, is_group
 from .head import Head
-from .ops import OPS, OpSpec, backend_options, dtype_name
+from .head_gather import SequenceLayout
+from .invocation import Invocation
+from .ops import OPS, OpSpec, backend_options, dtype_name, features_of
+from .outputs import head_reduction
 from .registry import REGISTRY
-from .sequence import SequenceLayout
 from .weak import IdentityMap
 
 Tensor = torch.Tensor
 
 MAX_PLANS = 2048  # per generation, per cache; two generations are kept
-
-
-@dataclass(frozen=True)
-class Traced:
-    """What a call made from a ``torch.compile``'d graph (``vtp_runtime.library``) fixed when
-    it was traced: which inputs need gradients (inside the op nothing requires grad) and the
-    forced backend."""
-
-    needs_grad: tuple[bool, ...]
-    forced: str | None
-    forced_by: str
 
 
 @dataclass(frozen=True)
@@ -101,15 +91,19 @@ class Plan:
     def num_tokens(self) -> int:
         return self.request.num_tokens
 
-    def call(self, group: Any, given: Mapping[str, Any] | None = None) -> Call:
-        """The ``Call`` the backend gets, for this call's ``group``; ``given``: this call's
-        options, whose per-call values (``sample``'s seed) the backend gets too."""
-        options = self.backend_options
-        if given is not None and self.spec.per_call_backend:
+    def call(self, group: Any, options: Mapping[str, Any] | None = None) -> Call:
+        """The ``Call`` the backend gets, for this call's ``group``; ``options``: this call's
+        options as passed, whose per-call values (``sample``'s seed) the backend gets too."""
+        backend_options = self.backend_options
+        if options is not None and self.spec.per_call_backend:
             spec = self.spec
-            options = {
-                **options,
-                **{name: spec.options[name].canonical(given[name]) for name in spec.per_call_backend if name in given},
+            backend_options = {
+                **backend_options,
+                **{
+                    name: spec.options[name].canonical(options[name])
+                    for name in spec.per_call_backend
+                    if name in options
+                },
             }
         return Call(
             request=self.request,
@@ -117,7 +111,7 @@ class Plan:
             rank=self.rank,
             vocab_start=self.vocab_start,
             vocab_end=self.vocab_end,
-            options=options,
+            options=backend_options,
             needs_grad=self.needs_grad,
             topk=self.topk,
         )
@@ -213,7 +207,7 @@ _TENSORS = (Tensor, torch.nn.Parameter)
 def signature(
     spec: OpSpec,
     tensors: tuple,
-    given: dict[str, Any],
+    options: Mapping[str, Any],
     forced: tuple,
     registry_version: int,
     needs_grad: tuple[bool, ...] | None = None,
@@ -250,14 +244,14 @@ def signature(
             key += (t.reduce_hidden_grad, t.chunk_rows, t.sequence_parallel)
         else:
             return None
-    options = spec.options
-    for name in sorted(given):
+    schema = spec.options
+    for name in sorted(options):
         if name in ("tp_group", "sp_group"):
             continue  # the TP group selects the cache; the SP group's ranks agree apart (sequence.py)
-        option = options.get(name)
+        option = schema.get(name)
         if option is None:
             return None  # an unknown option: the full path says so
-        value = given[name]
+        value = options[name]
         if option.tensor and type(value) is Tensor:
             # tensor options (mask, labels, normalizer): their values are data of the call,
             # never read on the host; what they are is part of the signature
@@ -276,150 +270,187 @@ def signature(
 # -- the plan of a call ----------------------------------------------------------------------
 
 
-def plan_for(
-    op: str,
-    tensors: tuple,
-    given: dict[str, Any],
-    traced: Traced | None = None,
-    *,
-    check: Check | None = None,
-    failure: Exception | None = None,
-) -> Plan:
-    """The plan of a call: the first call of a signature is checked and planned in full,
+def plan_for(invocation: Invocation) -> Plan:
+    """The plan of a invocation: the first invocation of a signature is checked and planned in full,
     later ones reuse the plan. With a TP group, whether the metadata is gathered again
-    depends on ``metadata_mode``. ``given``: the options as passed (after
-    ``inputs.normalize``)."""
-    group = given.get("tp_group")
-    if traced is None:
-        forced = dispatch.forced_backend(op, given.get("backend"))
-    else:
-        forced = (traced.forced, traced.forced_by)
+    depends on ``metadata_mode``."""
+    op, tensors, options = invocation.op, invocation.tensors, invocation.options
+    group, failure = invocation.group, invocation.failure
+    forced = invocation.traced_backend or dispatch.forced_backend(op, options.get("backend"))
     spec = OPS.get(op)
     key = cache = None
     if failure is None and spec is not None and type(forced[0]) in (str, type(None)):
-        key = signature(spec, tensors, given, forced, REGISTRY.version, None if traced is None else traced.needs_grad)
+        key = signature(spec, tensors, options, forced, REGISTRY.version, invocation.traced_needs_grad)
         if key is not None and (group is None or is_group(group)):
             cache = cache_for(group)
-    found = None if cache is None or key is None else cache.lookup(key)
+    cached = None if cache is None or key is None else cache.lookup(key)
     table = None
-    if found is not None:
-        failure = checks.per_call_failure(found.spec, given, check)
-        meta = found.metadata
+    if cached is not None:
+        failure = checks.per_call_failure(cached.spec, options, invocation.check)
+        meta = cached.metadata
         mode = "once" if meta is None else metadata_mode(meta.host)
         if mode == "once":  # a single rank, or a group whose ranks are trusted to agree
             if failure is not None:
                 raise failure
-            return found
-        if mode == "gather":  # on the host: every rank gathers once per call, whatever it holds
+            return cached
+        if mode == "gather":  # on the host: every rank gathers once per invocation, whatever it holds
             assert meta is not None  # mode is "once" without metadata
             row = metadata.pack_failure(group, None) if failure else torch.tensor(meta.row, dtype=torch.int64)
             table = metadata.gather(row, group)
             if failure is None and table == meta.table:
-                return found
-    version = REGISTRY.version
-    made = full_path(op, tensors, given, group, table, traced, check, failure)
-    if cache is not None and key is not None:
-        if REGISTRY.version != version:  # the first call loaded the plugins
-            assert spec is not None  # a key needs a known op
-            key = signature(
-                spec, tensors, given, forced, REGISTRY.version, None if traced is None else traced.needs_grad
-            )
-        if key is not None:
-            cache.store(key, made)
-    return made
-
-
-def full_path(
-    op: str,
-    tensors: tuple,
-    given: dict[str, Any],
-    group: Any,
-    table: list[list[int]] | None,
-    traced: Traced | None,
-    check: Check | None,
-    failure: Exception | None,
-) -> Plan:
-    """Local checks, the metadata gather (``table``: this call's table, gathered already by
-    a planned call whose table was not the planned one) and its checks, dispatch."""
-    if not is_group(group) or group_size(group) == 1:  # the hot path of one device: no gather
+                return cached
         if failure is not None:
-            raise failure
-        loc = checks.local(op, tensors, given, traced)
-        if check is not None:
-            check()
-        n = math.prod(loc.lead)
+            invocation = dataclasses.replace(invocation, failure=failure)
+    version = REGISTRY.version
+    plan = full_path(invocation, table)
+    if cache is not None and key is not None:
+        if REGISTRY.version != version:  # the first invocation loaded the plugins
+            assert spec is not None  # a key needs a known op
+            key = signature(spec, tensors, options, forced, REGISTRY.version, invocation.traced_needs_grad)
+        if key is not None:
+            cache.store(key, plan)
+    return plan
+
+
+def full_path(invocation: Invocation, table: list[list[int]] | None = None) -> Plan:
+    """Local checks, the metadata gather (``table``: this invocation's table, gathered already by
+    a planned invocation whose table was not the planned one) and its checks, dispatch."""
+    group = invocation.group
+    if not is_group(group) or group_size(group) == 1:  # the hot path of one device: no gather
+        if invocation.failure is not None:
+            raise invocation.failure
+        checked = checks.this_rank(invocation)
+        if invocation.check is not None:
+            invocation.check()
+        n = math.prod(checked.lead)
         shards = metadata.single_rank_shards(
-            loc.inputs[0].shape[-1], loc.options["vocab_start"], loc.options["global_vocab_size"], n
+            checked.inputs[0].shape[-1], checked.options["vocab_start"], checked.options["global_vocab_size"], n
         )
-        return _make_plan(loc, shards, None, traced is not None)
-    loc, info, shards, table, host = checked(op, tensors, given, group, table, traced, check, failure)
-    planned = tuple(metadata.encode(dataclasses.replace(info, checksums=None)))
+        return _make_plan(checked, shards, None, invocation.compiled)
+    checked, sent, shards, table, host = gathered(invocation, table)
+    planned = tuple(metadata.encode(dataclasses.replace(sent, checksums=None)))
     # with checksums (VTP_CHECK=1) the gathered table is not the planned one: none matches it
-    meta = Metadata(planned, table if info.checksums is None else [], host)
-    return _make_plan(loc, shards, meta, traced is not None)
+    meta = Metadata(planned, table if sent.checksums is None else [], host)
+    return _make_plan(checked, shards, meta, invocation.compiled)
 
 
-def checked(
-    op: str,
-    tensors: tuple,
-    given: dict[str, Any],
-    group: Any,
-    table: list[list[int]] | None,
-    traced: Traced | None,
-    check: Check | None,
-    failure: Exception | None,
-) -> tuple[checks.Local, metadata.LocalCall, metadata.Shards, list[list[int]], bool]:
+def gathered(
+    invocation: Invocation, table: list[list[int]] | None = None
+) -> tuple[checks.CheckedCall, metadata.RankMetadata, metadata.Shards, list[list[int]], bool]:
     """This rank's checks, then the metadata gather (unless ``table`` holds it) and its
-    checks: every rank raises if any rank failed before the gather. Also the table, and
-    whether the group gathers on the host."""
-    loc = info = None
+    checks: every rank raises if any rank failed before the gather. Returns this rank's
+    checked invocation, what it sent to the gather, the shards, the table and whether the group
+    gathers on the host."""
+    group, failure = invocation.group, invocation.failure
+    checked = sent = None
     try:
         if failure is not None:
             raise failure
-        loc = checks.local(op, tensors, given, traced)
-        if check is not None:
-            check()
-        info = checks.local_call(loc, traced is not None)
-        row = metadata.pack(info, group, loc.inputs[0].device)
+        checked = checks.this_rank(invocation)
+        if invocation.check is not None:
+            invocation.check()
+        sent = rank_metadata(checked, invocation.compiled)
+        row = metadata.pack(sent, group, checked.inputs[0].device)
     except Exception as exc:  # whatever it is, every rank must still reach the gather
-        failure, row = exc, metadata.pack_failure(group, checks.device_of(tensors))
+        failure, row = exc, metadata.pack_failure(group, checks.device_of(invocation.tensors))
     if table is None:
         table = metadata.gather(row, group)
-    shards = metadata.validate(table, info, group, row.device, failure)
+    shards = metadata.validate(table, sent, group, row.device, failure)
     # validate raised on every rank if any rank failed before the gather
-    assert loc is not None and info is not None
-    return loc, info, shards, table, row.device.type == "cpu"
+    assert checked is not None and sent is not None
+    return checked, sent, shards, table, row.device.type == "cpu"
 
 
-def _make_plan(loc: checks.Local, shards: metadata.Shards, meta: Metadata | None, compiled: bool) -> Plan:
-    request = checks.request_of(loc, shards, compiled)
-    backend = dispatch.select(request, shards, loc.forced, loc.forced_by)
-    options = backend_options(loc.spec, loc.options)
-    lead, sequence, head_rows = loc.lead, None, None
+def rank_metadata(checked: checks.CheckedCall, compiled: bool) -> metadata.RankMetadata:
+    """What this rank sends to the metadata gather."""
+    first, options = checked.inputs[0], checked.options
+    device = first.device
+    checksums = metadata.checksums(_checked_tensors(checked), device) if metadata.check_enabled() else None
+    sequence = checked.sequence
+    return metadata.RankMetadata(
+        op=checked.spec.name,
+        v_local=first.shape[-1],
+        vocab_start=options["vocab_start"],
+        vocab_end=options["vocab_end"],
+        global_vocab_size=options["global_vocab_size"],
+        num_tokens=math.prod(checked.lead) if checked.covered else -1,  # -1: the ranks' shards say
+        dtype=first.dtype,
+        device_type=device.type,
+        options_fingerprint=checks.fingerprint(checked, compiled),
+        forced=checked.forced,
+        forced_by=checked.forced_by,
+        available=dispatch.local_availability(device.type),
+        checksums=checksums,
+        sequence_first=-1 if sequence is None else sequence[0],
+        sequence_rows=-1 if sequence is None else math.prod(sequence),
+    )
+
+
+def _checked_tensors(checked: checks.CheckedCall) -> list[Tensor | None]:
+    """The tensors ``VTP_CHECK=1`` compares across ranks, as the op declares them
+    (``OpSpec.checked``): the index, then the tensor options; a number option's tensor (a
+    normalizer) as float64, so that an int tensor and a float one holding one value agree."""
+    spec, out = checked.spec, []
+    for name in spec.checked:
+        if name == spec.index:
+            out.append(checked.index)
+            continue
+        t = checked.options[name]
+        number = spec.options[name].kind is float
+        out.append(None if not isinstance(t, Tensor) else t.double() if number else t)
+    return out
+
+
+def request_of(checked: checks.CheckedCall, shards: metadata.Shards, compiled: bool) -> Request:
+    """The ``Request`` dispatch matches against capabilities."""
+    logits = checked.inputs[0]
+    teacher_grad = len(checked.inputs) == 2 and checked.needs_grad[1]
+    return Request(
+        op=checked.spec.name,
+        device_type=logits.device.type,
+        dtype=logits.dtype,
+        tp_size=shards.tp_size,
+        vocab_size=shards.vocab_size,
+        num_tokens=shards.num_tokens,
+        even_shards=shards.even_shards,
+        empty_shard=0 in shards.sizes,
+        features=features_of(checked.spec, checked.options, topk=checked.topk, teacher_grad=teacher_grad),
+        head_inputs=checked.heads is not None,
+        head_per_token=checked.heads is not None and head_reduction(checked.options) == "none",
+        head_sequence_parallel=checked.sequence is not None,
+        compiled=compiled,
+    )
+
+
+def _make_plan(checked: checks.CheckedCall, shards: metadata.Shards, meta: Metadata | None, compiled: bool) -> Plan:
+    request = request_of(checked, shards, compiled)
+    backend = dispatch.select(request, shards, checked.forced, checked.forced_by)
+    options = backend_options(checked.spec, checked.options)
+    lead, sequence, head_rows = checked.lead, None, None
     if shards.sequence is not None and shards.tp_size > 1:
-        assert loc.heads is not None  # a sequence layout comes with a sequence-parallel Head
-        sequence = head.sequence_layout(
-            tuple(rows for _, rows in shards.sequence), shards.rank, max(shards.sizes), loc.heads
+        assert checked.heads is not None  # a sequence layout comes with a sequence-parallel Head
+        sequence = head_chunks.sequence_layout(
+            tuple(rows for _, rows in shards.sequence), shards.rank, max(shards.sizes), checked.heads
         )
         head_rows = max(1, sequence.max_chunk)
-        if not loc.covered:  # no input covered every rank's tokens: their shards make the first dim
-            lead = (sum(first for first, _ in shards.sequence), *loc.lead[1:])
-    elif loc.heads is not None:
-        head_rows = head.rows_per_chunk(shards.num_tokens, max(shards.sizes), loc.heads)
+        if not checked.covered:  # no input covered every rank's tokens: their shards make the first dim
+            lead = (sum(first for first, _ in shards.sequence), *checked.lead[1:])
+    elif checked.heads is not None:
+        head_rows = head_chunks.rows_per_chunk(shards.num_tokens, max(shards.sizes), checked.heads)
     return Plan(
-        spec=loc.spec,
+        spec=checked.spec,
         backend=backend,
         request=request,
         rank=shards.rank,
         vocab_start=shards.vocab_start,
         vocab_end=shards.vocab_end,
         backend_options=options,
-        needs_grad=loc.needs_grad,
-        topk=loc.topk,
+        needs_grad=checked.needs_grad,
+        topk=checked.topk,
         lead=lead,
         head_rows=head_rows,
         metadata=meta,
-        fingerprint=checks.fingerprint(loc, compiled, per_call=False)
+        fingerprint=checks.fingerprint(checked, compiled, per_call=False)
         + f"|dtype={dtype_name(request.dtype)}|device type={request.device_type}",
         sequence=sequence,
     )

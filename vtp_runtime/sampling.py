@@ -54,6 +54,10 @@ from the gathered data (the same on every rank): top-k and top-p read one flag p
 (on a GPU that waits for the device); argmax, the plain sample and min-p read nothing
 (with the seed check below as the exception).
 
+A backend may compute a call on a single rank otherwise (``limits`` says what it draws
+from): the triton backend does it in one kernel launch at TP = 1, with the keys and kept
+sets of ``run`` and so its ids.
+
 The seed is per-call data: it is not part of the plan (a generation loop passes a new one
 every step). It rides in the first all-gather, so every rank sees every rank's seed: where
 the metadata is checked per call (a group with a CPU transport such as gloo, or
@@ -73,12 +77,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from . import plans
 from .backend import Call, value_dtype
 from .comm import all_gather_stack, group_size
 from .errors import ShardError
+from .metadata import host_transport
 
 Tensor = torch.Tensor
 
@@ -299,11 +303,6 @@ def fill_seed(payload: Tensor, seed: int) -> None:
     tail[1].fill_(as_int32(hi) if narrow else hi)
 
 
-def _host_transport(group) -> bool:
-    # where the runtime gathers its metadata on the host (see shards): gloo, cpu:gloo,cuda:nccl
-    return "gloo" in str(dist.get_backend(group)).lower()
-
-
 def gather(call: Call, payload: Tensor, seed: int | None) -> tuple[Tensor, Tensor | None]:
     """Every rank's flat payload ``[W, L]`` (one all-gather), and with ``seed`` the seed check:
     raises the same ShardError on every rank when ranks disagree and the metadata is
@@ -314,7 +313,7 @@ def gather(call: Call, payload: Tensor, seed: int | None) -> tuple[Tensor, Tenso
     if seed is None:
         return stacked, None
     words = stacked[:, -SEED_WORDS:].view(_int_view(stacked.dtype))
-    if plans.metadata_mode(_host_transport(call.group)) == "once":
+    if plans.metadata_mode(host_transport(call.group)) == "once":
         return stacked, (words == words[:1]).all()
     seeds = [(lo % 2**32) | ((hi % 2**32) << 32) for lo, hi in words.tolist()]
     if len(set(seeds)) > 1:
@@ -357,10 +356,24 @@ MAX_ROUNDS = 64  # top-p rounds; each strictly shrinks every open row's candidat
 
 
 @dataclass(frozen=True)
-class _Limits:
+class Limits:
+    """The restrictions of a ``sample`` call that restrict anything: ``k`` below V, ``p``
+    below 1, ``min_p`` above 0 (None where not)."""
+
     k: int | None
     p: float | None
     min_p: float | None
+
+
+def limits(call: Call) -> Limits | None:
+    """What ``call`` draws from: None for an argmax (the op, or temperature 0), else its
+    ``Limits``."""
+    options = call.options
+    if call.op == "argmax" or options["temperature"] == 0:
+        return None
+    k, p, mp = options["top_k"], options["top_p"], options["min_p"]
+    v = call.vocab_size
+    return Limits(k if k is not None and k < v else None, p if p is not None and p < 1 else None, mp if mp else None)
 
 
 def run(call: Call, z: Tensor, kernels: Kernels) -> Tensor:
@@ -369,22 +382,24 @@ def run(call: Call, z: Tensor, kernels: Kernels) -> Tensor:
     n = z.shape[0] * z.shape[1] if z.dim() == 3 else z.shape[0]
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=z.device)
-    if call.vocab_size >= NONE_ID:
-        raise ValueError(f"sampling takes vocabularies below {NONE_ID} ids, got V={call.vocab_size}")
-    options = call.options
-    if call.op == "argmax" or options["temperature"] == 0:
+    check_vocabulary(call)
+    restrict = limits(call)
+    if restrict is None:
         return _argmax(call, z, kernels, n)
-    v = call.vocab_size
-    k, p, mp = options["top_k"], options["top_p"], options["min_p"]
-    limits = _Limits(k if k is not None and k < v else None, p if p is not None and p < 1 else None, mp if mp else None)
-    seed, scale = options["seed"], Scale.of(options["temperature"])
-    if limits.k is not None:
-        ids, agree = _candidates(call, z, kernels, n, seed, scale, limits)
-    elif limits.p is None and limits.min_p is None:
+    seed, scale = call.options["seed"], Scale.of(call.options["temperature"])
+    if restrict.k is not None:
+        ids, agree = _candidates(call, z, kernels, n, seed, scale, restrict)
+    elif restrict.p is None and restrict.min_p is None:
         ids, agree = _plain(call, z, kernels, n, seed, scale)
     else:
-        ids, agree = _rejection(call, z, kernels, n, seed, scale, limits)
+        ids, agree = _rejection(call, z, kernels, n, seed, scale, restrict)
     return ids if agree is None else torch.where(agree, ids, -1)
+
+
+def check_vocabulary(call: Call) -> None:
+    """Raise where ids of ``call``'s vocabulary do not fit below ``NONE_ID``."""
+    if call.vocab_size >= NONE_ID:
+        raise ValueError(f"sampling takes vocabularies below {NONE_ID} ids, got V={call.vocab_size}")
 
 
 def _final(ids: Tensor) -> Tensor:
@@ -403,7 +418,7 @@ def _readable(call: Call, flags: Tensor) -> bool:
     is checked per call). Otherwise the caller acts as if any flag were set."""
     if flags.device.type == "cpu":
         return True
-    return group_size(call.group) > 1 and plans.metadata_mode(_host_transport(call.group)) != "once"
+    return group_size(call.group) > 1 and plans.metadata_mode(host_transport(call.group)) != "once"
 
 
 def _argmax(call: Call, z: Tensor, kernels: Kernels, n: int) -> Tensor:
@@ -426,7 +441,7 @@ def _plain(call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Sc
 
 
 def _rejection(
-    call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Scale, limits: _Limits
+    call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Scale, limits: Limits
 ) -> tuple[Tensor, Any]:
     """top-p and/or min-p without top-k (see the module docstring)."""
     part, agree = _scan(call, z, kernels, n, Scan(gumbel=True, seed=seed, stats=True), seed)
@@ -484,7 +499,7 @@ def _rejection(
 
 
 def _candidates(
-    call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Scale, limits: _Limits
+    call: Call, z: Tensor, kernels: Kernels, n: int, seed: int, scale: Scale, limits: Limits
 ) -> tuple[Tensor, Any]:
     """top-k, then top-p and min-p on the top-k candidates (see the module docstring)."""
     assert limits.k is not None

@@ -29,7 +29,7 @@ Liger computes the head's gradients in its forward pass for an upstream gradient
   backward scales them by the upstream gradient. Labels outside ``[0, V)`` are passed to
   Liger as ``ignore_index`` (it would read out of bounds) and their values and gradients
   set to NaN here.
-- TP > 1 (even shards): the generic token-chunk driver of ``vtp_runtime.head`` with the
+- TP > 1 (even shards): the generic token-chunk driver of ``vtp_runtime.head_chunks`` with the
   vocabulary-parallel CE above on each chunk (its fp32 softmax buffer is per chunk); a
   sequence-parallel Head too (the driver gathers each chunk's hidden rows).
 - ``reduction="none"`` with a Head is refused (``HeadSupport(per_token=False)``).
@@ -61,8 +61,8 @@ from typing import Any
 import torch
 
 from vtp_runtime import env
-from vtp_runtime.backend import LOW_DTYPES, Call, HeadSupport, OpCapability, SavedState, TakesHead
-from vtp_runtime.head import HeadDriver, HeadRun
+from vtp_runtime.backend import LOW_DTYPES, Call, HeadDriver, HeadSupport, OpCapability, SavedState, TakesHead
+from vtp_runtime.head_chunks import TokenChunks
 from vtp_runtime.registry import hookimpl
 
 MIN_VERSION = (0, 8, 1)
@@ -174,6 +174,14 @@ class LigerBackend(TakesHead):
         if call.op == "cross_entropy" and call.request.tp_size == 1:
             return FUSED_LINEAR_CE
         return None  # the generic token-chunk driver, with the vocabulary-parallel CE per chunk
+
+    def head_logits_route(self, device_type, request=None, options=None, parts=()):
+        chunks = super().head_logits_route(device_type, request, options, parts)
+        if request is None:
+            return f"Liger's fused linear cross entropy at TP 1, else {chunks}"
+        if request.op == "cross_entropy" and request.tp_size == 1:
+            return "Liger's fused linear cross entropy (its own chunks)"
+        return chunks
 
     def forward(self, call, inputs, index, mask):
         for t in inputs:
@@ -294,7 +302,7 @@ class FusedLinearCrossEntropy(HeadDriver):
     whose input is a Head: per-token losses and the gradients for an upstream gradient of
     ones in one pass (``run.scalar`` only; dispatch refuses per-token results)."""
 
-    def forward(self, run: HeadRun) -> Tensor:
+    def forward(self, run: TokenChunks) -> Tensor:
         (x,) = run.inputs
         call, labels = run.call, run.index
         run.upstream = None  # Liger computes the gradients for an upstream gradient of ones
@@ -334,7 +342,7 @@ class FusedLinearCrossEntropy(HeadDriver):
             x.grads = [d_hidden if nh else None, d_weight if nw else None, d_bias if nb else None, None]
         return value
 
-    def backward(self, run: HeadRun, grad: Tensor) -> None:
+    def backward(self, run: TokenChunks, grad: Tensor) -> None:
         raise RuntimeError(
             "the liger backend's fused linear cross entropy has no per-token backward; "
             "dispatch refuses reduction='none' with Head inputs for it"

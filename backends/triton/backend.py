@@ -45,8 +45,8 @@ from vtp_runtime.backend import (
 from vtp_runtime.comm import all_gather_stack, group_size
 from vtp_runtime.ops import LOSSES, OPS, kl_direction
 
-from . import fields
-from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig
+from . import fields, head_gemm, source
+from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig, cdiv, split_chunk, vocab_splits
 from .launch import launch
 
 LOG2E = 1.4426950408889634
@@ -109,22 +109,6 @@ def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
     }
 
 
-_KERNELS = None
-
-
-def _kernels():
-    global _KERNELS
-    if _KERNELS is None:  # imported on first use: importing this module never needs triton
-        from . import kernels
-
-        _KERNELS = kernels
-    return _KERNELS
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def geometry(z: torch.Tensor) -> tuple[int, int, int]:
     """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``.
     The kernels read columns at unit stride: anything else is refused here, never misread."""
@@ -168,15 +152,6 @@ def _one_input_options(call: Call, kind: int) -> dict[str, Any]:
         "ZLOSS": kind == fields.CE and opts["z_loss"] != 0.0,
         "WITH_ENTROPY": kind == fields.LOGPROBS and opts["return_entropy"],
     }
-
-
-def _splits(n: int, v_per_rank: int, block: int, target: int, max_splits: int) -> int:
-    tiles = max(1, _cdiv(v_per_rank, block))
-    return max(1, min(_cdiv(target, max(n, 1)), tiles, max_splits))
-
-
-def _chunk(v_local: int, splits: int, block: int) -> int:
-    return max(block, _cdiv(_cdiv(v_local, splits), block) * block)
 
 
 def _gather(part: torch.Tensor, group) -> tuple[torch.Tensor, int]:
@@ -271,6 +246,38 @@ class TritonBackend(TakesHead, Compiles):
     def backward(self, call, state, grad):
         return self.head_backward(call, state, grad, (False, False))
 
+    # -- the fused head: the logits GEMM with the statistics in its epilogue (head_gemm.py) -------
+    def head_logits(self, call, hidden, weight, bias, out):
+        """Where ``head_gemm.chunk_refusal`` allows: the Triton GEMM, returning its per-tile
+        partials for ``head_forward``; else None (the driver's torch.mm)."""
+        if head_gemm.chunk_refusal(call, hidden, weight, bias, out) is not None:
+            return None
+        return head_gemm.logits_with_statistics(self.config_for(out.device), call, hidden, weight, bias, out)
+
+    def head_forward(self, call, inputs, index, mask, partials):
+        """With every input's tile partials (``head_logits``), the forward merges them instead
+        of running the statistics pass over the logits; else ``forward``."""
+        if not partials or any(p is None for p in partials):
+            return self.forward(call, inputs, index, mask)
+        if call.op in _ONE_INPUT_KIND:
+            return self._forward1(call, inputs[0], index, mask, tiles=partials[0])
+        return self._forward_jsd(call, inputs, mask, call.options["beta"], tiles=partials)
+
+    def head_logits_route(self, device_type, request=None, options=None, parts=()):
+        if request is None:
+            types = self.ops["cross_entropy"].device_types
+            if types is not None and device_type not in types:
+                return head_gemm.route(f"{self.name} does not run on {device_type}")
+            why = head_gemm.device_refusal(torch.device(device_type))
+            if why is None:
+                return (
+                    f"{head_gemm.ROUTE} for {', '.join(head_gemm.OPS)} where the Head's tensors allow "
+                    f"(vtp.explain says per call), else {head_gemm.FALLBACK}"
+                )
+            return head_gemm.route(why)
+        device = parts[0][1].device if parts else torch.device(request.device_type)
+        return head_gemm.route(head_gemm.refusal(device, request.dtype, request.op, request.features, options, parts))
+
     def head_backward(self, call, state, grad, scratch):
         """Under the fused head the kernels write each gradient over its logits buffer: every
         program reads a tile of the inputs before it writes that tile, and nothing else reads
@@ -289,10 +296,10 @@ class TritonBackend(TakesHead, Compiles):
             super().scale_gradients(grads, scale)
             return
         cfg = self.config_for(scale.device)
-        k = _kernels()
+        k = source.module("kernels")
         for g in grads:
             if g.numel():
-                programs = min(cfg.scale_programs, _cdiv(g.numel(), cfg.block_scale))
+                programs = min(cfg.scale_programs, cdiv(g.numel(), cfg.block_scale))
                 launch(
                     k.scale_kernel,
                     (programs,),
@@ -305,7 +312,9 @@ class TritonBackend(TakesHead, Compiles):
                     num_warps=cfg.warps_scale,
                 )
 
-    def _forward1(self, call: Call, z: torch.Tensor, index, mask):
+    def _forward1(self, call: Call, z: torch.Tensor, index, mask, tiles: torch.Tensor | None = None):
+        """``tiles``: the logits GEMM's per-tile partials of ``z`` (``head_gemm``), merged in
+        place of the statistics pass."""
         kind = _ONE_INPUT_KIND[call.op]
         n, v_local = _num_rows(z), z.shape[-1]
         dev = z.device
@@ -332,12 +341,12 @@ class TritonBackend(TakesHead, Compiles):
         state = OneInputState(z, idx, stats, keep)
         if n == 0:
             return values, state
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(dev)
         tp = call.request.tp_size
-        splits = _splits(n, _cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
         # a row that is neither split nor sharded is finished by the program that reads it
-        finish = splits == 1 and tp == 1
+        finish = splits == 1 and tp == 1 and tiles is None
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
         # what both passes read besides the logits and the partials
         shared = {
@@ -350,29 +359,32 @@ class TritonBackend(TakesHead, Compiles):
             "HAS_KEEP": keep is not None,
             **options,
         }
-        launch(
-            k.stats1_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            **_row_args(z),
-            **shared,
-            part_ptr=part,
-            v_local=v_local,
-            vocab_start=call.vocab_start,
-            splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats),
-            # the z-loss term is added where a row is finished (here only with FINISH)
-            ZLOSS=zloss and finish,
-            FINISH=finish,
-            BLOCK=cfg.block_stats,
-            num_warps=cfg.warps_stats,
-        )
+        if tiles is not None:
+            head_gemm.tile_partials(cfg, call, tiles, part, z, kind=kind, index=idx)
+        else:
+            launch(
+                k.stats1_kernel,
+                (n * splits,),
+                cfg.fast_launch,
+                **_row_args(z),
+                **shared,
+                part_ptr=part,
+                v_local=v_local,
+                vocab_start=call.vocab_start,
+                splits=splits,
+                chunk=split_chunk(v_local, splits, cfg.block_stats),
+                # the z-loss term is added where a row is finished (here only with FINISH)
+                ZLOSS=zloss and finish,
+                FINISH=finish,
+                BLOCK=cfg.block_stats,
+                num_warps=cfg.warps_stats,
+            )
         if finish:
             return values, state
         part, n_parts = _gather(part, call.group)
         launch(
             k.finish1_kernel,
-            (_cdiv(n, cfg.block_rows),),
+            (cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
             **shared,
             part_ptr=part,
@@ -391,8 +403,8 @@ class TritonBackend(TakesHead, Compiles):
         if n == 0:
             return values, state
         cfg = self.config_for(a.device)
-        splits = _splits(
-            n, _cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats, cfg.target_programs, cfg.max_splits
+        splits = vocab_splits(
+            n, cdiv(call.vocab_size, call.request.tp_size), cfg.block_stats, cfg.target_programs, cfg.max_splits
         )
         finish = splits == 1 and call.request.tp_size == 1  # see _forward1
         part = self._stats2(call, cfg, a, b, values, state, splits, with_kl=True, finish=finish)
@@ -400,17 +412,19 @@ class TritonBackend(TakesHead, Compiles):
             self._finish2(call, cfg, part, values, state, fields.KL, beta=0.0)  # beta: read only by the JSD kind
         return values, state
 
-    def _forward_jsd(self, call: Call, inputs, mask, beta: float):
+    def _forward_jsd(self, call: Call, inputs, mask, beta: float, tiles: tuple | None = None):
+        """``tiles``: both inputs' per-tile partials from the logits GEMM (``head_gemm``),
+        merged in place of the statistics pass."""
         student, teacher = inputs
         values, state = _pair_outputs(student, teacher, mask, fields.JSD_STATS)
         n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
         if n == 0:
             return values, state
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(dev)
-        v_per_rank = _cdiv(call.vocab_size, call.request.tp_size)
-        splits = _splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        div_splits = _splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
+        v_per_rank = cdiv(call.vocab_size, call.request.tp_size)
+        splits = vocab_splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
+        div_splits = vocab_splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
         # what both JSD passes read (a = student, b = teacher) besides their partials
         shared = {
             **_pair_args(student, teacher),
@@ -422,7 +436,11 @@ class TritonBackend(TakesHead, Compiles):
             "HAS_KEEP": keep is not None,
             "FAST_LOG2": cfg.fast_log2,
         }
-        if splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
+        if tiles is not None:
+            part = torch.empty((splits, n, fields.PAIR_FIELDS), dtype=torch.float32, device=dev)
+            for side, (t, z) in enumerate(zip(tiles, inputs)):
+                head_gemm.tile_partials(cfg, call, t, part, z, pair_side=side)
+        elif splits == 1 and div_splits == 1 and call.request.tp_size == 1:  # one launch, see _forward1
             launch(
                 k.jsd_row_kernel,
                 (n,),
@@ -434,7 +452,8 @@ class TritonBackend(TakesHead, Compiles):
                 num_warps=cfg.warps_div,
             )
             return values, state
-        part = self._stats2(call, cfg, student, teacher, values, state, splits, with_kl=False, finish=False)
+        else:
+            part = self._stats2(call, cfg, student, teacher, values, state, splits, with_kl=False, finish=False)
         part, n_parts = _gather(part, call.group)
         part2 = torch.empty((div_splits, n, fields.DIV_FIELDS), dtype=torch.float32, device=dev)
         launch(
@@ -447,7 +466,7 @@ class TritonBackend(TakesHead, Compiles):
             part_ptr=part2,
             n_rows=n,
             splits=div_splits,
-            chunk=_chunk(v_local, div_splits, cfg.block_div),
+            chunk=split_chunk(v_local, div_splits, cfg.block_div),
             BLOCK=cfg.block_div,
             num_warps=cfg.warps_div,
         )
@@ -473,7 +492,7 @@ class TritonBackend(TakesHead, Compiles):
         n_fields = fields.KL_FIELDS if with_kl else fields.PAIR_FIELDS
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=a.device)
         launch(
-            _kernels().stats2_kernel,
+            source.module("kernels").stats2_kernel,
             (n * splits,),
             cfg.fast_launch,
             **_pair_args(a, b),
@@ -484,7 +503,7 @@ class TritonBackend(TakesHead, Compiles):
             n_rows=n,
             v_local=v_local,
             splits=splits,
-            chunk=_chunk(v_local, splits, cfg.block_stats),
+            chunk=split_chunk(v_local, splits, cfg.block_stats),
             k2=LOG2E / call.options["temperature"],
             WITH_KL=with_kl,
             HAS_KEEP=keep is not None,
@@ -502,8 +521,8 @@ class TritonBackend(TakesHead, Compiles):
         part, n_parts = _gather(part, call.group)
         n, keep = values.shape[0], state.keep
         launch(
-            _kernels().finish2_kernel,
-            (_cdiv(n, cfg.block_rows),),
+            source.module("kernels").finish2_kernel,
+            (cdiv(n, cfg.block_rows),),
             cfg.fast_launch,
             part_ptr=part,
             n_parts=n_parts,
@@ -521,9 +540,9 @@ class TritonBackend(TakesHead, Compiles):
 
     # -- backward ----------------------------------------------------------------------
     def _bwd_splits(self, cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
-        tiles = max(1, _cdiv(v_local, cfg.block_bwd))
-        splits = max(1, min(_cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
-        return splits, _chunk(v_local, splits, cfg.block_bwd)
+        tiles = max(1, cdiv(v_local, cfg.block_bwd))
+        splits = max(1, min(cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
+        return splits, split_chunk(v_local, splits, cfg.block_bwd)
 
     def _backward1(self, call: Call, state: OneInputState, grad, in_place: bool = False):
         kind = _ONE_INPUT_KIND[call.op]
@@ -534,7 +553,7 @@ class TritonBackend(TakesHead, Compiles):
         dz = z if in_place else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         if n == 0 or v_local == 0:
             return (dz,)
-        k = _kernels()
+        k = source.module("kernels")
         cfg = self.config_for(z.device)
         splits, chunk = self._bwd_splits(cfg, n, v_local)
         launch(
@@ -576,7 +595,7 @@ class TritonBackend(TakesHead, Compiles):
         db = (b if in_place_b else torch.empty(b.shape, dtype=b.dtype, device=b.device)) if need_b else None
         n, v_local = _num_rows(a), a.shape[-1]
         if (need_a or need_b) and n > 0 and v_local > 0:
-            k = _kernels()
+            k = source.module("kernels")
             cfg = self.config_for(a.device)
             splits, chunk = self._bwd_splits(cfg, n, v_local)
             launch(

@@ -27,6 +27,7 @@ class LaunchConfig:
     max_splits: int = 64
     bwd_target_programs: int = 4096  # backward: same idea, local (no collective depends on it)
     block_rows: int = 128  # finishing kernels: rows per program
+    decode_rows: int = 1  # a TP = 1 argmax / sample in one launch: rows per program (a power of two)
     warps_finish: int = 4
     block_scale: int = 2048  # scaling a fused head's gradients in backward: tile, warps, programs
     warps_scale: int = 4
@@ -37,6 +38,19 @@ class LaunchConfig:
     # launch a kernel already compiled for these arguments through its launcher, without
     # Triton's per-launch JIT dispatch (launch.py); checked on CUDA with triton 3.6 and 3.9
     fast_launch: bool = False
+    # the fused head's logits GEMM with the softmax statistics in its epilogue
+    # (head_gemm.py): output tile rows x columns x K step, row tiles walked together along
+    # the vocabulary, software pipeline stages, warps, persistent programs (0: one per SM).
+    # CUDA's are the configuration benchmarks/head_variants.py measures first on the H200.
+    head_block_m: int = 128
+    head_block_n: int = 256
+    head_block_k: int = 64
+    head_group_m: int = 16
+    head_stages: int = 3
+    head_warps: int = 8
+    head_flatten: bool = True
+    head_programs: int = 0
+    head_merge_tiles: int = 16  # tile partials merged per step, per block of block_rows rows
 
 
 CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
@@ -53,8 +67,35 @@ INTERPRETER_CONFIG = LaunchConfig(
     max_splits=4,
     bwd_target_programs=16,
     block_rows=16,
+    decode_rows=16,
     warps_finish=1,
     block_scale=16,
     warps_scale=1,
     scale_programs=4,
+    head_block_m=16,
+    head_block_n=16,
+    head_block_k=16,
+    head_group_m=2,
+    head_stages=1,
+    head_warps=1,
+    head_flatten=False,
+    head_programs=3,
+    head_merge_tiles=4,
 )
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints."""
+    return -(-a // b)
+
+
+def vocab_splits(n: int, v_per_rank: int, block: int, target: int, max_splits: int) -> int:
+    """How many chunks each of ``n`` rows' local vocabulary is cut into for a forward pass
+    (see ``LaunchConfig.target_programs``): at most one per tile of the (even) shard."""
+    tiles = max(1, cdiv(v_per_rank, block))
+    return max(1, min(cdiv(target, max(n, 1)), tiles, max_splits))
+
+
+def split_chunk(v_local: int, splits: int, block: int) -> int:
+    """The columns of one of ``splits`` chunks of a local vocabulary: whole tiles."""
+    return max(block, cdiv(cdiv(v_local, splits), block) * block)

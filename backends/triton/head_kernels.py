@@ -1,7 +1,9 @@
 """Triton kernels of a fused head whose loss work rides in the logits matmul: a persistent
 matmul ``z = h @ W.T (+ bias)`` over one token chunk and this rank's vocabulary shard, whose
 epilogue works on the tile it holds in registers, and the two row kernels around it
-(cross entropy). No torch, no launch logic (``benchmarks/head_variants.py`` launches them).
+(cross entropy), and ``tile_partials_kernel``, which hands the matmul's partials to the
+backend's finishing kernels. No torch, no launch logic (``head_gemm.py`` launches the matmul
+and ``tile_partials_kernel`` for the backend, ``benchmarks/head_variants.py`` all of them).
 
 Units and partial states are those of ``kernels.py``: exponents ``(z - a) * k2`` with
 ``k2 = log2(e) / T``, sums in base 2, a partial state ``(m, s)`` with ``m`` the true max and
@@ -31,6 +33,8 @@ stride, Triton's interpreter). One of four epilogues (``MODE``):
 
 import triton
 import triton.language as tl
+
+from .kernels import CE, CE_FIELDS, LOGPROBS_FIELDS, P_INDEX, P_LABEL, P_MAX, P_MAX_A, P_MAX_B, PAIR_FIELDS
 
 LOGITS = tl.constexpr(0)
 STATS = tl.constexpr(1)
@@ -329,3 +333,78 @@ def head_ce_grad_kernel(
         d = tl.where(cols == y_local, p - 1.0, p) * coef
         d = tl.where(keep, d, 0.0)
         tl.store(src + cols, d.to(z_ptr.dtype.element_ty), mask=cols < hi)
+
+
+@triton.jit
+def tile_partials_kernel(
+    tile_ptr,
+    n_tiles,
+    n_rows,
+    z_ptr,
+    stride_z,
+    idx_ptr,
+    n_idx,
+    v_local,
+    vocab_start,
+    ignore_index,
+    part_ptr,
+    splits,
+    k2,
+    KIND: tl.constexpr,
+    PAIR: tl.constexpr,
+    SIDE_B: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One input's ``[T, 2, M]`` tile partials (a STATS matmul's) merged into one partial
+    state per row, written as split 0 of the ``[splits, M, F]`` partials of ``kernels.py``
+    that ``stats1_kernel`` / ``stats2_kernel`` would have written, splits 1 .. S-1 left
+    empty (max -inf, sums 0): the partials have the statistics pass's shape, so ranks that
+    computed their logits either way gather and merge them together.
+
+    One input (``KIND`` CE or LOGPROBS, not ``PAIR``): the fields ``[m, s, ...]`` and the
+    logits at the row's ``n_idx`` index entries read from the stored logits ``z`` (0 where
+    this shard does not own the entry or it is ``ignore_index``; CE's moment and count, read
+    only with label smoothing, 0). ``PAIR`` (JSD): ``[m, s]`` of input a (student) or, with
+    ``SIDE_B``, of input b (teacher); the other input's fields are left alone."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    for t0 in range(0, n_tiles, BLOCK_T):
+        ts = t0 + tl.arange(0, BLOCK_T)
+        mask = (ts < n_tiles)[:, None] & rmask[None, :]
+        src = tile_ptr + ts[:, None] * 2 * n_rows + rows[None, :]
+        mp = tl.load(src, mask=mask, other=float("-inf"))
+        sp = tl.load(src + n_rows, mask=mask, other=0.0)
+        m_new = tl.maximum(m, tl.max(mp, 0))
+        a_new = _anchor(m_new)
+        # exp2((m - a) k2) is 0 for an empty state (m = -inf), whatever a is
+        s = s * tl.exp2((m - a_new) * k2) + tl.sum(sp * tl.exp2((mp - a_new[None, :]) * k2), 0)
+        m = m_new
+    if PAIR:
+        n_fields = PAIR_FIELDS
+        first = P_MAX_B if SIDE_B else P_MAX_A
+    elif KIND == CE:
+        n_fields = CE_FIELDS
+        first = P_MAX
+    else:
+        n_fields = LOGPROBS_FIELDS + n_idx
+        first = P_MAX
+    for split in range(splits):
+        out = part_ptr + (split * n_rows + rows) * n_fields
+        tl.store(out + first, tl.where(split == 0, m, float("-inf")), mask=rmask)
+        tl.store(out + first + 1, tl.where(split == 0, s, 0.0), mask=rmask)
+        if not PAIR:
+            if KIND == CE:
+                tl.store(out + first + 2, tl.zeros([BLOCK_N], tl.float32), mask=rmask)  # moment, count
+                tl.store(out + first + 3, tl.zeros([BLOCK_N], tl.float32), mask=rmask)
+                pick = P_LABEL
+            else:
+                pick = P_INDEX
+            for j in range(n_idx):
+                i = tl.load(idx_ptr + rows * n_idx + j, mask=rmask, other=ignore_index)
+                local = i - vocab_start
+                mine = rmask & (split == 0) & (i != ignore_index) & (local >= 0) & (local < v_local)
+                zj = tl.load(z_ptr + rows.to(tl.int64) * stride_z + local, mask=mine, other=0.0).to(tl.float32)
+                tl.store(out + pick + j, zj, mask=rmask)

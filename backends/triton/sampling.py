@@ -1,5 +1,11 @@
-"""``argmax`` and ``sample`` on the ``triton`` backend: the local primitives of
-``vtp_runtime.sampling.run`` (which holds the algorithm and the collectives).
+"""``argmax`` and ``sample`` on the ``triton`` backend.
+
+At TP = 1 a call is one launch of ``sampling_kernels.decode_kernel`` (``decode``), which
+finds the ids in the kernel with the keys and kept sets of ``vtp_runtime.sampling.run``;
+the call signature's plan (``decode_plan``, at most ``MAX_DECODE_PLANS``) keeps its
+arguments and, once launched, the compiled kernel, launched directly (``launch_decode``).
+At TP > 1, the local primitives of ``vtp_runtime.sampling.run`` (which holds the algorithm
+and the collectives):
 
 - ``scan``: ``sampling_kernels.scan_kernel``, one read of the shard, no ``[N, V_local]``
   temporary; each row's vocabulary is split over programs as the loss kernels split it
@@ -9,40 +15,28 @@
 - ``candidate_keys``: ``sampling_kernels.candidate_keys_kernel``, the noise of the scan, bit
   for bit (the same helpers), on the merged candidates.
 
-Kernels are launched with keyword arguments through ``launch.launch``; the seed's words are
+Those kernels are launched with keyword arguments through ``launch.launch``; the seed's words are
 kernel arguments that are not specialized on, so a new seed per call neither recompiles nor
 misses the launcher's cache. Importing this module never imports triton.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from vtp_runtime import sampling
 from vtp_runtime.backend import Call, meets_layout
+from vtp_runtime.comm import group_size
 from vtp_runtime.sampling import FIELDS, SEED_WORDS, Scale, Scan
 
-from .config import LaunchConfig
+from . import source
+from .config import LaunchConfig, cdiv, split_chunk, vocab_splits
 from .launch import launch
 
 Tensor = torch.Tensor
-
-_KERNELS: Any = None
-
-
-def _kernels() -> Any:
-    global _KERNELS
-    if _KERNELS is None:  # imported on first use: importing this module never needs triton
-        from . import sampling_kernels
-
-        _KERNELS = sampling_kernels
-    return _KERNELS
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _rows_and_strides(z: Tensor) -> dict[str, Any]:
@@ -80,14 +74,15 @@ class TritonKernels:
         cfg = self.cfg
         block = cfg.block_stats
         # the same on every rank (the partials of all ranks are gathered into one tensor)
-        tiles = max(1, _cdiv(_cdiv(call.vocab_size, call.request.tp_size), block))
-        splits = max(1, min(_cdiv(cfg.target_programs, n), tiles, cfg.max_splits))
-        chunk = max(block, _cdiv(_cdiv(v_local, splits), block) * block)
+        splits = vocab_splits(
+            n, cdiv(call.vocab_size, call.request.tp_size), block, cfg.target_programs, cfg.max_splits
+        )
+        chunk = split_chunk(v_local, splits, block)
         payload = torch.empty(splits * n * FIELDS + SEED_WORDS, dtype=torch.float32, device=z.device)
         lo, hi = sampling.seed_words(scan.seed)
         bound, anchor, key_anchor = scan.bound, scan.anchor, scan.key_anchor
         launch(
-            _kernels().scan_kernel,
+            source.module("sampling_kernels").scan_kernel,
             (n * splits,),
             cfg.fast_launch,
             **_rows_and_strides(z),
@@ -132,7 +127,7 @@ class TritonKernels:
         n, width = x.shape
         cfg = self.cfg
         launch(
-            _kernels().candidate_keys_kernel,
+            source.module("sampling_kernels").candidate_keys_kernel,
             (n,),
             cfg.fast_launch,
             x_ptr=x,
@@ -148,6 +143,178 @@ class TritonKernels:
         return out
 
 
+# -- one launch per call at TP = 1 ------------------------------------------------------------
+
+MAX_DECODE_PLANS = 64  # signatures kept; past it the kept plans are dropped and made again
+GRAIN = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 13}  # low fp32 bits always 0
+
+
+class DecodePlan:
+    """What every call of one signature needs (no tensor, no group): the kernel's arguments
+    but the logits, the ids and the seed's key; the row count (the grid); once a launch
+    returned the compiled kernel, that kernel, the current device it was compiled for and
+    its arguments in signature order (``launch_decode``)."""
+
+    __slots__ = ("n", "programs", "args", "gumbel", "fast", "compiled", "device", "values")
+
+    def __init__(self, n: int, programs: int, args: dict[str, Any], gumbel: bool, fast: bool) -> None:
+        self.n = n
+        self.programs = programs
+        self.args = args
+        self.gumbel = gumbel
+        self.fast = fast
+        self.compiled: Any = None
+        self.device: Any = None
+        self.values: list[Any] = []
+
+
+_DECODE_PLANS: dict[tuple, DecodePlan] = {}
+
+
+def decode_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
+    """The plan of a TP = 1 call's signature: looked up, or made and kept. The signature:
+    the config, the request, the shard's bounds, the options but the seed, the logits'
+    shape, strides, dtype, device and 16-byte alignment (what the kernel is specialized on)."""
+    key = (
+        cfg,
+        call.request,
+        call.vocab_start,
+        call.vocab_end,
+        tuple(item for item in call.options.items() if item[0] != "seed"),
+        z.shape,
+        z.stride(),
+        z.dtype,
+        z.device,
+        z.data_ptr() % 16 == 0,
+    )
+    plan = _DECODE_PLANS.get(key)
+    if plan is None:
+        if len(_DECODE_PLANS) >= MAX_DECODE_PLANS:
+            _DECODE_PLANS.clear()
+        plan = _DECODE_PLANS[key] = _make_plan(cfg, call, z)
+    return plan
+
+
+def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
+    sampling.check_vocabulary(call)
+    restrict = sampling.limits(call)
+    n, v_local = (z.shape[0] * z.shape[1] if z.dim() == 3 else z.shape[0]), z.shape[-1]
+    geometry = _rows_and_strides(z)
+    del geometry["z_ptr"]
+    gumbel = restrict is not None
+    scale = Scale.of(call.options["temperature"] if gumbel else 1.0)
+    k = restrict.k if restrict is not None else None
+    p = restrict.p if restrict is not None else None
+    min_p = restrict.min_p if restrict is not None else None
+    args = {
+        "n_rows": n,
+        **geometry,
+        "v_local": v_local,
+        "vocab_start": call.vocab_start,
+        "scale_s": scale.s,
+        "scale_b": scale.b,
+        "row_offset": sampling.as_int32(call.options.get("row_offset", 0) % 2**32),
+        "top_k": 0 if k is None else k,
+        "top_p": 1.0 if p is None else float(p),
+        "log2_min_p": -math.inf if min_p is None else math.log2(min_p),
+        "GUMBEL": gumbel,
+        "TOP_K": k is not None,
+        "TOP_P": p is not None,
+        "MIN_P": min_p is not None,
+        "GRAIN": GRAIN[z.dtype],
+        "FAST_LOG2": cfg.fast_log2,
+        "ROWS": cfg.decode_rows,
+        "BLOCK": cfg.block_stats,
+        "num_warps": cfg.warps_stats,
+    }
+    return DecodePlan(n, cdiv(n, cfg.decode_rows), args, gumbel, cfg.fast_launch)
+
+
+def decode(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
+    """int64 global ids ``[N]`` of a TP = 1 ``call`` on rows ``z``: one kernel launch
+    (``sampling_kernels.decode_kernel``, ``cfg.decode_rows`` rows per program), no host read."""
+    plan = decode_plan(cfg, call, z)
+    out = torch.empty(plan.n, dtype=torch.int64, device=z.device)
+    if plan.n:
+        seed = sampling.as_int32(sampling.seed_key(call.options["seed"])) if plan.gumbel else 0
+        launch_decode(plan, z, out, seed)
+    return out
+
+
+# the per-call arguments of decode_kernel (the rest is the plan's)
+PER_CALL = ("z_ptr", "out_ptr", "seed_key")
+
+
+def launch_decode(plan: DecodePlan, z: Tensor, out: Tensor, seed_key: int) -> None:
+    """Launch ``decode_kernel`` for ``plan`` on ``z``, writing ``out``: through the compiled
+    kernel's own launcher once a launch has returned it (no JIT dispatch: the plan's
+    signature fixes everything the JIT specializes on), else through the JIT. Written for
+    this one kernel; ``launch.launch`` is the general form for the loss kernels."""
+    compiled = plan.compiled
+    if compiled is not None:
+        runtime, driver = _runtime()
+        device = driver.active.get_current_device()
+        if device == plan.device and not (_hook(runtime.launch_enter_hook) or _hook(runtime.launch_exit_hook)):
+            values = plan.values.copy()
+            values[0], values[1], values[2] = z, out, seed_key  # PER_CALL, first in the signature
+            compiled.run(
+                plan.programs,
+                1,
+                1,
+                driver.active.get_current_stream(device),
+                compiled.function,
+                compiled.packed_metadata,
+                None,
+                runtime.launch_enter_hook,
+                runtime.launch_exit_hook,
+                *values,
+            )
+            return
+    kernel = source.module("sampling_kernels").decode_kernel
+    launched = kernel[(plan.programs,)](z_ptr=z, out_ptr=out, seed_key=seed_key, **plan.args)
+    if plan.fast and _prebindable(kernel, launched):
+        # the per-call slots stay empty: a plan holds no tensor
+        given = {**plan.args, "z_ptr": None, "out_ptr": None, "seed_key": None}
+        plan.values = [given[name] for name in kernel.arg_names]
+        plan.compiled, plan.device = launched, _runtime()[1].active.get_current_device()
+
+
+_RUNTIME: Any = None
+
+
+def _runtime() -> Any:
+    global _RUNTIME
+    if _RUNTIME is None:
+        import triton
+
+        _RUNTIME = (triton.knobs.runtime, triton.runtime.driver)
+    return _RUNTIME
+
+
+def _hook(hook: Any) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _prebindable(kernel: Any, compiled: Any) -> bool:
+    """Whether ``compiled`` (what the JIT's launch returned) can be launched directly: a
+    plain JIT function (not the interpreter) without pre-run hooks, on a triton with knobs,
+    whose first parameters are the per-call ones."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    return (
+        type(kernel) is JITFunction
+        and not getattr(kernel, "pre_run_hooks", True)
+        and getattr(triton, "knobs", None) is not None
+        and hasattr(compiled, "packed_metadata")
+        and hasattr(compiled, "function")
+        and tuple(kernel.arg_names[:3]) == PER_CALL
+    )
+
+
 def forward(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
-    """int64 global ids ``[N]`` of ``call`` (argmax or sample) on this rank's rows ``z``."""
+    """int64 global ids ``[N]`` of ``call`` (argmax or sample) on this rank's rows ``z``: in one
+    launch at TP = 1 (``decode``), else ``vtp_runtime.sampling.run``'s rounds."""
+    if group_size(call.group) == 1:
+        return decode(cfg, call, z)
     return sampling.run(call, z, TritonKernels(cfg))

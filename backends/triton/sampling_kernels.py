@@ -32,6 +32,7 @@ THIRD = tl.constexpr(1.0 / 3)
 SIXTH = tl.constexpr(1.0 / 6)
 LN2 = tl.constexpr(0.6931471805599453)
 KEY_BOUND = tl.constexpr(2.0**126)  # vtp_runtime.sampling.KEY_BOUND
+RAW_BITS = tl.constexpr(2.0**8)  # vtp_runtime.sampling.RAW_BITS
 
 # fields of a row of partials (vtp_runtime.sampling: KEY, ID, X, MAX, MAX_ID, SUM)
 F_KEY = tl.constexpr(0)
@@ -240,3 +241,249 @@ def candidate_keys_kernel(
         ids = tl.load(id_ptr + base + cols, mask=inb, other=0).to(tl.int32)
         key = _key(x, x * scale_s - key_from, scale_b, _gumbel(rk, ids, FAST_LOG2))
         tl.store(key_ptr + base + cols, key, mask=inb)
+
+
+# -- a whole decode call at TP = 1 in one launch ------------------------------------------------
+# ROWS rows per program (one on a GPU: decode has few rows; more in the interpreter, whose cost
+# is per operation), each row's state a lane of a [ROWS] vector. Thresholds are found by
+# bisection over the logits' values: a value's order-preserving integer (``_ordered``) in
+# steps of 2**GRAIN (bf16 and fp16 logits read as fp32 have that many low bits zero), each
+# step one read of the rows (from L2 at decode sizes).
+
+
+@triton.jit
+def _tile(z_ptr, base, live, start, v_local, BLOCK: tl.constexpr):
+    """Columns ``start + [0, BLOCK)`` of the rows at ``base`` ([ROWS, BLOCK] fp32, NaN as +inf,
+    past the row or in a dead row -inf), and those columns."""
+    cols = start + tl.arange(0, BLOCK)
+    inb = live[:, None] & (cols < v_local)[None, :]
+    x = tl.load(z_ptr + base[:, None] + cols[None, :], mask=inb, other=float("-inf")).to(tl.float32)
+    return tl.where(x != x, float("inf"), x), cols
+
+
+@triton.jit
+def _ordered(x):
+    """An fp32 value's order-preserving int64 (-0.0 and 0.0 alike)."""
+    u = x.to(tl.int32, bitcast=True)
+    mag = (u & 0x7FFFFFFF).to(tl.int64)
+    return tl.where(u < 0, -mag, mag)
+
+
+@triton.jit
+def _value(o):
+    """The fp32 value of an ordered int64 (``_ordered``'s inverse)."""
+    f = tl.abs(o).to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(o < 0, -f, f)
+
+
+@triton.jit
+def _row_max(z_ptr, base, live, v_local, vocab_start, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Each row's max, its lowest global id, and the row's min."""
+    max_x = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+    max_i = tl.full([ROWS, BLOCK], NONE_ID, tl.int32)
+    min_x = tl.full([ROWS, BLOCK], float("inf"), tl.float32)
+    for start in range(0, v_local, BLOCK):
+        x, cols = _tile(z_ptr, base, live, start, v_local, BLOCK)
+        up = x > max_x
+        max_x = tl.where(up, x, max_x)
+        max_i = tl.where(up, (vocab_start + cols)[None, :], max_i)
+        min_x = tl.minimum(min_x, tl.where((cols < v_local)[None, :], x, float("inf")))
+    m = tl.max(max_x, 1)
+    return m, tl.min(tl.where(max_x == m[:, None], max_i, NONE_ID), 1), tl.min(min_x, 1)
+
+
+@triton.jit
+def _count_at_least(z_ptr, base, live, v_local, t, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.zeros([ROWS, BLOCK], tl.int32)
+    for start in range(0, v_local, BLOCK):
+        x, _ = _tile(z_ptr, base, live, start, v_local, BLOCK)
+        n += (x >= t[:, None]).to(tl.int32)
+    return tl.sum(n, 1)
+
+
+@triton.jit
+def _mass_above(z_ptr, base, live, v_local, t, vk, anchor, scale_s, scale_b, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per row ``sum 2**gap(x, anchor)`` over x > t and x >= vk (``anchor`` scaled by s), and
+    how many x equal t (with t >= vk)."""
+    s = tl.zeros([ROWS, BLOCK], tl.float32)
+    ties = tl.zeros([ROWS, BLOCK], tl.int32)
+    for start in range(0, v_local, BLOCK):
+        x, _ = _tile(z_ptr, base, live, start, v_local, BLOCK)
+        kept = x >= vk[:, None]
+        w = tl.exp2((x * scale_s - anchor[:, None]) * scale_b)
+        s += tl.where((x > t[:, None]) & kept, w, 0.0)
+        ties += ((x == t[:, None]) & kept).to(tl.int32)
+    return tl.sum(s, 1), tl.sum(ties, 1)
+
+
+@triton.jit
+def _count_ties_upto(z_ptr, base, live, v_local, vocab_start, t, last, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Per row how many x equal t at global ids up to ``last``."""
+    n = tl.zeros([ROWS, BLOCK], tl.int32)
+    for start in range(0, v_local, BLOCK):
+        x, cols = _tile(z_ptr, base, live, start, v_local, BLOCK)
+        n += ((x == t[:, None]) & ((vocab_start + cols)[None, :] <= last[:, None])).to(tl.int32)
+    return tl.sum(n, 1)
+
+
+@triton.jit
+def _draw(
+    z_ptr,
+    base,
+    live,
+    v_local,
+    vocab_start,
+    rk,
+    key_from,
+    scale_s,
+    scale_b,
+    vk,
+    cut_x,
+    cut_id,
+    anchor,
+    log2_min_p,
+    FILTER: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Per row the Gumbel-max (ties to the lowest id): keys ``gap(x, key_from) + noise``; with
+    FILTER over the tokens with x >= vk, before the cut (x > cut_x, or x == cut_x at an id
+    below cut_id) and kept by min-p (gap(x, anchor) >= log2_min_p). Its global id, or
+    NONE_ID where no key is above -inf."""
+    best_k = tl.full([ROWS, BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([ROWS, BLOCK], NONE_ID, tl.int32)
+    for start in range(0, v_local, BLOCK):
+        x, cols = _tile(z_ptr, base, live, start, v_local, BLOCK)
+        ids = (vocab_start + cols)[None, :]
+        xs = x * scale_s
+        key = _key(x, xs - key_from[:, None], scale_b, _gumbel(rk[:, None], ids, FAST_LOG2))
+        ok = (cols < v_local)[None, :]
+        if FILTER:
+            before = (x > cut_x[:, None]) | ((x == cut_x[:, None]) & (ids < cut_id[:, None]))
+            ok = ok & (x >= vk[:, None]) & before & ((xs - anchor[:, None]) * scale_b >= log2_min_p)
+        key = tl.where(ok, key, float("-inf"))
+        better = key > best_k
+        best_k = tl.where(better, key, best_k)
+        best_i = tl.where(better, ids, best_i)
+    top = tl.max(best_k, 1)
+    return tl.min(tl.where(best_k == top[:, None], best_i, NONE_ID), 1)
+
+
+@triton.jit(do_not_specialize=["seed_key", "row_offset"])
+def decode_kernel(
+    z_ptr,
+    out_ptr,
+    seed_key,
+    n_rows,
+    rows_b,
+    stride_a,
+    stride_b,
+    v_local,
+    vocab_start,
+    scale_s,
+    scale_b,
+    row_offset,
+    top_k,
+    top_p,
+    log2_min_p,
+    GUMBEL: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_P: tl.constexpr,
+    MIN_P: tl.constexpr,
+    GRAIN: tl.constexpr,
+    FAST_LOG2: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Each row's token id (int64) of ``argmax`` or ``sample`` on the whole vocabulary: the
+    numbers ``vtp_runtime.sampling.run`` gives, with its keys (``_key``, ``_gumbel``), found
+    in the program.
+
+    argmax: the lowest id of the max (0 where every logit is -inf). sample: where the max M
+    is not finite, as argmax. Otherwise the kept set is x >= v_k (TOP_K: v_k the top_k-th
+    largest, by bisection on the count of x >= t), then (TOP_P) the prefix of the order
+    (logit desc, id asc) whose mass before each token is below top_p times the kept mass
+    (the cut value by bisection on the mass above it, the tied tokens at the cut by id),
+    then (MIN_P) gap(x, M) >= log2_min_p; the draw is the Gumbel-max over it, keys relative
+    to M with TOP_K or where raw keys lose the noise's resolution (|gap(M, 0)| >= RAW_BITS),
+    raw otherwise."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    r64 = rows.to(tl.int64)
+    base = (r64 // rows_b) * stride_a + (r64 % rows_b) * stride_b
+    m, m_id, x_min = _row_max(z_ptr, base, live, v_local, vocab_start, ROWS, BLOCK)
+    answer = tl.where(m == float("-inf"), 0, m_id)
+    if GUMBEL:
+        finite = tl.abs(m) < float("inf")
+        a = tl.where(finite, m, 0.0) * scale_s  # the anchor, scaled
+        relative = tl.abs((a - 0.0) * scale_b) >= RAW_BITS
+        if TOP_K:
+            key_from = a
+        else:
+            key_from = tl.where(relative, a, 0.0)
+        rk = _row_key(seed_key, rows, row_offset)
+        vk = tl.full([ROWS], float("-inf"), tl.float32)
+        cut_x = tl.full([ROWS], float("-inf"), tl.float32)
+        cut_id = tl.full([ROWS], NONE_ID, tl.int32)  # ties at cut_x kept below this id
+        if TOP_K:  # the largest t with at least top_k logits >= t
+            lo = _ordered(x_min) >> GRAIN
+            hi = _ordered(m) >> GRAIN
+            while tl.max(hi - lo, 0) > 0:
+                mid = lo + (hi - lo + 1) // 2
+                enough = _count_at_least(z_ptr, base, live, v_local, _value(mid << GRAIN), ROWS, BLOCK) >= top_k
+                open_ = lo < hi
+                lo = tl.where(open_ & enough, mid, lo)
+                hi = tl.where(open_ & ~enough, mid - 1, hi)
+            vk = _value(lo << GRAIN)
+        if TOP_P:  # the smallest t whose mass above is below top_p times the kept mass
+            total, _ = _mass_above(z_ptr, base, live, v_local, cut_x, vk, a, scale_s, scale_b, ROWS, BLOCK)
+            limit = top_p * total
+            lo = _ordered(tl.maximum(x_min, vk)) >> GRAIN
+            hi = _ordered(m) >> GRAIN
+            while tl.max(hi - lo, 0) > 0:
+                mid = lo + (hi - lo) // 2
+                above, _ = _mass_above(
+                    z_ptr, base, live, v_local, _value(mid << GRAIN), vk, a, scale_s, scale_b, ROWS, BLOCK
+                )
+                open_ = lo < hi
+                hi = tl.where(open_ & (above < limit), mid, hi)
+                lo = tl.where(open_ & ~(above < limit), mid + 1, lo)
+            cut_x = _value(lo << GRAIN)
+            before, ties = _mass_above(z_ptr, base, live, v_local, cut_x, vk, a, scale_s, scale_b, ROWS, BLOCK)
+            # the tied tokens at the cut in id order: the mass before the r-th is before + r w
+            w = tl.exp2((cut_x * scale_s - a) * scale_b)
+            room = tl.where(w > 0, tl.ceil((limit - before) / w), float("inf"))
+            keep = tl.maximum(tl.minimum(room, ties.to(tl.float32)), 1.0).to(tl.int32)
+            # where fewer than all ties are kept: the id of the keep-th, by bisection
+            id_lo = tl.zeros([ROWS], tl.int32) + vocab_start
+            id_hi = tl.where(keep < ties, vocab_start + v_local - 1, id_lo)
+            while tl.max(id_hi - id_lo, 0) > 0:
+                id_mid = id_lo + (id_hi - id_lo) // 2
+                enough = _count_ties_upto(z_ptr, base, live, v_local, vocab_start, cut_x, id_mid, ROWS, BLOCK) >= keep
+                open_ = id_lo < id_hi
+                id_hi = tl.where(open_ & enough, id_mid, id_hi)
+                id_lo = tl.where(open_ & ~enough, id_mid + 1, id_lo)
+            cut_id = tl.where(keep < ties, id_lo + 1, cut_id)
+        drawn = _draw(
+            z_ptr,
+            base,
+            live,
+            v_local,
+            vocab_start,
+            rk,
+            key_from,
+            scale_s,
+            scale_b,
+            vk,
+            cut_x,
+            cut_id,
+            a,
+            log2_min_p,
+            TOP_K or TOP_P or MIN_P,
+            FAST_LOG2,
+            ROWS,
+            BLOCK,
+        )
+        answer = tl.where(finite, tl.where(drawn == NONE_ID, 0, drawn), answer)
+    tl.store(out_ptr + rows, answer.to(tl.int64), mask=live)

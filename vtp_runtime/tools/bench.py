@@ -25,42 +25,70 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from vtp_runtime.cli_flags import names, non_negative_int, positive_int, positive_ints, unit_float
+
+from .bench_head import HEAD_OPS, HEAD_PEERS
 from .bench_sample import SAMPLE_OPS
-from .timing import copy_bandwidth, cuda_missing, fmt, peak, print_rows, time_graph, time_loop, time_stream, version
+from .bench_sample import TOKENS as SAMPLE_TOKENS
+from .bench_sample import TPS as SAMPLE_TPS
+from .timing import (
+    copy_bandwidth,
+    cuda_missing,
+    fmt,
+    no_row_ran,
+    peak,
+    print_rows,
+    time_graph,
+    time_loop,
+    time_stream,
+    version,
+    write_results,
+)
 
 # logprobs_entropy: logprobs(..., return_entropy=True), both outputs and both gradients
 OPS = ("jsd", "cross_entropy", "kl", "entropy", "logprobs", "logprobs_entropy")
-# forward only, timed by bench_sample.py against gathering the logits and sampling them whole
+# the sampling ops (SAMPLE_OPS) are forward only, timed by bench_sample.py against gathering
+# the logits and sampling them whole
+PEERS = ("torch", "liger")
+TOKENS, TPS = (1024, 8192), (1, 2, 4, 8)  # the defaults of --tokens and --tp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ops",
+        type=names((*OPS, *SAMPLE_OPS), "op"),
         default=None,
         help="comma-separated ops (default: all losses; with --head: cross_entropy,jsd); the sampling ops "
         "sample,sample_top_k,sample_top_p,argmax run on their own (vtp_runtime/tools/bench_sample.py)",
     )
     parser.add_argument(
         "--backends",
+        type=names(_registered_backends, "backend"),
         default="triton",
         help="comma-separated vtp_runtime backends to time (default: triton; eager is slow)",
     )
     parser.add_argument(
         "--peers",
+        type=names(HEAD_PEERS, "peer", empty=True),
         default=None,
         help="comma-separated peers: torch (dense PyTorch), liger, and with --head cce "
         "(cut-cross-entropy); '' for none (default: all of them that are installed)",
     )
-    parser.add_argument("--vocab", type=int, default=151936, help="global vocabulary size V")
+    parser.add_argument("--vocab", type=positive_int, default=151936, help="global vocabulary size V")
     parser.add_argument(
-        "--tp", default=None, help="TP sizes: per-rank shard V/TP on one GPU (default 1,2,4,8; sampling ops 1,2,4)"
+        "--tp",
+        type=positive_ints,
+        default=None,
+        help="TP sizes: per-rank shard V/TP on one GPU (default 1,2,4,8; sampling ops 1,2,4)",
     )
     parser.add_argument(
-        "--tokens", default=None, help="token counts N (default 1024,8192; sampling ops 1,8,64,256,8192)"
+        "--tokens",
+        type=positive_ints,
+        default=None,
+        help="token counts N (default 1024,8192; sampling ops 1,8,64,256,8192)",
     )
     parser.add_argument(
         "--dtype",
@@ -68,16 +96,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("bfloat16", "float16", "float32"),
         help="logits dtype (default: bfloat16)",
     )
-    parser.add_argument("--beta", type=float, default=0.5, help="JSD beta")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing (default 5)")
-    parser.add_argument("--reps", type=int, default=30, help="timed calls; the median is reported (default 30)")
+    parser.add_argument("--beta", type=unit_float, default=0.5, help="JSD beta, in [0, 1]")
+    parser.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls before timing (default 5)")
+    parser.add_argument(
+        "--reps", type=positive_int, default=30, help="timed calls; the median is reported (default 30)"
+    )
     parser.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
     parser.add_argument("--overhead", action="store_true", help="also measure CPU dispatch overhead per call")
     parser.add_argument("--json", metavar="PATH", help="write every measurement as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG of time against shard size (matplotlib)")
     parser.add_argument(
         "--head",
-        type=int,
+        type=positive_int,
         metavar="H",
         default=None,
         help="time the fused linear head at hidden size H instead: vtp ops on vtp.Head(h, W) "
@@ -89,6 +119,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("cuda", "cpu"),
         help="with --head or the sampling ops: cpu tries them at tiny sizes (no memory figures); default cuda",
     )
+
+
+def _registered_backends() -> list[str]:
+    from vtp_runtime.registry import REGISTRY
+
+    return sorted(REGISTRY.backends())
 
 
 @dataclass
@@ -315,51 +351,62 @@ def _arms(op, backends, peers, tp):
     return arms
 
 
-def unknown_backends(names: Iterable[str]) -> str | None:
-    """A message naming each of ``names`` that is not a registered backend, or None."""
-    from vtp_runtime.registry import REGISTRY
+def refusal(args) -> str | None:
+    """Why flags that each parsed are wrong together (an op or peer of another mode, a shard
+    with no token id), naming the flags; None when they fit."""
+    ops: tuple[str, ...]
+    peers: tuple[str, ...]
+    if args.head is not None:
+        mode, ops, peers = "--head", HEAD_OPS, HEAD_PEERS
+    elif _sampling(args):
+        mode, ops, peers = "the sampling bench", SAMPLE_OPS, ("torch",)
+    else:
+        mode, ops, peers = "the loss bench", OPS, PEERS
+    wrong = [op for op in args.ops or () if op not in ops]
+    if wrong:
+        return f"--ops {','.join(wrong)}: {mode} times {', '.join(ops)}"
+    wrong = [peer for peer in args.peers or () if peer not in peers]
+    if wrong:
+        return f"--peers {','.join(wrong)}: the peers of {mode} are {', '.join(peers)}"
+    if args.vocab < max(args.tp):
+        return f"--vocab {args.vocab} is smaller than --tp {max(args.tp)}: each shard needs a token id"
+    return None
 
-    registered = REGISTRY.backends()
-    unknown = [name for name in names if name not in registered]
-    if not unknown:
-        return None
-    return (
-        f"unknown backend{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} in --backends; "
-        f"registered backends: {', '.join(sorted(registered)) or '(none)'}"
-    )
+
+def _sampling(args) -> bool:
+    return args.head is None and any(op in SAMPLE_OPS for op in args.ops or ())
 
 
 def run(args) -> int:
     import torch
 
-    unknown = unknown_backends(b for b in args.backends.split(",") if b)
-    if unknown:  # before anything is timed, on every device
-        print(f"vtp-runtime bench: {unknown}", file=sys.stderr)
+    sampling = _sampling(args)
+    args.tokens = args.tokens or list(SAMPLE_TOKENS if sampling else TOKENS)
+    args.tp = args.tp or list(SAMPLE_TPS if sampling else TPS)
+    refused = refusal(args)
+    if refused:  # before anything is timed, on every device
+        print(f"vtp-runtime bench: {refused}", file=sys.stderr)
         return 2
-    if args.ops and any(op in SAMPLE_OPS for op in args.ops.split(",")):
+    if sampling:
         from . import bench_sample
 
         return bench_sample.run(args)
-    args.tokens, args.tp = args.tokens or "1024,8192", args.tp or "1,2,4,8"
     if args.head is not None:
         from . import bench_head
 
         return bench_head.run(args)
-    args.ops = args.ops or ",".join(OPS)
-    args.peers = "torch,liger" if args.peers is None else args.peers
+    ops = args.ops or list(OPS)
     if cuda_missing("cuda"):
         return 2
-    ops = [o for o in args.ops.split(",") if o]
-    backends = [b for b in args.backends.split(",") if b]
-    peers = {p for p in args.peers.split(",") if p}
+    backends = args.backends
+    peers = set(PEERS if args.peers is None else args.peers)
     if "liger" in peers:
         try:
             import liger_kernel  # noqa: F401
         except ImportError:
             print("liger-kernel is not installed: skipping the liger peers", file=sys.stderr)
             peers.discard("liger")
-    tps = [int(t) for t in args.tp.split(",")]
-    tokens = [int(n) for n in args.tokens.split(",")]
+    tps, tokens = args.tp, args.tokens
     dtype = getattr(torch, args.dtype)
     itemsize = torch.finfo(dtype).bits // 8
 
@@ -415,27 +462,20 @@ def run(args) -> int:
     overhead = dispatch_overhead() if args.overhead else None
     print_table(rows, copy_gbps, overhead)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": torch.cuda.get_device_name(),
-                    "torch": torch.__version__,
-                    "triton": version("triton"),
-                    "liger_kernel": version("liger-kernel"),
-                    "copy_gbps": copy_gbps,
-                    "vocab": args.vocab,
-                    "dtype": args.dtype,
-                    "beta": args.beta,
-                    "argv": sys.argv,
-                    "dispatch_overhead_us": overhead,
-                    "rows": [asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
+        write_results(
+            args.json,
+            "cuda",
+            rows,
+            liger_kernel=version("liger-kernel"),
+            copy_gbps=copy_gbps,
+            vocab=args.vocab,
+            dtype=args.dtype,
+            beta=args.beta,
+            dispatch_overhead_us=overhead,
+        )
     if args.plot:
         _plot(rows, args.plot, args.vocab)
-    return 0
+    return no_row_ran(rows, lambda r: r.arm, backends)
 
 
 def replot(json_path: str, png_path: str) -> None:

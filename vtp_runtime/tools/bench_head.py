@@ -7,13 +7,16 @@ device (so "TP = t" times one rank's share; the O(N) cross-rank statistics are n
 - ``cross_entropy``: ``materialized`` (``h @ W.T`` then ``vtp.cross_entropy`` on the logits),
   ``fused`` (``vtp.cross_entropy(vtp.Head(h, W))``), ``fused_none`` (the same with
   ``reduction="none"``, then ``(values * g).sum() / N`` for a fixed random ``g``: the logits
-  recomputed in backward), ``torch`` (``F.cross_entropy`` on
+  recomputed in backward), on the triton backend ``fused_cublas`` (``fused`` with
+  ``VTP_HEAD_GEMM=cublas``: the logits by cuBLAS chunks where ``fused`` takes the epilogue
+  GEMM, to compare both in one run), ``torch`` (``F.cross_entropy`` on
   ``h @ W.T``), ``liger`` (Liger's fused linear CE), ``liger_tp`` (Liger's tensor-parallel
   fused linear CE, ``LigerFusedLinearScaledCrossEntropyTPFunction`` on a group of one:
   labelled ``native`` where its CUTLASS + NVSHMEM kernel loads, else ``fallback``, its
   chunked path) and ``cce`` (cut-cross-entropy's ``linear_cross_entropy``) when installed.
 - ``jsd``: a frozen teacher head (``h_t``, ``W_t`` without gradients): ``materialized``
-  (``h @ W.T`` and, without grad, ``h_t @ W_t.T``, then ``vtp.jsd``) against ``fused`` (both Heads).
+  (``h @ W.T`` and, without grad, ``h_t @ W_t.T``, then ``vtp.jsd``) against ``fused`` (both
+  Heads) and, on triton, ``fused_cublas``.
 
 Reported per arm: the median time of ``--reps`` calls (CUDA events; wall clock on CPU), and
 the temporaries beyond the inputs and their gradients: peak allocated memory during the call
@@ -27,15 +30,16 @@ On CPU (``--device cpu``, for trying it out at tiny sizes) memory is not measure
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from .timing import cuda_missing, fmt, print_rows, time_loop, version
+from .timing import cuda_missing, fmt, no_row_ran, print_rows, time_cpu, time_loop, version, write_results
 
 HEAD_OPS = ("cross_entropy", "jsd")
-VTP_ARMS = ("materialized", "fused", "fused_none")  # the arms run once per vtp backend
+HEAD_PEERS = ("torch", "liger", "cce")
+VTP_ARMS = ("materialized", "fused", "fused_cublas", "fused_none")  # the arms run once per vtp backend
+# backends with a logits GEMM of their own, which VTP_HEAD_GEMM=cublas turns off (fused_cublas)
+OWN_HEAD_GEMM = ("triton",)
 
 
 @dataclass
@@ -56,6 +60,8 @@ class HeadRow:
 
 def head_arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
     """A closure running forward + backward once and returning the gradients of (h, w)."""
+    if arm == "fused_cublas":
+        return _forcing_cublas(head_arm(op, "fused", backend, h, w, y, ht, wt, beta))
     import torch
     import torch.nn.functional as F
 
@@ -113,8 +119,26 @@ def head_arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
     raise ValueError(f"no arm {arm!r} for {op}")
 
 
+def _forcing_cublas(fn):
+    """``fn`` run with ``VTP_HEAD_GEMM=cublas`` (the variable restored after each call)."""
+    import os
+
+    def run():
+        before = os.environ.get("VTP_HEAD_GEMM")
+        os.environ["VTP_HEAD_GEMM"] = "cublas"
+        try:
+            return fn()
+        finally:
+            if before is None:
+                del os.environ["VTP_HEAD_GEMM"]
+            else:
+                os.environ["VTP_HEAD_GEMM"] = before
+
+    return run
+
+
 def _arms(op: str, peers: set[str]) -> list[str]:
-    arms = ["materialized", "fused"]
+    arms = ["materialized", "fused", "fused_cublas"]
     if op == "cross_entropy":
         arms += ["fused_none"] + [p for p in ("torch", "liger", "cce") if p in peers]
         if "liger" in peers:
@@ -159,15 +183,10 @@ def _available(peer: str) -> bool:
 
 
 def _time(fn, device: str, warmup: int, reps: int) -> float:
+    if device != "cuda":
+        return time_cpu(fn, warmup, reps)
     for _ in range(warmup):
         fn()
-    if device != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
 
     return time_loop(fn, 0, reps)
 
@@ -191,17 +210,10 @@ def run(args) -> int:
     device = args.device
     if cuda_missing(device, "try --head at tiny sizes on the CPU"):
         return 2
-    ops = [o for o in args.ops.split(",") if o] if args.ops else list(HEAD_OPS)
-    unknown = [o for o in ops if o not in HEAD_OPS]
-    if unknown:
-        print(f"--head times {', '.join(HEAD_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    backends = [b for b in args.backends.split(",") if b]
-    peers = {p for p in ("torch,liger,cce" if args.peers is None else args.peers).split(",") if p}
+    ops = args.ops or list(HEAD_OPS)  # the flags were checked by vtp_runtime.tools.bench
+    backends = args.backends
+    peers = set(HEAD_PEERS if args.peers is None else args.peers)
     for p in sorted(peers):
-        if p not in ("torch", "liger", "cce"):
-            print(f"unknown peer {p!r} (torch, liger, cce)", file=sys.stderr)
-            return 2
         if not _available(p):
             print(f"{p} is not installed: skipping that peer", file=sys.stderr)
             peers.discard(p)
@@ -214,11 +226,11 @@ def run(args) -> int:
     plan = [
         (op, tp, n, backend, arm)
         for op in ops
-        for tp in (int(t) for t in args.tp.split(","))
-        for n in (int(x) for x in args.tokens.split(","))
+        for tp in args.tp
+        for n in args.tokens
         for backend in backends
         for arm in _arms(op, peers)
-        if arm in VTP_ARMS or backend == backends[0]
+        if (arm in VTP_ARMS or backend == backends[0]) and (arm != "fused_cublas" or backend in OWN_HEAD_GEMM)
     ]
     for i, (op, tp, n, backend, arm) in enumerate(plan):
         v_local = args.vocab // tp
@@ -263,28 +275,21 @@ def run(args) -> int:
             r.vs_mat = r.ms / ref.ms
     print_table(rows)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "mode": "head",
-                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    "torch": torch.__version__,
-                    "triton": version("triton"),
-                    "liger_kernel": version("liger-kernel"),
-                    "cut_cross_entropy": version("cut-cross-entropy"),
-                    "vocab": args.vocab,
-                    "hidden": hidden,
-                    "dtype": args.dtype,
-                    "beta": args.beta,
-                    "argv": sys.argv,
-                    "rows": [asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
+        write_results(
+            args.json,
+            device,
+            rows,
+            mode="head",
+            liger_kernel=version("liger-kernel"),
+            cut_cross_entropy=version("cut-cross-entropy"),
+            vocab=args.vocab,
+            hidden=hidden,
+            dtype=args.dtype,
+            beta=args.beta,
+        )
     if args.plot:
         plot(rows, args.plot, args.vocab, hidden)
-    return 0
+    return no_row_ran(rows, lambda r: r.arm.partition(":")[2] or r.arm, backends)
 
 
 def print_table(rows) -> None:

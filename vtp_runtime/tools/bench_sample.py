@@ -19,21 +19,37 @@ can be captured. ``--device cpu`` runs the same arms at tiny sizes (perf_counter
 
 from __future__ import annotations
 
-import json
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from .timing import copy_bandwidth, cuda_missing, time_graph, time_loop, version
+from ..cli_flags import non_negative_int, positive_int, positive_ints
+from .timing import (
+    copy_bandwidth,
+    cuda_missing,
+    no_row_ran,
+    time_cpu,
+    time_graph,
+    time_loop,
+    write_results,
+)
 
 SAMPLE_OPS = ("sample", "sample_top_k", "sample_top_p", "argmax")
 HOST_READS = ("sample_top_k", "sample_top_p")  # a host read per round: no CUDA-graph timing
 
-TOKENS = "1,8,64,256,8192"
-TPS = "1,2,4"
+TOKENS = (1, 8, 64, 256, 8192)  # the defaults of --tokens and --tp
+TPS = (1, 2, 4)
 TOP_K, TOP_P = 50, 0.9
+
+
+@dataclass
+class DecodeRow:
+    """One decode arm at one row count: wall µs per call back to back."""
+
+    tokens: int
+    arm: str
+    us: float
 
 
 @dataclass
@@ -97,37 +113,21 @@ def peer_arm(op: str, shards: list):
     return run
 
 
-def _time_cpu(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def run(args) -> int:
     import torch
 
     device = args.device
     if cuda_missing(device, "try the sampling ops at tiny sizes on the CPU"):
         return 2
-    ops = [o for o in args.ops.split(",") if o]
-    unknown = [o for o in ops if o not in SAMPLE_OPS]
-    if unknown:
-        print(f"the sampling bench times {', '.join(SAMPLE_OPS)}; not {', '.join(unknown)}", file=sys.stderr)
-        return 2
-    backends = [b for b in args.backends.split(",") if b]
-    peers = {p for p in ("torch" if args.peers is None else args.peers).split(",") if p}
+    ops, backends = args.ops, args.backends  # checked by vtp_runtime.tools.bench
+    peers = {"torch"} if args.peers is None else set(args.peers)
     dtype = getattr(torch, args.dtype)
     itemsize = torch.finfo(dtype).bits // 8
     copy_gbps = copy_bandwidth() if device == "cuda" else None
     rows: list[SampleRow] = []
     for op in ops:
-        for n in (int(x) for x in (args.tokens or TOKENS).split(",")):
-            for tp in (int(t) for t in (args.tp or TPS).split(",")):
+        for n in args.tokens:
+            for tp in args.tp:
                 v_local = args.vocab // tp
                 g = torch.Generator(device=device).manual_seed(n + tp)
                 full = (torch.randn(n, v_local * tp, generator=g, device=device) * 4).to(dtype)
@@ -146,7 +146,7 @@ def run(args) -> int:
                             if not args.no_graph and op not in HOST_READS:
                                 row.graph_ms = time_graph(fn, args.reps)
                         else:
-                            row.ms = _time_cpu(fn, args.warmup, args.reps)
+                            row.ms = time_cpu(fn, args.warmup, args.reps)
                         best = min(t for t in (row.ms, row.graph_ms) if t is not None)
                         row.gbps = n * v_local * itemsize / (best * 1e-3) / 1e9
                         row.pct_copy = None if copy_gbps is None else 100 * row.gbps / copy_gbps
@@ -163,23 +163,8 @@ def run(args) -> int:
                 print(f"{op} TP{tp} N={n}", file=sys.stderr, flush=True)
     print_table(rows, copy_gbps)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "mode": "sample",
-                    "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    "torch": torch.__version__,
-                    "triton": version("triton"),
-                    "copy_gbps": copy_gbps,
-                    "vocab": args.vocab,
-                    "dtype": args.dtype,
-                    "argv": sys.argv,
-                    "rows": [asdict(r) for r in rows],
-                },
-                f,
-                indent=1,
-            )
-    return 0
+        write_results(args.json, device, rows, mode="sample", copy_gbps=copy_gbps, vocab=args.vocab, dtype=args.dtype)
+    return no_row_ran(rows, lambda r: r.arm, backends)
 
 
 def print_table(rows: list[SampleRow], copy_gbps: float | None) -> None:
@@ -201,3 +186,132 @@ def print_table(rows: list[SampleRow], copy_gbps: float | None) -> None:
             f"{fmt(r.graph_ms, '8.3f')} {fmt(r.gbps, '6.0f')} {fmt(r.pct_copy, '5.0f')} {fmt(r.vs_peer, '6.2f')}  "
             f"{r.error}"
         )
+
+
+# -- decode: wall time per call, back to back ------------------------------------------------
+# ``python -m vtp_runtime.tools.bench_sample`` (``benchmarks/sample_tp2.py`` for TP = 2). Each
+# arm runs ``reps`` calls back to back, then one synchronize: the wall time per call is what a
+# decode loop pays (the larger of the host's and the device's cost per call).
+
+DECODE_TOKENS = (1, 8, 64)
+# (target arm, the peer it is held to, the bound on arm / peer)
+DECODE_TARGETS = (
+    ("vtp.argmax", "torch.argmax", 2.0),
+    ("vtp.sample", "softmax+multinomial", 1.0),
+    ("vtp.top_k", "sort top_p", 1.0),
+    ("vtp.top_p", "sort top_p", 1.0),
+    ("vtp.min_p", "softmax+multinomial", None),
+)
+
+
+def decode_arms(z, group=None, vocab=None) -> dict[str, Any]:
+    """The vtp arms on this rank's logits ``z`` ``[N, V_local]`` (``group``: its TP group,
+    ``vocab``: ``(vocab_start, vocab_end)`` on it), a new seed per call."""
+    import itertools
+
+    import vtp_runtime as vtp
+
+    seeds = itertools.count()
+    kw: dict[str, Any] = {"backend": "triton"}
+    if group is not None:
+        kw.update(tp_group=group)
+    if vocab is not None:
+        kw.update(vocab_start=vocab[0], vocab_end=vocab[1])
+    return {
+        "vtp.argmax": lambda: vtp.argmax(z, **kw),
+        "vtp.sample": lambda: vtp.sample(z, seed=next(seeds), **kw),
+        "vtp.top_k": lambda: vtp.sample(z, seed=next(seeds), top_k=TOP_K, **kw),
+        "vtp.top_p": lambda: vtp.sample(z, seed=next(seeds), top_p=TOP_P, **kw),
+        "vtp.min_p": lambda: vtp.sample(z, seed=next(seeds), min_p=0.05, **kw),
+    }
+
+
+def peer_decode_arms(x) -> dict[str, Any]:
+    """torch's draws on the full logits ``x`` ``[N, V]``, as transformers' decoding loop does."""
+    import torch
+
+    def top_p():
+        sorted_x, order = torch.sort(x.float(), descending=False)
+        drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - TOP_P
+        drop[..., -1:] = False
+        kept = x.float().masked_fill(drop.scatter(1, order, drop), -float("inf"))
+        return torch.multinomial(kept.softmax(-1), 1)
+
+    return {
+        "torch.argmax": lambda: x.argmax(-1),
+        "softmax+multinomial": lambda: torch.multinomial(x.float().softmax(-1), 1),
+        "sort top_p": top_p,
+    }
+
+
+def wall_us(fn, warmup: int, reps: int) -> float:
+    """Wall microseconds per call of ``reps`` calls back to back, synchronized once (CUDA), after
+    ``warmup`` calls."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def decode_logits(n: int, vocab: int, device: str, dtype):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(n)
+    return (torch.randn(n, vocab, generator=g, device=device) * 4).to(dtype)
+
+
+def decode_table(times: dict[tuple[int, str], float], tokens, label: str) -> str:
+    """The table of ``times`` (µs by (N, arm)) with each target's ratio and whether it holds."""
+    arms = sorted({arm for _, arm in times}, key=lambda a: (a.startswith("vtp"), a))
+    lines = [f"{label}: wall µs per call, back to back"]
+    lines.append(f"{'N':>4s} " + " ".join(f"{a:>20s}" for a in arms))
+    for n in tokens:
+        lines.append(f"{n:4d} " + " ".join(f"{times.get((n, a), float('nan')):20.1f}" for a in arms))
+    lines.append("targets (arm / peer, same run):")
+    for arm, peer, bound in DECODE_TARGETS:
+        for n in tokens:
+            if (n, arm) in times and (n, peer) in times:
+                ratio = times[(n, arm)] / times[(n, peer)]
+                verdict = "" if bound is None else ("  met" if ratio <= bound else f"  MISSED (bound {bound:g})")
+                lines.append(f"  N={n:<3d} {arm:>11s} / {peer:<20s} {ratio:6.2f}{verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description="decode-time sampling: wall µs per call, TP = 1")
+    parser.add_argument("--tokens", type=positive_ints, default=list(DECODE_TOKENS))
+    parser.add_argument("--vocab", type=positive_int, default=151936)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--warmup", type=non_negative_int, default=50)
+    parser.add_argument("--reps", type=positive_int, default=500)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if cuda_missing(args.device, "time the arms at tiny sizes on the CPU (--vocab 64 --reps 5)"):
+        return 2
+    tokens = args.tokens
+    times: dict[tuple[int, str], float] = {}
+    for n in tokens:
+        x = decode_logits(n, args.vocab, args.device, getattr(torch, args.dtype))
+        for name, fn in {**peer_decode_arms(x), **decode_arms(x)}.items():
+            times[(n, name)] = wall_us(fn, args.warmup, args.reps)
+    print(decode_table(times, tokens, f"TP=1, V={args.vocab}, {args.dtype}, {args.device}"))
+    if args.json:
+        rows = [DecodeRow(n, a, t) for (n, a), t in times.items()]
+        write_results(args.json, args.device, rows, mode="decode", tp=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,22 +15,32 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 
 import torch
 
+from vtp_runtime.cli_flags import non_negative_int, positive_float, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks to spawn (default 2)")
-    parser.add_argument("--vocab", type=int, default=1531, help="global vocabulary size (default 1531)")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size of the head (default 64)")
-    parser.add_argument("--tokens", type=int, default=384, help="tokens per step (default 384)")
-    parser.add_argument("--jsd-steps", type=int, default=20, help="distillation steps (default 20)")
-    parser.add_argument("--ce-steps", type=int, default=20, help="cross-entropy steps (default 20)")
-    parser.add_argument("--lr-jsd", type=float, default=100.0, help="SGD learning rate while distilling (default 100)")
-    parser.add_argument("--lr-ce", type=float, default=2.0, help="SGD learning rate for cross entropy (default 2)")
+    parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel ranks to spawn (default 2)")
+    parser.add_argument("--vocab", type=positive_int, default=1531, help="global vocabulary size (default 1531)")
+    parser.add_argument("--hidden", type=positive_int, default=64, help="hidden size of the head (default 64)")
+    parser.add_argument("--tokens", type=positive_int, default=384, help="tokens per step (default 384)")
+    parser.add_argument("--jsd-steps", type=non_negative_int, default=20, help="distillation steps (default 20)")
+    parser.add_argument("--ce-steps", type=non_negative_int, default=20, help="cross-entropy steps (default 20)")
     parser.add_argument(
-        "--tolerance", type=float, default=1e-4, help="largest relative deviation from float64 allowed (default 1e-4)"
+        "--lr-jsd", type=positive_float, default=100.0, help="SGD learning rate while distilling (default 100)"
+    )
+    parser.add_argument(
+        "--lr-ce", type=positive_float, default=2.0, help="SGD learning rate for cross entropy (default 2)"
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=positive_float,
+        default=1e-4,
+        help="largest relative deviation from float64 allowed (default 1e-4)",
     )
 
 
@@ -155,6 +165,12 @@ def _train(rank: int, world: int, group, cfg: dict) -> dict:
 def run(args: argparse.Namespace) -> int:
     from vtp_runtime.testing.distributed import RankPool
 
+    if args.vocab < args.tp:
+        print(f"vtp-runtime demo: --vocab {args.vocab} is smaller than --tp {args.tp}", file=sys.stderr)
+        return 2
+    if args.jsd_steps + args.ce_steps == 0:
+        print("vtp-runtime demo: --jsd-steps and --ce-steps are both 0: nothing to check", file=sys.stderr)
+        return 2
     nccl = args.tp > 1 and torch.cuda.is_available() and torch.cuda.device_count() >= args.tp
     sizes = shard_sizes(args.vocab, args.tp)
     transport = "NCCL on GPUs" if nccl else "gloo on CPU"

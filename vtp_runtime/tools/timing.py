@@ -4,9 +4,13 @@ the text tables."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict
+from typing import Any
 
 
 def cuda_missing(device: str, cpu_hint: str | None = None) -> bool:
@@ -19,6 +23,37 @@ def cuda_missing(device: str, cpu_hint: str | None = None) -> bool:
     hint = f"; pass --device cpu to {cpu_hint}" if cpu_hint else ""
     print(f"vtp-runtime bench needs a CUDA GPU (torch.cuda.is_available() is False){hint}", file=sys.stderr)
     return True
+
+
+def no_row_ran(rows: Sequence[Any], backend_of: Callable[[Any], str], backends: Iterable[str]) -> int:
+    """The exit status of a bench whose ``rows`` (each with ``ms``, None where it failed, and
+    ``error``) are printed: 1 when a backend of ``backends`` timed no row (or no row ran at
+    all), saying on stderr which and why (its first row's error); else 0."""
+    for backend in backends:
+        mine = [r for r in rows if backend_of(r) == backend]
+        if mine and not any(r.ms is not None for r in mine):
+            print(
+                f"vtp-runtime bench: every row of backend {backend!r} failed (first: {mine[0].error or 'no reason'})",
+                file=sys.stderr,
+            )
+            return 1
+    if not any(r.ms is not None for r in rows):
+        why = f"first: {rows[0].error or 'no reason'}" if rows else "nothing to time"
+        print(f"vtp-runtime bench: no row ran ({why})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def time_cpu(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds of one ``fn()`` on the host clock, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def time_loop(fn, warmup: int, reps: int) -> float:
@@ -122,3 +157,20 @@ def print_rows(header: str, lines: Iterable[str]) -> None:
     print("-" * len(header))
     for line in lines:
         print(line)
+
+
+def write_results(path: str, device: str, rows: Iterable, **fields: Any) -> None:
+    """A run's measurements as JSON: the device and versions, ``fields``, the command line
+    and one object per row (a dataclass)."""
+    import torch
+
+    data = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": version("triton"),
+        **fields,
+        "argv": sys.argv,
+        "rows": [asdict(r) for r in rows],
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from vtp_runtime import Backend, OpCapability, SavedState, hookimpl
+from vtp_runtime.backend import value_dtype
 from vtp_runtime.comm import all_reduce
 
 __version__ = "0.1.0"
@@ -41,10 +42,6 @@ Tensor = torch.Tensor
 # -- helpers -------------------------------------------------------------------------------
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _blocks(v: int):
     for lo in range(0, v, BLOCK):
         yield lo, min(lo + BLOCK, v)
@@ -52,7 +49,7 @@ def _blocks(v: int):
 
 def _x(z: Tensor, lo: int, hi: int, temperature: float) -> Tensor:
     """Columns ``[lo, hi)`` of ``z / T`` in the accumulation dtype (a copy: inputs stay intact)."""
-    x = z[:, lo:hi].to(_acc(z.dtype), copy=True)
+    x = z[:, lo:hi].to(value_dtype(z.dtype), copy=True)
     return x.div_(temperature) if temperature != 1.0 else x
 
 
@@ -108,7 +105,7 @@ class KLState(SavedState):
 def _entropy_forward(call, z: Tensor, mask):
     n, v = z.shape
     temp = call.options["temperature"]
-    acc = _acc(z.dtype)
+    acc = value_dtype(z.dtype)
     m = torch.full((n,), -math.inf, dtype=acc, device=z.device)
     s = torch.zeros(n, dtype=acc, device=z.device)
     t = torch.zeros(n, dtype=acc, device=z.device)
@@ -152,7 +149,7 @@ def _kl_forward(call, student: Tensor, teacher: Tensor, mask, reverse: bool):
     a_in, b_in = (student, teacher) if reverse else (teacher, student)
     n, v = a_in.shape
     temp = call.options["temperature"]
-    acc = _acc(a_in.dtype)
+    acc = value_dtype(a_in.dtype)
     m = torch.full((2, n), -math.inf, dtype=acc, device=a_in.device)  # running max of A, B
     s = torch.zeros(2, n, dtype=acc, device=a_in.device)  # running sum exp(x - m) of A, B
     u = torch.zeros(n, dtype=acc, device=a_in.device)  # running sum e_a (a - b)
