@@ -69,7 +69,7 @@ class _GatherTokens(torch.autograd.Function):
         return out, None
 
 
-def _step(arm, op, h, w, y, ht, wt, group):
+def step(arm, op, h, w, y, ht, wt, group):
     """One forward + backward; returns (loss, grad of h, grad of w)."""
     import vtp_runtime as vtp
 
@@ -117,13 +117,13 @@ def bench(rank, world, group, op, n, hidden, vocab, reps, warmup, device):
     out, results = {}, {}
     for arm in ARMS:
         for _ in range(warmup):
-            _step(arm, op, h, w, y, ht, wt, group)
+            step(arm, op, h, w, y, ht, wt, group)
         sync()
         times = []
         for _ in range(reps):
             sync()
             t0 = time.perf_counter()
-            _step(arm, op, h, w, y, ht, wt, group)
+            step(arm, op, h, w, y, ht, wt, group)
             sync()
             times.append((time.perf_counter() - t0) * 1e3)
         peak = float("nan")
@@ -131,11 +131,11 @@ def bench(rank, world, group, op, n, hidden, vocab, reps, warmup, device):
             torch.cuda.empty_cache()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            results[arm] = _step(arm, op, h, w, y, ht, wt, group)
+            results[arm] = step(arm, op, h, w, y, ht, wt, group)
             sync()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**30
         else:
-            results[arm] = _step(arm, op, h, w, y, ht, wt, group)
+            results[arm] = step(arm, op, h, w, y, ht, wt, group)
         stats = torch.tensor([statistics.median(times), peak], dtype=torch.float64, device=dev)
         torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX, group=group)
         out[arm] = {"ms": stats[0].item(), "peak_gib": stats[1].item()}

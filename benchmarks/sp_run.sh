@@ -9,7 +9,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
 STEPS=${STEPS:-tests,bench}
 if [[ $STEPS == *tests* ]]; then
-  timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_sequence_parallel.py 2>&1 \
+  timeout 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_head_sequence_parallel_gpu.py 2>-p no:cacheprovider tests/test_sequence_parallel.py 2>&11 \
     | tee "$OUT/sp_gpu_tests.log" | tail -15
 fi
 if [[ $STEPS == *bench* ]]; then

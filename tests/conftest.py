@@ -16,3 +16,14 @@ def ranks():
     kit's own runs (``conformance.check`` without a runner) start no second pool of a size."""
     yield conformance.default_runner
     conformance.close_pools()
+
+
+@pytest.fixture(scope="session")
+def trl_models(tmp_path_factory):
+    """The folder of the tiny Llamas TRL's trainers run on (tests/trl_job.py): the policy, and
+    GKD's teacher."""
+    from tests.trl_job import save_models
+
+    path = str(tmp_path_factory.mktemp("tiny"))
+    save_models(path)
+    return path

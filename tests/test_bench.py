@@ -5,13 +5,14 @@ in CI)."""
 import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
+import pytest
+
+from tests.helpers import ROOT
 from vtp_runtime.tools import bench
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "h200_final.json"
 
 
@@ -49,7 +50,7 @@ def test_logprobs_entropy_arm_matches_the_dense_arm_on_cpu():
 
     z, y = bench.make_inputs("logprobs_entropy", 6, 50, torch.float32, "cpu", seed=0)
     (got,) = bench.vtp_arm("eager", "logprobs_entropy", z, y, 0.5)()
-    (want,) = bench._torch_arm("logprobs_entropy", z, y, 0.5)()
+    (want,) = bench.torch_arm("logprobs_entropy", z, y, 0.5)()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -142,7 +143,7 @@ def test_head_per_token_arm_gives_the_gradients_of_its_weighted_loss():
     h = torch.randn(12, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(40, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 40, (12,), generator=gen)
-    got = bench_head._arm("cross_entropy", "fused_none", "eager", h, w, y, None, None, 0.5)()
+    got = bench_head.head_arm("cross_entropy", "fused_none", "eager", h, w, y, None, None, 0.5)()
     g = torch.rand(12, generator=torch.Generator().manual_seed(0), dtype=torch.float32).double()
     want = torch.autograd.grad((F.cross_entropy(h @ w.T, y, reduction="none") * g).sum() / 12, (h, w))
     assert g.std() > 0.1  # the tokens' upstream gradients differ
@@ -336,3 +337,43 @@ def test_generate_benchmark_runs_on_cpu_at_tiny_sizes(tmp_path):
         assert r["vtp"]["frames_warmup"] == r["vtp"]["frames_timed"] == r["torch"]["frames_timed"] == 0, r
         assert r["torch"]["graph_breaks"] == r["vtp"]["graph_breaks"] == 0, r
     assert rows[2]["torch"]["frames_warmup"] >= 1  # the compile, in the first static row's torch arm
+
+
+# == 9. the benchmark command line ==========================================================
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--ops", "cross_entropy"],
+        [
+            "--head",
+            "8",
+            "--device",
+            "cpu",
+            "--tokens",
+            "4",
+            "--vocab",
+            "16",
+            "--tp",
+            "1",
+            "--peers",
+            "",
+            "--warmup",
+            "0",
+            "--reps",
+            "1",
+        ],
+    ],
+    ids=["logits", "head"],
+)
+def test_bench_names_an_unknown_backend_and_fails(argv):
+    """Item 9: ``vtp-runtime bench --backends nosuch`` exits non-zero with a message naming
+    the unknown backend, before it times anything (also where no GPU is)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "vtp_runtime", "bench", "--backends", "eager,nosuch", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode != 0 and "nosuch" in run.stderr, (run.returncode, run.stdout, run.stderr)

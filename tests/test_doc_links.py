@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 DOCS = sorted({ROOT / "README.md", *ROOT.glob("docs/**/*.md")})
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)

@@ -5,14 +5,13 @@ tests/test_integrations_docs.py, which also runs docs/migrating.md's examples),
 and every environment variable, `vtp-runtime` command line and op option the docs name exists."""
 
 import importlib.util
-import pathlib
 import re
 
 import pytest
 
 import vtp_runtime as vtp
+from tests.helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "docs/guide.md", "docs/integrations.md"]
 NEEDS = {"docs/integrations.md": ("transformers", "trl", "torchtitan", "megatron.core")}
 

@@ -7,7 +7,6 @@ on gloo ranks with a timeout; DTensors are built with ``distribute_tensor``, so 
 the chunking."""
 
 import os
-import pathlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -15,32 +14,19 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 import vtp_runtime as vtp
+from tests.helpers import ROOT, as_dtensor, pool_mesh
 from vtp_runtime import inputs
 from vtp_runtime.errors import ShardError
 from vtp_runtime.testing.reference import values_and_grads
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 ATOL = 2e-5
 
 # (world, mesh shape, V): V=7 on 2 -> 4,3; V=10 on 4 -> 3,3,3,1; V=9 on 4 -> 3,3,3,0;
 # on dp x tp 2 x 2, V=7 -> 4,3 and V=9 -> 5,4
 MESHES_LP = [(2, (2,), 7), (4, (4,), 10), (4, (2, 2), 10), (4, (2, 2), 7)]
 MESHES_REF = [(2, (2,), 7), (4, (4,), 9), (4, (2, 2), 9)]
-
-_MESH_CACHE: dict = {}
-
-
-def _mesh(world, shape):
-    """The mesh over every rank of the pool, made once per rank process (a 2-D mesh creates
-    process groups, a collective)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if (world, shape) not in _MESH_CACHE:
-        _MESH_CACHE[(world, shape)] = DeviceMesh("cpu", torch.arange(world).reshape(shape))
-    return _MESH_CACHE[(world, shape)]
 
 
 def _placements(shape):
@@ -51,12 +37,6 @@ def _placements(shape):
     if len(shape) == 1:
         return (Shard(2),), (Replicate(),)
     return (Shard(0), Shard(2)), (Shard(0), Replicate())
-
-
-def _dt(x: object) -> DTensor:
-    """``x``, which must be a DTensor: a result of a call on DTensors, or its gradient."""
-    assert isinstance(x, DTensor), f"a {type(x).__name__}, not a DTensor"
-    return x
 
 
 def _close(got, want, what):
@@ -84,7 +64,7 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
     from torch.distributed.tensor import distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    mesh = _mesh(world, shape)
+    mesh = pool_mesh(world, shape)
     xpl, ypl = _placements(shape)
     x, _, y, g = _data(vocab, seed=vocab)
     dy = distribute_tensor(y, mesh, ypl)
@@ -95,7 +75,7 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
             with pytest.raises(ValueError, match="per-rank means"):
                 vtp.cross_entropy(dx, dy, reduction="mean")
             continue
-        out = _dt(vtp.cross_entropy(dx, dy, reduction=reduction, backend=backend))
+        out = as_dtensor(vtp.cross_entropy(dx, dy, reduction=reduction, backend=backend))
         assert type(out) is type(dx)
         upstream = distribute_tensor(g[..., 0], mesh, out.placements) if reduction == "none" else None
         if upstream is None:
@@ -104,7 +84,7 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
             (out * upstream).sum().backward()
         # the layout a parameter's gradient must have (else AccumulateGrad re-lays it out
         # through a collective); torch's own to_local backward gets it wrong on uneven shards
-        grad = _dt(dx.grad)
+        grad = as_dtensor(dx.grad)
         assert grad.placements == dx.placements and grad.stride() == dx.stride()
 
         # the float64 reference on the full logits
@@ -133,9 +113,9 @@ def ce_vs_loss_parallel(rank, world, group, shape, vocab, backend):
                 raise
             unsupported.append(str(exc).splitlines()[0])
             continue
-        assert out.placements == _dt(lp).placements, (out.placements, _dt(lp).placements)
-        _close(out.full_tensor(), _dt(lp).full_tensor(), f"{reduction} value vs loss_parallel")
-        _close(grad.full_tensor(), _dt(tx.grad).full_tensor(), f"{reduction} grad vs loss_parallel")
+        assert out.placements == as_dtensor(lp).placements, (out.placements, as_dtensor(lp).placements)
+        _close(out.full_tensor(), as_dtensor(lp).full_tensor(), f"{reduction} value vs loss_parallel")
+        _close(grad.full_tensor(), as_dtensor(tx.grad).full_tensor(), f"{reduction} grad vs loss_parallel")
     return unsupported
 
 
@@ -172,7 +152,7 @@ CALLS: list[tuple[str, dict[str, Any], str | None]] = [
 def ops_vs_reference(rank, world, group, shape, vocab):
     from torch.distributed.tensor import distribute_tensor
 
-    mesh = _mesh(world, shape)
+    mesh = pool_mesh(world, shape)
     xpl, ypl = _placements(shape)
     x, t, y, g = _data(vocab, seed=100 + vocab)
     mask = torch.arange(12).view(4, 3) % 4 != 1
@@ -209,8 +189,8 @@ def ops_vs_reference(rank, world, group, shape, vocab):
         what = f"{op} {opts} on {shape}, V={vocab}"
         _close(out.full_tensor(), ref.view(upstream.shape), f"{what}: value")
         for a, ref_grad in zip(args[: len(needs)], ref_grads):
-            grad = _dt(a.grad)
-            assert grad.placements == _dt(a).placements and grad.stride() == a.stride(), what
+            grad = as_dtensor(a.grad)
+            assert grad.placements == as_dtensor(a).placements and grad.stride() == a.stride(), what
             assert ref_grad is not None
             _close(grad.full_tensor(), ref_grad.view(x.shape), f"{what}: grad")
 
@@ -228,31 +208,31 @@ def test_ops_match_reference(ranks, world, shape, vocab):
 def forms_and_errors(rank, world, group):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-    mesh, line = _mesh(4, (2, 2)), _mesh(4, (4,))
+    mesh, line = pool_mesh(4, (2, 2)), pool_mesh(4, (4,))
     dp = mesh.get_coordinate()[0]
     x, t, y, _ = _data(10, seed=7)
     dx = distribute_tensor(x, mesh, [Shard(0), Shard(2)])
     dt = distribute_tensor(t, mesh, [Shard(0), Shard(2)])
     dy = distribute_tensor(y, mesh, [Shard(0), Replicate()])
     with vtp.use_backend("eager"):
-        base = _dt(vtp.cross_entropy(dx, dy)).to_local()
+        base = as_dtensor(vtp.cross_entropy(dx, dy)).to_local()
         # plain labels are this rank's local part; replicated labels are cut to the local batch
-        assert torch.equal(_dt(vtp.cross_entropy(dx, y[2 * dp : 2 * dp + 2])).to_local(), base)
+        assert torch.equal(as_dtensor(vtp.cross_entropy(dx, y[2 * dp : 2 * dp + 2])).to_local(), base)
         assert torch.equal(
-            _dt(vtp.cross_entropy(dx, distribute_tensor(y, mesh, [Replicate(), Replicate()]))).to_local(), base
+            as_dtensor(vtp.cross_entropy(dx, distribute_tensor(y, mesh, [Replicate(), Replicate()]))).to_local(), base
         )
         # a plain teacher is this rank's local shard
-        assert torch.equal(_dt(vtp.kl(dx, dt.to_local())).to_local(), _dt(vtp.kl(dx, dt)).to_local())
+        assert torch.equal(as_dtensor(vtp.kl(dx, dt.to_local())).to_local(), as_dtensor(vtp.kl(dx, dt)).to_local())
         # consistent layout options are accepted
-        same = _dt(vtp.cross_entropy(dx, dy, tp_group=mesh.get_group(1), global_vocab_size=10)).to_local()
+        same = as_dtensor(vtp.cross_entropy(dx, dy, tp_group=mesh.get_group(1), global_vocab_size=10)).to_local()
         assert torch.equal(same, base)
         # a replicated DTensor normalizer
         seven = distribute_tensor(torch.tensor(7.0), mesh, [Replicate(), Replicate()])
-        summed = _dt(vtp.cross_entropy(dx, dy, reduction="sum", normalizer=seven))
+        summed = as_dtensor(vtp.cross_entropy(dx, dy, reduction="sum", normalizer=seven))
         assert summed.placements == (Partial(), Replicate())
-        _close(summed.full_tensor(), _dt(vtp.cross_entropy(dx, dy)).full_tensor().sum() / 7, "normalizer")
+        _close(summed.full_tensor(), as_dtensor(vtp.cross_entropy(dx, dy)).full_tensor().sum() / 7, "normalizer")
         # a DTensor not sharded over the vocabulary: each rank holds its batch and all of V
-        batch_only = _dt(
+        batch_only = as_dtensor(
             vtp.cross_entropy(distribute_tensor(x, line, [Shard(0)]), distribute_tensor(y, line, [Shard(0)]))
         )
         ref, _ = values_and_grads("cross_entropy", (x.reshape(12, 10),), y.reshape(12), needs_grad=(False,))
@@ -292,7 +272,7 @@ def forms_and_errors(rank, world, group):
             with pytest.raises(kind, match=match):
                 call()
         # after every error, the ranks are still in step
-        assert torch.equal(_dt(vtp.cross_entropy(dx, dy)).to_local(), base)
+        assert torch.equal(as_dtensor(vtp.cross_entropy(dx, dy)).to_local(), base)
 
 
 def test_forms_explain_and_errors(ranks):
@@ -323,7 +303,7 @@ def head_with_dtensor_weight(rank, world, group, shape, vocab):
     sharding the batch over dp."""
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
-    mesh = _mesh(world, shape)
+    mesh = pool_mesh(world, shape)
     gen = torch.Generator().manual_seed(vocab + len(shape))
     h = torch.randn(4, 3, 6, generator=gen)
     w, wt = torch.randn(vocab, 6, generator=gen), torch.randn(vocab, 6, generator=gen)
@@ -384,12 +364,12 @@ def head_with_dtensor_weight(rank, world, group, shape, vocab):
         # the replicated weight's gradient is a pending sum over the batch shards (dp)
         grad_placements = (Partial(),) * dp + (Shard(0),)
         for param, want in ((dw, dz.T @ h.reshape(12, 6).double()), (db, dz.sum(0))):
-            grad = _dt(param.grad)
+            grad = as_dtensor(param.grad)
             assert grad.placements == grad_placements and grad.stride() == param.stride(), op
             _close(grad.full_tensor(), want, f"{op}: weight/bias grad")
         dh = (dz @ w.double()).view(4, 3, 6)
         if dp:
-            grad = _dt(hid.grad)
+            grad = as_dtensor(hid.grad)
             assert grad.placements == hid.placements and grad.stride() == hid.stride(), op
             _close(grad.full_tensor(), dh, f"{op}: hidden grad (complete on every rank)")
         else:
@@ -405,7 +385,9 @@ def head_with_dtensor_weight(rank, world, group, shape, vocab):
     for kind, match, bad in errors:
         with pytest.raises(kind, match=match):
             bad()
-    assert _dt(vtp.entropy(vtp.Head(hidden_input(), dw), reduction="sum")).full_tensor().isfinite()  # ranks in step
+    assert (
+        as_dtensor(vtp.entropy(vtp.Head(hidden_input(), dw), reduction="sum")).full_tensor().isfinite()
+    )  # ranks in step
 
 
 @pytest.mark.parametrize("world, shape, vocab", MESHES_REF, ids=lambda x: str(x))
@@ -448,7 +430,7 @@ def device_ops(rank, world, group, device):
 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    cpu_mesh = _mesh(world, (world,))
+    cpu_mesh = pool_mesh(world, (world,))
     mesh = cpu_mesh if device == "cpu" else DeviceMesh(device, list(range(world)))
     x, t, y, g = _data(9, seed=3)
 
@@ -478,7 +460,7 @@ def device_ops(rank, world, group, device):
             g[..., 0].reshape(12),
             needs_grad=(True,) + (False,) * (len(logits) - 1),
         )
-        grad = _dt(ds.grad)
+        grad = as_dtensor(ds.grad)
         assert grad.placements == (Shard(2),) and grad.stride() == ds.stride()
         _close(out.to_local().cpu(), ref.view(4, 3), f"{op} on {device}: value")
         assert ref_grads[0] is not None

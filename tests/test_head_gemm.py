@@ -170,7 +170,7 @@ def test_bench_times_both_paths():
     got = {}
     for arm in ("fused", "fused_cublas"):
         with _counting_gemm() as calls:
-            got[arm] = bench_head._arm("cross_entropy", arm, "triton", h, w, y, None, None, 0.5)()
+            got[arm] = bench_head.head_arm("cross_entropy", arm, "triton", h, w, y, None, None, 0.5)()
         assert bool(calls) == (arm == "fused")
     assert "VTP_HEAD_GEMM" not in os.environ
     for a, b in zip(got["fused"], got["fused_cublas"]):

@@ -124,8 +124,8 @@ def test_temporaries_within_budget(op, budget, tp):
     """Memory only: time is measured by ``vtp-runtime bench --head``, never asserted in a test."""
     v_local = V // tp
     hidden, weight, labels, ht, wt = _inputs(N, H, v_local, teacher=True)
-    fused = bench_head._arm(op, "fused", "triton", hidden, weight, labels, ht, wt, 0.5)
-    temp = bench_head._temporaries(fused)
+    fused = bench_head.head_arm(op, "fused", "triton", hidden, weight, labels, ht, wt, 0.5)
+    temp = bench_head.temporaries(fused)
     print(f"{op} TP{tp}: temporaries {temp:.3f} GiB")
     assert temp <= budget
 

@@ -172,7 +172,8 @@ def test_module_entry_point():
 
 def test_debug_logs_each_selection_once(monkeypatch, caplog):
     monkeypatch.setenv("VTP_DEBUG", "1")
-    v = 29 + len(dispatch._LOGGED)  # a vocabulary size no other test logged
+    dispatch.clear_selections()  # what other tests logged
+    v = 29
     chosen = vtp.explain("entropy", torch.randn(3, v)).backend  # eager, or triton under TRITON_INTERPRET=1
     with caplog.at_level(logging.DEBUG, logger="vtp_runtime"):
         for n in (3, 4, 5, 3):  # token counts do not make a new signature
@@ -196,8 +197,9 @@ def test_debug_logs_each_selection_once(monkeypatch, caplog):
 
 def test_debug_off_logs_nothing(monkeypatch, caplog):
     monkeypatch.delenv("VTP_DEBUG", raising=False)
+    dispatch.clear_selections()  # a call no test logged yet would log, were VTP_DEBUG on
     with caplog.at_level(logging.DEBUG, logger="vtp_runtime"):
-        vtp.entropy(torch.randn(3, 31 + len(dispatch._LOGGED)))
+        vtp.entropy(torch.randn(3, 31))
     assert not [r for r in caplog.records if "[VTP_DEBUG]" in r.getMessage()]
 
 

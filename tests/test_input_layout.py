@@ -90,13 +90,13 @@ def test_unknown_layout_is_refused_at_registration():
 def test_triton_launcher_refuses_what_it_did_not_declare():
     """Called directly (not through the core), the triton launcher raises on a vocabulary
     stride other than 1 instead of reading the wrong elements."""
-    from vtp_runtime.backends.triton.backend import _geometry
+    from vtp_runtime.backends.triton.backend import geometry
 
     with pytest.raises(RuntimeError, match="stride 1 on the vocabulary dim"):
-        _geometry(torch.randn(4, 2 * V)[:, ::2])
+        geometry(torch.randn(4, 2 * V)[:, ::2])
     with pytest.raises(RuntimeError, match="stride 1 on the vocabulary dim"):
-        _geometry(torch.randn(V, 4).T)
-    assert _geometry(torch.randn(2, 5, V)[:, :-1]) == (4, 5 * V, V)
+        geometry(torch.randn(V, 4).T)
+    assert geometry(torch.randn(2, 5, V)[:, :-1]) == (4, 5 * V, V)
 
 
 def test_liger_refuses_what_it_did_not_declare():

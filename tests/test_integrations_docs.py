@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.doc_examples import ROOT, run_main, torchrun_examples
+from tests.helpers import ROOT, run_main, torchrun_examples
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(
@@ -77,7 +77,7 @@ def _migrating_names() -> dict:
     random inputs under the names the page uses."""
     from transformers import LlamaForCausalLM
 
-    from tests.models import tiny_llama_config
+    from tests.helpers import tiny_llama_config
 
     torch.manual_seed(0)
     vocab = 1000

@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.models import tiny_llama_config
+from tests.helpers import tiny_llama_config
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(

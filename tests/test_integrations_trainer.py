@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.doc_examples import ROOT
-from tests.models import tiny_llama_config
+from tests.helpers import ROOT, tiny_llama_config
 from tests.trainer_job import ARMS
 from vtp_runtime.testing.launch import torchrun
 

@@ -4,10 +4,8 @@ model's own ``model(labels=...)``, without the logits, for every decoder family 
 called every way transformers calls it (num_items_in_batch as int or tensor, shift_labels,
 tuples, skip_logits, the Trainer with gradient accumulation); refuses what it cannot fuse;
 is idempotent and reversible; and never allocates a ``[tokens, V_local]`` tensor. A deep copy
-of a fused model runs on its own weights. ``apply_fused_lm_head`` (the class-level switch)
-fuses every model of the types it names built afterwards -- Llama, Qwen2, Qwen3, Mistral,
-Gemma, Phi-3, a class transformers does not know, the Trainer's ``model_init`` -- and every
-causal LM without a name; it composes with Liger's layer kernels.
+of a fused model runs on its own weights. The class-level switch (``apply_fused_lm_head``):
+tests/test_integrations_transformers_switch.py.
 
 On 2 gloo ranks, a tiny Llama (V=1001: uneven 501/500 shards) sharded over the vocabulary
 gives the single process's loss and gradients with the head split every way a user gets
@@ -20,10 +18,7 @@ The Trainer itself at TP > 1, launched with torchrun: tests/test_integrations_tr
 """
 
 import copy
-import functools
 import importlib.util
-import os
-from typing import Any
 
 import pytest
 import torch
@@ -33,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vtp_runtime as vtp
-from tests.models import tiny_llama_config
+from tests.helpers import TINY_FAMILIES, assert_fused_like, small_batch, tiny_causal_lm, tiny_llama_config, train_step
 from vtp_runtime.testing.distributed import RankPool
 
 pytestmark = pytest.mark.skipif(
@@ -43,57 +38,6 @@ pytestmark = pytest.mark.skipif(
 
 V, WORLD = 1001, 2
 SPLIT = 345  # the hand-split head's boundary: not torch.chunk's
-SMALL: dict[str, Any] = {
-    "vocab_size": 101,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-FAMILIES: dict[str, dict[str, Any]] = {  # the decoder families fuse_lm_head claims; extra config, tied head or not
-    "Llama": {"tie_word_embeddings": False},
-    "Llama-tied": {"tie_word_embeddings": True},
-    "Qwen2": {},
-    "Qwen3": {"head_dim": 8},
-    "Mistral": {},
-    "Phi3": {"pad_token_id": 0},
-    "Gemma": {"head_dim": 8},
-    "Gemma2": {"head_dim": 8, "final_logit_softcapping": None},
-    "Cohere": {"logit_scale": 0.25},  # logits * 0.25
-    "Granite": {"logits_scaling": 4.0},  # logits / 4
-}
-
-
-def _family(name, **extra):
-    import transformers
-
-    base = name.split("-")[0]
-    config = getattr(transformers, f"{base}Config")(**{**SMALL, **FAMILIES.get(name, {}), **extra})
-    torch.manual_seed(0)
-    return getattr(transformers, f"{base}ForCausalLM")(config)
-
-
-def _grads(model):
-    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
-
-def _step(model, **kw):
-    model.zero_grad(set_to_none=True)
-    out = model(**kw)
-    loss = out.loss if not isinstance(out, tuple) else out[0]
-    loss *= 1  # as transformers' Trainer scales it (average_tokens_across_devices): in place
-    loss.backward()
-    return out, loss.detach(), _grads(model)
-
-
-def _small_batch(v=101):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, v, (2, 9), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100  # a prompt
-    labels[1, -2:] = -100  # padding
-    return ids, labels
 
 
 def _calls(ids, labels):
@@ -108,17 +52,17 @@ def _calls(ids, labels):
     ]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
 def test_fused_head_gives_the_models_own_loss_and_gradients(family):
     from vtp_runtime.integrations.transformers import fuse_lm_head
 
-    reference = _family(family)
+    reference = tiny_causal_lm(family)
     fused = fuse_lm_head(copy.deepcopy(reference))
-    ids, labels = _small_batch()
+    ids, labels = small_batch()
     with vtp.use_backend("eager"):
         for how, kw in _calls(ids, labels):
-            want, want_loss, want_grads = _step(reference, input_ids=ids, **kw)
-            got, got_loss, got_grads = _step(fused, input_ids=ids, **kw)
+            want, want_loss, want_grads = train_step(reference, input_ids=ids, **kw)
+            got, got_loss, got_grads = train_step(fused, input_ids=ids, **kw)
             assert (got[1] if isinstance(got, tuple) else got.logits) is None, how  # never formed
             torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6, msg=how)
             assert got_grads.keys() == want_grads.keys(), how
@@ -153,7 +97,7 @@ def test_generate_is_unchanged():
     from vtp_runtime.integrations.generation import use_vocab_parallel_sampling
     from vtp_runtime.integrations.transformers import fuse_lm_head
 
-    model = _family("Llama", pad_token_id=0, eos_token_id=1)
+    model = tiny_causal_lm("Llama", pad_token_id=0, eos_token_id=1)
     ids = torch.randint(2, 101, (2, 5), generator=torch.Generator().manual_seed(4))
     kw = {"max_new_tokens": 4, "do_sample": False}
     sampled = {"max_new_tokens": 6, "do_sample": True, "top_p": 0.9}
@@ -176,7 +120,7 @@ def test_generate_is_unchanged():
 def test_fuse_is_idempotent_and_reversible():
     from vtp_runtime.integrations.transformers import VtpCausalLMLoss, fuse_lm_head, is_fused, unfuse_lm_head
 
-    model = _family("Llama")
+    model = tiny_causal_lm("Llama")
     default_loss = model.loss_function
     assert fuse_lm_head(model) is model and is_fused(model)
     forward = model.forward
@@ -202,16 +146,16 @@ def test_a_copy_of_a_fused_model_runs_on_its_own_weights():
     it was copied from)."""
     from vtp_runtime.integrations.transformers import fuse_lm_head, is_fused
 
-    model = fuse_lm_head(_family("Llama"))
-    twin, reference = copy.deepcopy(model), _family("Llama")
+    model = fuse_lm_head(tiny_causal_lm("Llama"))
+    twin, reference = copy.deepcopy(model), tiny_causal_lm("Llama")
     with torch.no_grad():
         for m in (twin, reference):
             m.lm_head.weight.mul_(2)
     assert is_fused(twin)
-    ids, labels = _small_batch()
+    ids, labels = small_batch()
     with vtp.use_backend("eager"):
         torch.testing.assert_close(twin(input_ids=ids).logits, reference(input_ids=ids).logits)
-    _assert_fused_like(twin, reference)
+    assert_fused_like(twin, reference)
 
 
 def test_what_cannot_be_fused_is_refused():
@@ -219,7 +163,7 @@ def test_what_cannot_be_fused_is_refused():
     from vtp_runtime.integrations.transformers import fuse_lm_head
 
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
-        fuse_lm_head(_family("Gemma2", final_logit_softcapping=30.0))
+        fuse_lm_head(tiny_causal_lm("Gemma2", final_logit_softcapping=30.0))
 
     class Tanh(torch.nn.Module):  # not an nn.Linear
         def __init__(self, linear):
@@ -229,19 +173,19 @@ def test_what_cannot_be_fused_is_refused():
         def forward(self, x):
             return torch.tanh(self.linear(x))
 
-    model = _family("Llama")
+    model = tiny_causal_lm("Llama")
     model.lm_head = Tanh(model.lm_head)
     with pytest.raises(ValueError, match="is a Tanh; vtp_runtime fuses an nn.Linear"):
         fuse_lm_head(model)
 
     # soft-capping switched on after fusing: the forward raises at its tanh, no number comes out
-    model = fuse_lm_head(_family("Gemma2"))
+    model = fuse_lm_head(tiny_causal_lm("Gemma2"))
     model.config.final_logit_softcapping = 30.0
-    ids, labels = _small_batch()
+    ids, labels = small_batch()
     with vtp.use_backend("eager"), pytest.raises(UnfusableLogits, match="applies tanh"):
         model(input_ids=ids, labels=labels)
     with pytest.raises(ValueError, match="needs labels"):
-        fuse_lm_head(_family("Llama"))(input_ids=ids, skip_logits=True)
+        fuse_lm_head(tiny_causal_lm("Llama"))(input_ids=ids, skip_logits=True)
 
 
 class _Storages(TorchDispatchMode):
@@ -283,7 +227,7 @@ def _memory_case(v_local, vocab):
 def test_fused_step_never_allocates_the_logits():
     from vtp_runtime.integrations.transformers import fuse_lm_head
 
-    model = _family("Llama", vocab_size=V)  # logits well above every activation and weight gradient
+    model = tiny_causal_lm("Llama", vocab_size=V)  # logits well above every activation and weight gradient
     ids, labels, bound = _memory_case(V, V)
     with vtp.use_backend("eager"):
         unfused, what = _largest_storage(model, ids, labels)
@@ -307,188 +251,19 @@ def test_trainer_with_gradient_accumulation(tmp_path):
     built = []
 
     def model_init():
-        built.append(_family("Llama"))
+        built.append(tiny_causal_lm("Llama"))
         return built[-1]
 
-    want = train(_family("Llama"), str(tmp_path / "hf"))
+    want = train(tiny_causal_lm("Llama"), str(tmp_path / "hf"))
     assert len(want["logs"]) == 2
     with vtp.use_backend("eager"):
-        assert_same(train(fuse_lm_head(_family("Llama")), str(tmp_path / "vtp")), want)
+        assert_same(train(fuse_lm_head(tiny_causal_lm("Llama")), str(tmp_path / "vtp")), want)
         apply_fused_lm_head("llama")
         try:
             assert_same(train(model_init, str(tmp_path / "init")), want)
         finally:
             revert_fused_lm_head()
     assert built and all(is_fused(m) for m in built)
-
-
-# -- the switch: every model of a class fused as it is built ------------------------------------------
-
-SWITCHED = {
-    "Llama": "llama",
-    "Qwen2": "qwen2",
-    "Qwen3": "qwen3",
-    "Mistral": "mistral",
-    "Gemma": "gemma",
-    "Phi3": "phi3",
-}
-
-
-@pytest.fixture
-def switch():
-    """``apply_fused_lm_head``, reverted after the test whatever it left on."""
-    from vtp_runtime.integrations.transformers import apply_fused_lm_head, revert_fused_lm_head
-
-    yield apply_fused_lm_head
-    revert_fused_lm_head()
-
-
-def _assert_fused_like(model, reference):
-    """``model`` fused (no logits) with ``reference``'s loss and gradients, ``reference``
-    unfused; both with the same weights."""
-    from vtp_runtime.integrations.transformers import is_fused
-
-    assert is_fused(model) and not is_fused(reference)
-    device = next(model.parameters()).device
-    ids, labels = (t.to(device) for t in _small_batch())
-    with vtp.use_backend("eager"):
-        _, want_loss, want_grads = _step(reference.train(), input_ids=ids, labels=labels)
-        got, got_loss, got_grads = _step(model.train(), input_ids=ids, labels=labels)
-    assert got.logits is None
-    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
-    assert got_grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-
-
-@pytest.mark.parametrize("family", list(SWITCHED))
-def test_switch_fuses_models_built_afterwards(family, switch, tmp_path):
-    """``apply_fused_lm_head(model_type)``: a model of that type built afterwards -- by
-    ``from_config``, ``from_pretrained``, or a copy of one (a reference model) -- is fused,
-    with the unpatched model's loss and gradients; one built before is not."""
-    from transformers import AutoModelForCausalLM
-
-    reference = _family(family)
-    reference.save_pretrained(tmp_path)
-    switch(SWITCHED[family])
-    torch.manual_seed(0)
-    built = AutoModelForCausalLM.from_config(reference.config)
-    _assert_fused_like(built, reference)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    _assert_fused_like(loaded, reference)
-    _assert_fused_like(copy.deepcopy(loaded), reference)
-
-
-@functools.cache
-def _tiny_class():
-    """A causal LM transformers does not know: an embedding, a tanh and a biased head."""
-    from transformers import LlamaConfig, PreTrainedModel
-    from transformers.modeling_outputs import CausalLMOutput
-
-    class TinyForCausalLM(PreTrainedModel):
-        config_class = LlamaConfig
-
-        def __init__(self, config):
-            super().__init__(config)
-            self.embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
-            self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size)
-            self.post_init()
-
-        def get_output_embeddings(self):
-            return self.lm_head
-
-        def forward(self, input_ids, labels=None, **kwargs):
-            logits = self.lm_head(torch.tanh(self.embed(input_ids)))
-            loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
-            return CausalLMOutput(loss=loss, logits=logits)
-
-    return TinyForCausalLM
-
-
-def _tiny():
-    from transformers import LlamaConfig
-
-    torch.manual_seed(0)
-    return _tiny_class()(LlamaConfig(**SMALL))
-
-
-def test_switch_for_every_causal_lm(switch):
-    """No argument: every causal LM built afterwards, a class transformers does not know
-    included (by its name); one that cannot be fused keeps its logits, with one warning."""
-    tiny, qwen = _tiny(), _family("Qwen2")
-    switch()
-    _assert_fused_like(_tiny(), tiny)
-    _assert_fused_like(_family("Qwen2"), qwen)
-    with pytest.warns(UserWarning, match="Gemma2ForCausalLM keeps its logits.*final_logit_softcapping") as seen:
-        capped = [_family("Gemma2", final_logit_softcapping=30.0) for _ in range(2)]
-    assert len([w for w in seen if "keeps its logits" in str(w.message)]) == 1  # once per class
-    ids, labels = _small_batch()
-    with vtp.use_backend("eager"):
-        assert capped[1].train()(input_ids=ids, labels=labels).logits is not None
-
-
-def test_switch_is_idempotent_reversible_and_refuses_what_it_cannot_fuse(switch):
-    from transformers import PreTrainedModel
-
-    from vtp_runtime.integrations.transformers import is_fused, revert_fused_lm_head
-
-    post_init = PreTrainedModel.post_init
-    switch("llama", _tiny_class(), chunk_rows=4)
-    switch("llama", chunk_rows=4)  # the same again: nothing changes
-    with pytest.raises(ValueError, match="already called for LlamaForCausalLM"):
-        switch("llama")
-    with pytest.raises(ValueError, match="'lama' is not a model_type"):
-        switch("lama")
-    with pytest.raises(ValueError, match="takes transformers model classes"):
-        switch(torch.nn.Linear)
-    before = _family("Qwen2")  # not switched
-    switch("gemma2")
-    with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):  # named: refused as it is built
-        _family("Gemma2", final_logit_softcapping=30.0)
-    llama = _family("Llama")
-    assert is_fused(llama) and not is_fused(before)
-    revert_fused_lm_head("llama")
-    assert not is_fused(_family("Llama")) and is_fused(llama)  # built before the revert: still fused
-    assert is_fused(_tiny())
-    revert_fused_lm_head()
-    assert PreTrainedModel.post_init is post_init  # transformers' own again
-    assert not is_fused(_tiny())
-
-
-def _liger_then_vtp(switch, device: str, **kernels: bool) -> None:
-    """Liger's layer kernels with vtp's head, as docs/integrations.md composes them:
-    ``apply_liger_kernel_to_llama`` without its cross entropies, then the switch; a Llama
-    built afterwards has the loss and gradients of the unpatched one (Liger's module
-    patches are undone afterwards)."""
-    pytest.importorskip("liger_kernel")
-    from liger_kernel.transformers import apply_liger_kernel_to_llama
-    from transformers.models.llama import modeling_llama
-
-    reference = _family("Llama").to(device)
-    names = ("apply_rotary_pos_emb", "LlamaRMSNorm", "LlamaMLP")
-    saved = {name: getattr(modeling_llama, name) for name in names}
-    try:
-        apply_liger_kernel_to_llama(cross_entropy=False, fused_linear_cross_entropy=False, **kernels)
-        patched = [getattr(modeling_llama, name) is not saved[name] for name in names]
-        assert patched == [kernels.get(k, True) for k in ("rope", "rms_norm", "swiglu")]
-        switch("llama")
-        _assert_fused_like(_family("Llama").to(device), reference)
-    finally:
-        for name, value in saved.items():
-            setattr(modeling_llama, name, value)
-
-
-def test_switch_composes_with_liger_layer_kernels(switch):
-    """On CPU only Liger's RoPE runs (in Triton's interpreter; its RMSNorm and SwiGLU
-    kernels do not): the two class patches compose. The GPU test runs every layer kernel."""
-    _liger_then_vtp(switch, "cpu", rope=True, rms_norm=False, swiglu=False)
-
-
-@pytest.mark.gpu
-def test_switch_composes_with_every_liger_layer_kernel_on_gpu(switch):
-    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU with compiled Triton: TRITON_INTERPRET=0 python -m pytest -m gpu")
-    _liger_then_vtp(switch, "cuda")
 
 
 # -- two ranks -------------------------------------------------------------------------------------
@@ -719,7 +494,7 @@ def test_a_forward_that_bypasses_its_head_module_is_refused():
 
     from vtp_runtime.integrations.transformers import fuse_lm_head
 
-    model = _family("Llama")
+    model = tiny_causal_lm("Llama")
 
     def bypassing(self, input_ids=None, labels=None, **kw):
         hidden = self.model(input_ids=input_ids).last_hidden_state
@@ -728,6 +503,6 @@ def test_a_forward_that_bypasses_its_head_module_is_refused():
 
     model.forward = bypassing.__get__(model)
     fuse_lm_head(model)
-    ids, labels = _small_batch()
+    ids, labels = small_batch()
     with pytest.raises(RuntimeError, match="did not call its output head"):
         model(input_ids=ids, labels=labels)

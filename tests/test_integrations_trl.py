@@ -2,7 +2,8 @@
 ``GKDTrainer.generalized_jsd_loss`` gives on the full logits — every reduction, beta 0 / 0.5
 / 1, temperature 1 and 2, with and without labels and ``num_items_in_batch`` — at TP=1, on
 uneven TP=2 shards and on DTensor shards (an empty one at TP=4). The trainers themselves are
-in ``test_integrations_trl_trainers.py``."""
+in ``test_integrations_trl_trainers.py`` and
+``test_integrations_trl_launched.py``."""
 
 import importlib.util
 import os
@@ -43,7 +44,7 @@ def _trl(student, teacher, labels, beta, temperature, reduction, num_items=None)
     """TRL's value and gradients on full logits; "none" summed over the vocabulary (TRL
     keeps it per entry) and scattered back to [batch, seq] with 0 at ignored tokens."""
     s, t = student.detach().requires_grad_(), teacher.detach().requires_grad_()
-    out = vtp_trl._gkd_trainer().generalized_jsd_loss(s, t, labels, beta, temperature, reduction, num_items)
+    out = vtp_trl.trl_trainer("GKD").generalized_jsd_loss(s, t, labels, beta, temperature, reduction, num_items)
     if reduction == "none" and num_items is None:
         per_token = out.sum(-1)
         if labels is not None:

@@ -154,16 +154,16 @@ def test_ranks_that_disagree_raise_on_every_rank(ranks):
 def _dtensor_pair(rank, world, group):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from tests.test_dtensor import _dt, _mesh
+    from tests.helpers import as_dtensor, pool_mesh
 
-    mesh = _mesh(world, (world,))
+    mesh = pool_mesh(world, (world,))
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, 3, 10, generator=gen) * 2
     y = torch.randint(0, 10, (4, 3), generator=gen)
     y[1, 2] = -100
     dx = distribute_tensor(x, mesh, (Shard(2),)).requires_grad_()
     out = vtp.logprobs(dx, distribute_tensor(y, mesh, (Replicate(),)), return_entropy=True, backend="eager")
-    lp, h = (_dt(o) for o in out)
+    lp, h = (as_dtensor(o) for o in out)
     assert lp.placements == h.placements == (Replicate(),) and h.shape == (4, 3)
     (lp.sum() + h.sum()).backward()
     n = y.numel()
@@ -173,7 +173,9 @@ def _dtensor_pair(rank, world, group):
     torch.testing.assert_close(lp.full_tensor().double(), ref_lp.view(4, 3))
     torch.testing.assert_close(h.full_tensor().double(), ref_h.view(4, 3))
     assert g_lp is not None and g_h is not None
-    torch.testing.assert_close(_dt(dx.grad).full_tensor().double(), (g_lp + g_h).view(x.shape), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        as_dtensor(dx.grad).full_tensor().double(), (g_lp + g_h).view(x.shape), atol=1e-6, rtol=1e-5
+    )
     return True
 
 

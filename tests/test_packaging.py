@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 # what a build writes, and what is not the project's (ignored by git)
 NOT_SOURCE = shutil.ignore_patterns(
     ".git", "__pycache__", "*.egg-info", "build", "dist", ".venv", ".whl", "out", ".*_cache"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 PLUGINS = ("vtp-example-backend", "vtp-broken-plugin")
 BROKEN = {"broken_import", "broken_half", "broken_duplicate", "broken_hookname"}
 
@@ -69,7 +70,7 @@ SCENARIOS = textwrap.dedent("""
                 "imported": sorted(m for m in set(sys.modules) - before if m.startswith(("vtp_example", "vtp_broken")))}
 
     out = {}
-    lazy = not registry.REGISTRY._loaded and "vtp_example_backend" not in sys.modules
+    lazy = not registry.REGISTRY.loaded and "vtp_example_backend" not in sys.modules
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         x = torch.randn(5, 33, dtype=torch.float64)

@@ -80,7 +80,7 @@ def test_lazy_builtins_and_a_plugin(site, monkeypatch):
     site("vtp-good", {"good": GOOD.format(backend="good_one", priority=3)}, version="2.5")
     monkeypatch.setenv("VTP_PLUGINS", "vtp-good")  # ignore whatever else is installed
     r = reg.Registry()
-    assert not r._loaded and r.plugins == []  # nothing imported before the first lookup
+    assert not r.loaded and r.plugins == []  # nothing imported before the first lookup
     backends, warned = load(r)
     assert list(backends)[:2] == ["good_one", "eager"]  # canonical order: priority, then name
     assert warned == []

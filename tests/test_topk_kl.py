@@ -4,7 +4,8 @@ sums the student's residual mass over the complement of the k ids directly), at 
 and 4 with uneven and empty shards (the k ids of a token fall on different ranks), forward
 and reverse, tail on and off, masked tokens, padded entries, reductions, the teacher's
 gradient; repeated ids rejected on every rank; the residual where the k ids hold almost all
-of the student's mass."""
+of the student's mass; inside torch.compile (no graph break, NaN for a bad token), and
+log-probs that are not log-probabilities refused."""
 
 import math
 from dataclasses import dataclass, replace
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
+from tests.helpers import FullInputs, max_error
 from vtp_runtime.errors import ShardError
 from vtp_runtime.testing.cases import DTYPES, shard_sizes
 from vtp_runtime.testing.reference import topk_kl
@@ -303,9 +305,9 @@ def test_options_and_errors():
 def _dtensor_student(rank, world, group):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from tests.test_dtensor import _mesh
+    from tests.helpers import pool_mesh
 
-    mesh = _mesh(world, (world,))
+    mesh = pool_mesh(world, (world,))
     case = replace(BASE, vocab=10, tail=True, masked="labels", seed=40)
     student, lp_t, ids, extra = _inputs(case, 10)
     ds = distribute_tensor(student, mesh, (Shard(2),)).requires_grad_()
@@ -326,3 +328,93 @@ def _dtensor_student(rank, world, group):
 
 def test_dtensor_student(ranks):
     assert ranks(4, _dtensor_student, timeout=120) == [True] * 4
+
+
+# == 7, 8. kl with a TopK teacher inside torch.compile; log-probs that are not ===============
+
+
+def _topk_step(z, lp, ids):
+    return (
+        vtp.kl(z, vtp.TopK(lp, ids), backend="eager"),
+        vtp.kl(z, vtp.TopK(lp, ids), reverse=True, tail=True, backend="eager"),
+    )
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_topk_step():
+    if "topk" not in _COMPILED:
+        _COMPILED["topk"] = torch.compile(_topk_step, backend="aot_eager", fullgraph=True)
+    return _COMPILED["topk"]
+
+
+def _topk_reference(z, lp, ids):
+    return topk_kl(z, lp, ids), topk_kl(z, lp, ids, reverse=True, tail=True)
+
+
+def test_topk_kl_compiles_with_no_graph_break():
+    """Item 7: ``kl(student, vtp.TopK(...))`` under ``torch.compile(fullgraph=True)``
+    compiles with no graph break (the repeated-id check may not read the device on the
+    host there), and its values and student gradient match float64 and eager mode."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    d = FullInputs(6, seed=3, vocab=13)
+    z = d.z.clone().requires_grad_()
+    got = _compiled_topk_step()(z, d.lp, d.ids)
+    (grad,) = torch.autograd.grad(got[0].sum() + got[1].sum(), z)
+    zr = d.z.clone().requires_grad_()
+    want = _topk_reference(zr, d.lp, d.ids)
+    (want_grad,) = torch.autograd.grad(want[0].sum() + want[1].sum(), zr)
+    ze = d.z.clone().requires_grad_()
+    eager = _topk_step(ze, d.lp, d.ids)
+    (eager_grad,) = torch.autograd.grad(eager[0].sum() + eager[1].sum(), ze)
+    for g, w, e in zip((*got, grad), (*want, want_grad), (*eager, eager_grad)):
+        assert max_error(g, w) < 1e-10 and max_error(g, e) < 1e-12
+    assert not counters["graph_break"]
+
+
+def test_compiled_topk_kl_gives_nan_for_a_bad_token():
+    """Items 7 and 8 inside torch.compile, where the host cannot read the device: a token
+    whose TopK repeats an id, and one whose log-probs are raw logits (probabilities summing
+    above 1), give NaN in every output (tail or not); every other token matches float64."""
+    d = FullInputs(6, seed=4, vocab=13)
+    lp, ids = d.lp.clone(), d.ids.clone()
+    ids[1, 2] = ids[1, 0]
+    lp[3] = torch.tensor([2.5, 1.5, 0.5], dtype=torch.float64)
+    got = _compiled_topk_step()(d.z, lp, ids)
+    good = [0, 2, 4, 5]
+    want = _topk_reference(d.z[good], d.lp[good], d.ids[good])
+    for g, w in zip(got, want):
+        assert g[[1, 3]].isnan().all(), g
+        assert max_error(g[good], w) < 1e-10
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_topk_logprobs_that_are_not_logprobs_raise(tail):
+    """Item 8 in eager mode: TopK log-probs whose k probabilities sum above 1 (raw logits
+    passed by mistake, or a distribution that is not one) raise a ValueError, forward and
+    reverse, with ``tail=True`` (which would otherwise drop the residual silently) and
+    without. Log-probs that sum to 1 up to rounding (all V of them, in float32) and padded
+    entries holding anything are accepted and match float64."""
+    d = FullInputs(5, seed=8, vocab=13)
+    raw = d.lp.clone()
+    raw[2] = torch.tensor([3.0, 2.0, 0.5], dtype=torch.float64)
+    over = d.lp.clone()
+    over[4] = torch.tensor([0.6, 0.5, 0.2], dtype=torch.float64).log()  # sums to 1.3
+    for bad in (raw, over):
+        for reverse in (False, True):
+            with pytest.raises(ValueError, match="logprobs"):
+                vtp.kl(d.z, vtp.TopK(bad, d.ids), tail=tail, reverse=reverse)
+
+    full = torch.log_softmax(d.t.float() * 3, -1)  # k = V: sums to 1 up to float32 rounding
+    ids = torch.arange(13).expand(5, 13).contiguous()
+    got = vtp.kl(d.z, vtp.TopK(full, ids), tail=tail)
+    # all V ids: no residual mass, with or without the tail term (the rounding's residual
+    # against the student's exact 0 gives the float64 reference an infinite tail term)
+    assert max_error(got, topk_kl(d.z, full.double(), ids)) < 1e-5
+    padded_lp, padded_ids = d.lp.clone(), d.ids.clone()
+    padded_lp[:, -1], padded_ids[:, -1] = 5.0, -100  # padding: never read
+    got = vtp.kl(d.z, vtp.TopK(padded_lp, padded_ids), tail=tail)
+    assert max_error(got, topk_kl(d.z, padded_lp, padded_ids, tail=tail)) < 1e-10

@@ -139,10 +139,10 @@ def _request(op="jsd", dtype=torch.bfloat16, tp=1, features=frozenset()):
 def registered_xpu(monkeypatch):
     backend = REGISTRY.get("triton_xpu")
     backend.__dict__.pop("_probe_cache", None)
-    dispatch._CACHE.clear()
+    dispatch.clear_selections()
     yield backend
     backend.__dict__.pop("_probe_cache", None)
-    dispatch._CACHE.clear()
+    dispatch.clear_selections()
 
 
 def test_selected_for_xpu_calls_when_the_probe_passes(xpu_env, registered_xpu):
@@ -247,7 +247,7 @@ def test_xpu_config_tp1_matches_reference(case):
         _xpu_case(0, 1, None, case)
     finally:
         REGISTRY.unregister("xpu_config_on_cpu")
-        dispatch._CACHE.clear()
+        dispatch.clear_selections()
 
 
 def _xpu_case_and_unregister(rank, world, group, case):

@@ -213,6 +213,14 @@ def _debug_log(ex: Explanation, shards: Shards | None) -> None:
     log.warning("vtp_runtime selected %s for %s%s [VTP_DEBUG]\n%s", ex.backend, r.op, where, ex)
 
 
+def clear_selections() -> None:
+    """Forget the selections made and logged so far: the next call of each request selects
+    (and, under VTP_DEBUG=1, logs) anew. For a backend whose availability changed without a
+    registration (a probe forgotten), and for tests."""
+    _CACHE.clear()
+    _LOGGED.clear()
+
+
 def _unavailable_message(ex: Explanation) -> str:
     if ex.forced:
         why = ex.reasons.get(ex.forced, [])

@@ -169,6 +169,11 @@ class Registry:
         self.version += 1
 
     # -- loading -----------------------------------------------------------------------
+    @property
+    def loaded(self) -> bool:
+        """Whether the plugins' entry points were loaded (the first lookup loads them)."""
+        return self._loaded
+
     def ensure_loaded(self, strict: bool = True) -> None:
         """Load built-ins and entry points once. Under VTP_STRICT_PLUGINS=1 a failed plugin
         raises here, on every call (``strict=False``: don't raise, e.g. to report it)."""

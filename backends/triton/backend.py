@@ -116,7 +116,7 @@ def capabilities(device_types: frozenset[str]) -> dict[str, OpCapability]:
     }
 
 
-def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
+def geometry(z: torch.Tensor) -> tuple[int, int, int]:
     """``(rows_b, stride_a, stride_b)``: row r starts at ``(r // rows_b) * stride_a + (r % rows_b) * stride_b``.
     The kernels read columns at unit stride: anything else is refused here, never misread."""
     if not meets_layout(z, TritonBackend.input_layout):
@@ -133,15 +133,15 @@ def _geometry(z: torch.Tensor) -> tuple[int, int, int]:
 
 def _row_args(z: torch.Tensor) -> dict[str, Any]:
     """The logits of a one-input kernel and their row geometry, as the kernels name them."""
-    rows_b, stride_a, stride_b = _geometry(z)
+    rows_b, stride_a, stride_b = geometry(z)
     return {"z_ptr": z, "rows_b": rows_b, "stride_a": stride_a, "stride_b": stride_b}
 
 
 def _pair_args(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
     """The two inputs of a two-input kernel and their row geometry, as the kernels name them
     (``sa_*``/``sb_*``: the row strides of a and b; both inputs have one shape)."""
-    rows_b, sa_a, sa_b = _geometry(a)
-    _, sb_a, sb_b = _geometry(b)
+    rows_b, sa_a, sa_b = geometry(a)
+    _, sb_a, sb_b = geometry(b)
     return {"a_ptr": a, "b_ptr": b, "rows_b": rows_b, "sa_a": sa_a, "sa_b": sa_b, "sb_a": sb_a, "sb_b": sb_b}
 
 

@@ -597,7 +597,7 @@ def use_vtp(enabled: bool = True) -> None:
     (``vtp_layout``, ``vtp_chunk_rows``). A trainer keeps what it was built with; trainers
     built before the call, or after ``use_vtp(False)``, are TRL's own. Idempotent. Imports trl."""
     for kind in TRAINERS:
-        cls = _trl_trainer(kind)
+        cls = trl_trainer(kind)
         if enabled and cls not in _SWITCHED:
             _SWITCHED[cls] = cls.__dict__.get("__init__")
             cls.__init__ = _switched_init(kind, cls)  # type: ignore[misc]
@@ -635,7 +635,8 @@ def _switched_init(kind: str, cls: type):
     return __init__
 
 
-def _trl_trainer(kind: str):
+def trl_trainer(kind: str):
+    """TRL's own trainer class of ``kind`` (one of ``TRAINERS``), wherever this TRL keeps it."""
     if kind == "GKD":
         try:
             from trl.experimental.gkd import GKDTrainer  # where newer trl keeps it
@@ -647,10 +648,6 @@ def _trl_trainer(kind: str):
     return getattr(trl, f"{kind}Trainer")
 
 
-def _gkd_trainer():
-    return _trl_trainer("GKD")
-
-
 def __getattr__(name: str):
     # built on first use so that importing this module does not import trl
     for kind in TRAINERS:
@@ -658,7 +655,7 @@ def __getattr__(name: str):
             mixin = VocabParallelGKDMixin if kind == "GKD" else VocabParallelTrainerMixin
             cls = type(
                 name,
-                (mixin, _trl_trainer(kind)),
+                (mixin, trl_trainer(kind)),
                 {
                     "__module__": __name__,
                     "__doc__": f"TRL's {kind}Trainer with its LM head fused through vtp_runtime ({mixin.__name__}).",

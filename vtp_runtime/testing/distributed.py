@@ -97,6 +97,11 @@ def _worker(
         except BaseException as exc:  # report everything, including AssertionError
             results.put((job_id, rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     dist.destroy_process_group()
+    # Every result is delivered (flushed below); the interpreter's own teardown of every module
+    # torch imported would take seconds of CPU per rank and leave nothing behind that a pool needs.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 @contextlib.contextmanager

@@ -196,7 +196,8 @@ def vtp_arm(backend: str, op: str, z, other, beta: float):
     return run
 
 
-def _torch_arm(op, z, other, beta):
+def torch_arm(op, z, other, beta):
+    """The dense PyTorch arm of ``op``: a closure running forward + backward once."""
     import torch
     import torch.nn.functional as F
 
@@ -430,7 +431,7 @@ def run(args) -> int:
                 fn = (
                     vtp_arm(arm, op, z, other, args.beta)
                     if kind == "vtp"
-                    else _torch_arm(op, z, other, args.beta)
+                    else torch_arm(op, z, other, args.beta)
                     if kind == "torch"
                     else _liger_arm(op, z, other, args.beta)
                     if kind == "liger"

@@ -58,10 +58,10 @@ class HeadRow:
     error: str = ""
 
 
-def _arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
+def head_arm(op: str, arm: str, backend: str, h, w, y, ht, wt, beta: float):
     """A closure running forward + backward once and returning the gradients of (h, w)."""
     if arm == "fused_cublas":
-        return _forcing_cublas(_arm(op, "fused", backend, h, w, y, ht, wt, beta))
+        return _forcing_cublas(head_arm(op, "fused", backend, h, w, y, ht, wt, beta))
     import torch
     import torch.nn.functional as F
 
@@ -191,7 +191,7 @@ def _time(fn, device: str, warmup: int, reps: int) -> float:
     return time_loop(fn, 0, reps)
 
 
-def _temporaries(fn) -> float:
+def temporaries(fn) -> float:
     """GiB allocated during one call beyond what was held before it and the gradients it returns."""
     import torch
 
@@ -251,12 +251,12 @@ def run(args) -> int:
                 wt = (torch.randn(v_local, hidden, generator=g, device=device, dtype=torch.float32) * hidden**-0.5).to(
                     dtype
                 )
-            fn = _arm(op, arm, backend, h, w, y, ht, wt, args.beta)
+            fn = head_arm(op, arm, backend, h, w, y, ht, wt, args.beta)
             row.ms = _time(fn, device, args.warmup, args.reps)  # warm first: no compilation in the peak
             gemms = 8 if op == "jsd" else 6
             row.tflops = gemms * n * hidden * v_local / (row.ms * 1e-3) / 1e12
             if device == "cuda":
-                row.temp_gib = _temporaries(fn)
+                row.temp_gib = temporaries(fn)
         except Exception as exc:
             row.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
         finally:
