@@ -135,6 +135,7 @@ BAD_FLAGS = [
     (["demo", "--jsd-steps", "-1"], "--jsd-steps"),
     (["demo", "--lr-ce", "0"], "--lr-ce"),
     (["demo", "--tolerance", "inf"], "--tolerance"),
+    (["demo", "--tolerance", "-1"], "--tolerance"),
     (["info", "--explain", "jsd", "--tp", "0"], "--tp"),
     (["info", "--explain", "jsd", "--vocab", "-3"], "--vocab"),
     (["info", "--explain", "jsd", "--tokens", "-1"], "--tokens"),

@@ -525,18 +525,19 @@ def test_soak_benchmark_holds_its_targets_briefly():
 
 def test_soak_memory_is_flat_after_warm_up():
     """The soak for 3000 steps with 4 token counts (its caches fill within the first 1000):
-    the RSS slope fitted over steps 1000-3000 within 1 MiB per 1000 steps (a leak of 1 KiB
-    per step; the allocator still settles this early: benchmarks/soak_cpu.sh holds 256 KiB
-    over 100,000 steps), plans within their bound, and the compiled form compiled once per
-    shape family however often the eager forms' group is rebuilt (5 rebuilds; compiling
-    again at each adds a graph per op and about 6 MiB)."""
+    the RSS slope fitted over steps 1000-3000 within 4 MiB per 1000 steps (the leak of
+    compiling again at every rebuild, about 6.6 MiB each, is 13 MiB per 1000 steps here; the
+    allocator still settles this early, by up to 2.7 MiB per 1000 steps seen on a two-core CI
+    machine: benchmarks/soak_cpu.sh holds 256 KiB over long runs), plans within their bound,
+    and the compiled form compiled once per shape family however often the eager forms'
+    group is rebuilt (5 rebuilds; compiling again at each adds a graph per op)."""
     argv = ("--steps", "3000", "--rebuild-every", "500", "--report-every", "1000", "--tokens", "1,4")
     out = _soak(
-        *SOAK_CPU, *argv, "--sample-every", "20", "--warmup-steps", "1000", "--rss-slope-bound", "1024", timeout=400
+        *SOAK_CPU, *argv, "--sample-every", "20", "--warmup-steps", "1000", "--rss-slope-bound", "4096", timeout=400
     )
-    slope = next(line for line in out.splitlines() if "(RSS) after step 1000: slope at most 1024 KiB" in line)
+    slope = next(line for line in out.splitlines() if "(RSS) after step 1000: slope at most 4096 KiB" in line)
     values = [float(cell.split()[0]) for cell in slope.split("|")[2:4]]
-    assert all(v <= 1024 for v in values) and slope.endswith("| met |"), slope
+    assert all(v <= 4096 for v in values) and slope.endswith("| met |"), slope
     graphs = next(line for line in out.splitlines() if line.startswith("graphs compiled:"))
     counts = [int(n) for n in re.findall(r"rank \d+: (\d+)", graphs.split(";")[0])]
     assert max(counts) <= 24, graphs  # 6 ops, forward and backward, N = 1 and dynamic N

@@ -66,6 +66,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0."""
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
 def unit_float(text: str) -> float:
     """A number in [0, 1]."""
     value = _float(text)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from vtp_runtime.cli_flags import non_negative_int, positive_float, positive_int
+from vtp_runtime.cli_flags import non_negative_float, non_negative_int, positive_float, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tolerance",
-        type=positive_float,
+        type=non_negative_float,
         default=1e-4,
         help="largest relative deviation from float64 allowed (default 1e-4)",
     )
