@@ -1,7 +1,7 @@
 """What several test files share: the repository's root, the tiny transformers models the
 integration tests build (and a step of one), the docs' multi-rank examples, the device mesh and
-DTensor check of rank jobs, float64 inputs with each rank's shard of them, and rank pools
-that fail fast."""
+DTensor check of rank jobs, float64 inputs with each rank's shard of them, the sampling tests'
+random logits, and rank pools that fail fast."""
 
 from __future__ import annotations
 
@@ -226,6 +226,17 @@ def healthy_calls(rank: int, world: int, group) -> float:
         max_error(ce, reference("cross_entropy", (d.z,), d.y, label_smoothing=0.2)),
         max_error(jsd, reference("jsd", (d.z, d.t), beta=0.3)),
     )
+
+
+# -- random logits over the sampling tests' vocabulary --------------------------------------
+
+SAMPLING_VOCAB = 23  # the vocabulary of the sampling tests: small, prime, split unevenly
+
+
+def random_logits(n: int = 6, v: int = SAMPLING_VOCAB, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
+    """Float32 logits [n, v], normal with standard deviation ``scale``, the same for one seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, v, generator=g) * scale
 
 
 # -- rank pools that fail fast ---------------------------------------------------------------
