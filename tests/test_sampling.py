@@ -1,10 +1,9 @@
-"""vtp.argmax and vtp.sample against the float64 dense reference on the full logits
-(``vtp_runtime.testing.reference``), on one process and on gloo ranks with even, uneven,
-empty and out-of-order shards, eager and triton (Triton's interpreter on CPU). The
-interpreter is slow: by default triton's draws are tested against the distribution with
-every restriction at once, its tokens on every shard layout for one set of options, and its
-tokens against eager's for every option; ``VTP_TEST_DEPTH=full`` tests each option alone as
-well, as for eager."""
+"""vtp.argmax and vtp.sample on one process against the float64 dense reference on the full
+logits (``vtp_runtime.testing.reference``), eager and triton (Triton's interpreter on CPU);
+on gloo ranks in ``test_sampling_ranks.py``. The interpreter is slow: by default triton's
+draws are tested against the distribution with every restriction at once, and its tokens
+against eager's for every option; ``VTP_TEST_DEPTH=full`` tests each option alone as well,
+as for eager."""
 
 import math
 from typing import Any
