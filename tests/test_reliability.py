@@ -98,16 +98,16 @@ def _one_rank_call(case: str, bad: bool, group, student, teacher, labels):
         # after earlier tests planned this call needs a cold plan cache (cleared on every rank).
         plan.clear()
         REGISTRY.ensure_loaded()
-        saved = REGISTRY._strict_error
+        saved = REGISTRY.strict_error
         if bad:
-            REGISTRY._strict_error = PluginError(
+            REGISTRY.strict_error = PluginError(
                 "backend plugins failed to load (VTP_STRICT_PLUGINS=1 "
                 "makes this an error):\n  broken (broken 1.0): ImportError"
             )
         try:
             return vtp.cross_entropy(student, labels, tp_group=group)
         finally:
-            REGISTRY._strict_error = saved
+            REGISTRY.strict_error = saved
     if case == "probe_raises":
         if not bad:
             return vtp.cross_entropy(student, labels, tp_group=group)

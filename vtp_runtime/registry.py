@@ -19,6 +19,10 @@ The registry is the one piece of global mutable state that decides anything. The
 derived from it or scoped: dispatch's selection cache and its VTP_DEBUG log-once set (keyed
 on ``Registry.version``, which every change bumps), each backend's probe cache (per device
 type, for the life of the process), and ``use_backend``'s overrides (a ContextVar).
+
+``Registry.strict_error`` is the ``PluginError`` that a strict lookup raises once plugins
+failed to load under ``VTP_STRICT_PLUGINS=1`` (None otherwise); tests set it to stand in
+for a failed load.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class Registry:
         self.plugins: list[PluginRecord] = []
         self._loaded = False
         self._loading = False
-        self._strict_error: PluginError | None = None
+        self.strict_error: PluginError | None = None  # raised by each strict lookup once plugins failed
         self.version = 0  # bumped on every change; caches key on it
 
     # -- registration ------------------------------------------------------------------
@@ -185,8 +189,8 @@ class Registry:
                         self._load_all()
                     finally:
                         self._loaded = True
-        if strict and self._strict_error is not None:
-            raise self._strict_error
+        if strict and self.strict_error is not None:
+            raise self.strict_error
 
     def _load_all(self) -> None:
         failed = []
@@ -214,7 +218,7 @@ class Registry:
                 stacklevel=4,
             )
         if failed and env.flag("VTP_STRICT_PLUGINS"):
-            self._strict_error = PluginError(
+            self.strict_error = PluginError(
                 "backend plugins failed to load (VTP_STRICT_PLUGINS=1 makes this an error):\n"
                 + "\n".join(f"  {r.name} ({r.source}): {r.error}" for r in failed)
             )
