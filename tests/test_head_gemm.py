@@ -233,18 +233,18 @@ def test_gate_on_devices(monkeypatch):
     assert head_gemm.device_refusal(torch.device("cuda", 0)) == "no CUDA device"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for capability, verdict in (((8, 0), "CUDA sm_80: the epilogue GEMM needs sm_90 or later (TMA)"), ((9, 0), None)):
-        head_gemm._cuda_refusal.cache_clear()
+        head_gemm.cuda_refusal.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=capability: c)
         assert head_gemm.device_refusal(torch.device("cuda", 0)) == verdict
-    head_gemm._cuda_refusal.cache_clear()
-    monkeypatch.setattr(head_gemm, "_descriptors", lambda: "no triton.tools.tensor_descriptor in this Triton")
+    head_gemm.cuda_refusal.cache_clear()
+    monkeypatch.setattr(head_gemm, "descriptors_refusal", lambda: "no triton.tools.tensor_descriptor in this Triton")
     assert "tensor_descriptor" in str(head_gemm.device_refusal(torch.device("cpu")))
     monkeypatch.setenv("VTP_HEAD_GEMM", "cublas")
     assert head_gemm.device_refusal(torch.device("cpu")) == "VTP_HEAD_GEMM=cublas"
 
 
 def test_tensor_descriptors_exist_in_this_triton():
-    assert head_gemm._descriptors() is None
+    assert head_gemm.descriptors_refusal() is None
 
 
 def test_unaligned_shard_falls_back_and_stays_exact():

@@ -14,6 +14,9 @@ rows of the hidden states, the weight and the logits (H and V_local elements of 
 multiples) and a unit-stride bias; not ``VTP_HEAD_GEMM=cublas``. Where it refuses, the
 chunk driver computes the logits with ``torch.mm`` (cuBLAS chunks) and the forward runs its
 statistics pass. Importing this module never imports triton.
+
+``device_refusal`` answers for a device, from ``cuda_refusal`` (a CUDA device's capability,
+cached per index) and ``descriptors_refusal`` (the installed Triton's descriptors, cached).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def _head_kernels():
 
 
 @functools.cache
-def _descriptors() -> str | None:
+def descriptors_refusal() -> str | None:
     """Why the installed Triton has no TMA tensor descriptors (None: it has them)."""
     try:
         import triton
@@ -68,7 +71,9 @@ def _descriptors() -> str | None:
 
 
 @functools.cache
-def _cuda_refusal(index: int) -> str | None:
+def cuda_refusal(index: int) -> str | None:
+    """Why CUDA device ``index`` cannot run the epilogue GEMM (None: it can); cached per
+    index (``cuda_refusal.cache_clear()`` forgets the answers)."""
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
         return f"CUDA sm_{major}{minor}: the epilogue GEMM needs sm_90 or later (TMA)"
@@ -87,12 +92,12 @@ def device_refusal(device: torch.device) -> str | None:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return "no CUDA device"
-        why = _cuda_refusal(device.index if device.index is not None else torch.cuda.current_device())
+        why = cuda_refusal(device.index if device.index is not None else torch.cuda.current_device())
     elif device.type == "cpu":
         why = None if env.triton_interpret() else "CPU tensors outside Triton's interpreter"
     else:
         why = f"device type {device.type!r}: the epilogue GEMM runs on CUDA sm_90+"
-    return why or _descriptors()
+    return why or descriptors_refusal()
 
 
 def call_refusal(
