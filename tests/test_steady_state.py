@@ -274,20 +274,21 @@ def test_options_as_passed_give_the_canonical_signature():
     ]
     parts = set()
     for given in spellings * 2:  # the second round is answered by the lookup
-        parts.add(plan._plain_options(spec, given) or plan._options_part(spec, given))
-        assert plan._plain_options(spec, given) in (None, plan._options_part(spec, given))
+        parts.add(plan.options_signature(spec, given, lookup=True) or plan.options_signature(spec, given))
+        assert plan.options_signature(spec, given, lookup=True) in (None, plan.options_signature(spec, given))
     assert len(parts) == 1
     # 1 and True hash alike: a bool option given 1 is another call (the checks refuse it)
     logprobs = vtp.OPS["logprobs"]
-    assert plan._plain_options(logprobs, {"return_entropy": True}) != plan._plain_options(
-        logprobs, {"return_entropy": 1}
+    assert plan.options_signature(logprobs, {"return_entropy": True}, lookup=True) != plan.options_signature(
+        logprobs, {"return_entropy": 1}, lookup=True
     )
     mask = torch.ones(4, dtype=torch.bool)
-    assert plan._plain_options(vtp.OPS["entropy"], {"mask": mask}) is None  # a tensor: computed every call
-    held = [v for key in plan._PLAIN_OPTIONS for v in key if isinstance(v, torch.Tensor)]
+    entropy = vtp.OPS["entropy"]
+    assert plan.options_signature(entropy, {"mask": mask}, lookup=True) is None  # a tensor: computed every call
+    held = [v for key in plan.plain_options_keys() for v in key if isinstance(v, torch.Tensor)]
     assert not held
-    before = len(plan._PLAIN_OPTIONS)  # other tests of the process may have added entries
+    before = len(plan.plain_options_keys())  # other tests of the process may have added entries
     for seed in range(3):  # a per-call number: one entry, whatever its value
-        plan._plain_options(vtp.OPS["sample"], {"seed": seed})
-    assert len(plan._PLAIN_OPTIONS) - before <= 1
-    assert ("sample", "seed", int) in plan._PLAIN_OPTIONS
+        plan.options_signature(vtp.OPS["sample"], {"seed": seed}, lookup=True)
+    assert len(plan.plain_options_keys()) - before <= 1
+    assert ("sample", "seed", int) in plan.plain_options_keys()

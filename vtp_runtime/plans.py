@@ -28,6 +28,9 @@ none, as long as the ranks make the same calls. What this cannot see is a change
 ranks only after a signature was planned (see ``docs/guide.md``, "No host sync"); on a
 group with a CPU transport every call still gathers on the host (no device sync), and
 ``VTP_CHECK=1`` checks every call in full.
+
+``options_signature`` and ``plain_options_keys`` show the options' part of a signature and
+what the lookup by plain options holds (the steady-state tests read them).
 """
 
 from __future__ import annotations
@@ -311,6 +314,19 @@ def _options_part(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
         elif not option.is_default(value):
             key += (name, type(value), value)
     return tuple(key)
+
+
+def options_signature(spec: OpSpec, options: Mapping[str, Any], *, lookup: bool = False) -> tuple | None:
+    """The options' part of a call's signature, each option canonicalized; with ``lookup``,
+    as the lookup by the options as passed answers it (None where some option is not a plain
+    value). Both give one part for one call: the lookup only skips the canonicalizing."""
+    return _plain_options(spec, options) if lookup else _options_part(spec, options)
+
+
+def plain_options_keys() -> list[tuple]:
+    """What the lookup by plain options holds now: a key per spelling of a call's options
+    (at most ``MAX_PLAIN_OPTIONS``)."""
+    return list(_PLAIN_OPTIONS)
 
 
 # -- the plan of a call ----------------------------------------------------------------------
