@@ -122,7 +122,7 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _tma_ok(cfg: MatmulConfig, *tensors: Tensor) -> bool:
+def tma_ok(cfg: MatmulConfig, *tensors: Tensor) -> bool:
     """TMA descriptors: asked for, on Hopper or later (or the interpreter), rows 16-byte
     aligned, the last dimension contiguous."""
     if not cfg.tma:
@@ -176,7 +176,7 @@ def matmul(
     programs = _programs(h.device)
     mode_id = {"logits": 0, "stats": 1, "stats_only": 2, "grad": 3}[mode]
     stored = out if mode != "stats_only" else None
-    use_tma = _tma_ok(cfg, h, w, *([stored] if stored is not None else []))
+    use_tma = tma_ok(cfg, h, w, *([stored] if stored is not None else []))
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
