@@ -138,10 +138,10 @@ def _request(op="jsd", dtype=torch.bfloat16, tp=1, features=frozenset()):
 @pytest.fixture
 def registered_xpu(monkeypatch):
     backend = REGISTRY.get("triton_xpu")
-    backend.__dict__.pop("_probe_cache", None)
+    backend.clear_probe_cache()
     dispatch.clear_selections()
     yield backend
-    backend.__dict__.pop("_probe_cache", None)
+    backend.clear_probe_cache()
     dispatch.clear_selections()
 
 

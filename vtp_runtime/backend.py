@@ -237,6 +237,10 @@ class Backend:
             cache[device_type] = found
         return cache[device_type]
 
+    def clear_probe_cache(self) -> None:
+        """Forget ``probe_reasons``' answers: the next one probes again."""
+        self.__dict__.pop("_probe_cache", None)
+
     # -- capabilities ------------------------------------------------------------------
     def capability_reasons(self, request: Request) -> list[str]:
         """Why the declared capabilities exclude ``request`` (no environment checks)."""
