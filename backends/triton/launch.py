@@ -20,6 +20,7 @@ the type of every non-tensor value. A launch whose arguments do not fit their fo
 non-tensor where the first call had a tensor) goes through the JIT. Launch hooks (a
 profiler's) or pre-run hooks send every launch through the JIT, as do objects that are not
 plain JIT functions (Triton's interpreter, test doubles). Nothing here holds a tensor.
+``kept_count``, ``form_count`` and ``forget`` show and drop what is kept.
 """
 
 from __future__ import annotations
@@ -167,6 +168,16 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
         runtime.launch_exit_hook,
         *form.ordered(args),
     )
+
+
+def form_count(kernel: Any) -> int:
+    """How many sets of argument names ``kernel`` has a form for (at most ``MAX_FORMS``)."""
+    return len(_forms.get(kernel, {}))
+
+
+def forget() -> None:
+    """Drop every form and kept kernel: the next launch of each kernel goes through the JIT."""
+    _forms.clear()
 
 
 def kept_count() -> int:
