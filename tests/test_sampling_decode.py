@@ -240,19 +240,19 @@ def test_the_checks_catch_a_host_read_and_a_second_launch():
 
 
 def test_plans_are_bounded_and_hold_no_tensor():
-    triton_sampling._DECODE_PLANS.clear()
+    triton_sampling.clear_decode_plans()
     for n in range(1, triton_sampling.MAX_DECODE_PLANS + 10):
         vtp.argmax(torch.zeros(n, 5), backend="triton")
-        assert len(triton_sampling._DECODE_PLANS) <= triton_sampling.MAX_DECODE_PLANS
-    for plan in triton_sampling._DECODE_PLANS.values():
+        assert len(triton_sampling.decode_plans()) <= triton_sampling.MAX_DECODE_PLANS
+    for plan in triton_sampling.decode_plans():
         held = [plan.n, plan.gumbel, plan.fast, plan.device, *plan.args.values(), *plan.values]
         assert not any(isinstance(v, torch.Tensor) for v in held)
     x = edge_logits(8, V)
     vtp.sample(x, seed=1, backend="triton")
-    size = len(triton_sampling._DECODE_PLANS)
+    size = len(triton_sampling.decode_plans())
     for seed in range(5):  # a new seed per call: the same plan
         vtp.sample(x, seed=seed, backend="triton")
-    assert len(triton_sampling._DECODE_PLANS) == size
+    assert len(triton_sampling.decode_plans()) == size
 
 
 # -- TP 2 and 3: the rounds on ranks give the tokens of one launch on one process ---------------

@@ -2,8 +2,9 @@
 
 At TP = 1 a call is one launch of ``sampling_kernels.decode_kernel`` (``decode``), which
 finds the ids in the kernel with the keys and kept sets of ``vtp_runtime.sampling.run``;
-the call signature's plan (``decode_plan``, at most ``MAX_DECODE_PLANS``) keeps its
-arguments and, once launched, the compiled kernel, launched directly (``launch_decode``).
+the call signature's plan (``decode_plan``, at most ``MAX_DECODE_PLANS``; ``decode_plans``
+and ``clear_decode_plans`` show and drop them) keeps its arguments and, once launched, the
+compiled kernel, launched directly (``launch_decode``).
 At TP > 1, the local primitives of ``vtp_runtime.sampling.run`` (which holds the algorithm
 and the collectives):
 
@@ -193,6 +194,16 @@ def decode_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
             _DECODE_PLANS.clear()
         plan = _DECODE_PLANS[key] = _make_plan(cfg, call, z)
     return plan
+
+
+def decode_plans() -> list[DecodePlan]:
+    """The plans kept now (at most ``MAX_DECODE_PLANS``)."""
+    return list(_DECODE_PLANS.values())
+
+
+def clear_decode_plans() -> None:
+    """Drop every kept plan: the next call of each signature makes its plan again."""
+    _DECODE_PLANS.clear()
 
 
 def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
