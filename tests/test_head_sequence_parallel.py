@@ -85,12 +85,12 @@ def test_sequence_parallel_head_triton(ranks, world, case):
 def by_reduce_scatter(rank, world, group, case):
     """The all-gather and reduce-scatter NCCL and XCCL run, here on gloo (which otherwise
     broadcasts each rank's block and all-reduces the gradient in place)."""
-    original = head_gather._on_gloo
-    head_gather._on_gloo = lambda group, device: False
+    original = head_gather.on_gloo
+    head_gather.on_gloo = lambda group, device: False
     try:
         return run_head_case(rank, world, group, case)
     finally:
-        head_gather._on_gloo = original
+        head_gather.on_gloo = original
 
 
 @pytest.mark.parametrize("case", [SP_CASES[0], SP_CASES[4], SP_CASES[7]], ids=head_case_id)
@@ -172,21 +172,21 @@ def never_all_hidden(rank, world, group):
     gather is issued before the previous chunk's rows are used (one chunk ahead)."""
     events: list[tuple[str, int]] = []
     gathered: list[int] = []
-    original_start, original_rows = head_gather.HiddenChunks._start, head_gather.HiddenChunks.rows
+    original_start, original_rows = head_gather.HiddenChunks.start_gather, head_gather.HiddenChunks.rows
 
     def start(self, c):
-        if c < self.layout.chunks and c not in self._in_flight:
+        if c < self.layout.chunks and c not in self.in_flight:
             events.append(("gather", c))
         return original_start(self, c)
 
     def rows(self, c):
         out = original_rows(self, c)
         events.append(("use", c))
-        gathered.extend(b.shape[0] for b in self._gathered if b is not None)
+        gathered.extend(b.shape[0] for b in self.gathered if b is not None)
         return out
 
     # spies patched onto the class for this job, restored below (mypy refuses assigning to a method)
-    head_gather.HiddenChunks._start, head_gather.HiddenChunks.rows = start, rows  # type: ignore[method-assign]
+    head_gather.HiddenChunks.start_gather, head_gather.HiddenChunks.rows = start, rows  # type: ignore[method-assign]
     try:
         n, h = 24, 8
         x = torch.randn(n // world, h, requires_grad=True)
@@ -196,7 +196,7 @@ def never_all_hidden(rank, world, group):
             vtp.Head(x, w, sequence_parallel=True, chunk_rows=8), y, reduction="mean", tp_group=group
         ).backward()
     finally:
-        head_gather.HiddenChunks._start, head_gather.HiddenChunks.rows = original_start, original_rows  # type: ignore[method-assign]
+        head_gather.HiddenChunks.start_gather, head_gather.HiddenChunks.rows = original_start, original_rows  # type: ignore[method-assign]
     return events, max(gathered)
 
 

@@ -87,7 +87,7 @@ class SequenceLayout:
         return torch.cat(parts)
 
 
-def _on_gloo(group: Any, device: torch.device) -> bool:
+def on_gloo(group: Any, device: torch.device) -> bool:
     """Whether the collectives of ``group`` on ``device`` run on gloo. Its reduce-scatter is an
     all-reduce of a copy of the input, so an all-reduce in place is the same traffic without
     the copy; and its all-gather allocates a tensor the size of its whole output (on the
@@ -121,18 +121,21 @@ class HiddenChunks:
     whose reduce-scatter is an all-reduce of a copy of its input, the gradient is
     all-reduced in place instead (no copy) and waited for before the buffer is gathered into
     again.
+
+    ``in_flight`` holds the gathers issued and not yet waited for (by chunk: works, output,
+    input), ``gathered`` the two gather buffers (None until first used).
     """
 
     def __init__(self, hidden: Tensor, layout: SequenceLayout, group: Any) -> None:
         self.hidden, self.layout, self.group = hidden, layout, group
         self.world, self.width = layout.tp_size, hidden.shape[-1]
         self._starts = layout.starts()
-        self._gathered: list[Tensor | None] = [None, None]
-        self._in_flight: dict[int, tuple[list[Any], Tensor, Tensor]] = {}  # chunk -> (works, output, input)
+        self.gathered: list[Tensor | None] = [None, None]
+        self.in_flight: dict[int, tuple[list[Any], Tensor, Tensor]] = {}  # chunk -> (works, output, input)
         self._compact: Tensor | None = None
         self._current: tuple[int, Tensor] | None = None  # the chunk rows() gave last
         # gloo: gathers by broadcasts (compact, no padding), scatters by an all-reduce in place
-        self._gloo = _on_gloo(group, hidden.device)
+        self._gloo = on_gloo(group, hidden.device)
         self._scatters: list[tuple[Any, Tensor, Tensor, Tensor | None]] = []  # work, input, output, place
 
     def chunk_at(self, lo: int) -> int:
@@ -151,8 +154,9 @@ class HiddenChunks:
         return len(set(counts)) > 1
 
     # -- the hidden rows ------------------------------------------------------------------
-    def _start(self, c: int) -> None:
-        if c >= self.layout.chunks or c in self._in_flight:
+    def start_gather(self, c: int) -> None:
+        """Issue chunk ``c``'s gather, unless it is issued already or past the last chunk."""
+        if c >= self.layout.chunks or c in self.in_flight:
             return
         if self._gloo:  # an all-reduce in place may still be reading this buffer
             self._wait()
@@ -160,7 +164,7 @@ class HiddenChunks:
         m, mine, lo = max(counts), counts[self.layout.rank], c * self.layout.per_rank
         send = self.hidden[lo : lo + mine]
         if self._gloo:  # each rank's rows broadcast into their place in the chunk order
-            out = self._buffer(self._gathered, c % 2)[: sum(counts)]
+            out = self._buffer(self.gathered, c % 2)[: sum(counts)]
             at = sum(counts[: self.layout.rank])
             out[at : at + mine].copy_(send)
             works, at = [], 0
@@ -169,22 +173,22 @@ class HiddenChunks:
                     src = dist.get_global_rank(self.group, r)
                     works.append(dist.broadcast(out[at : at + k], src=src, group=self.group, async_op=True))
                 at += k
-            self._in_flight[c] = (works, out, send)
+            self.in_flight[c] = (works, out, send)
             return
         if mine < m:  # every rank sends a block of the chunk's largest size
             send = torch.cat([send, send.new_zeros(m - mine, self.width)])
-        out = self._buffer(self._gathered, c % 2)[: self.world * m]
+        out = self._buffer(self.gathered, c % 2)[: self.world * m]
         work = all_gather_into(out, send.contiguous(), self.group, async_op=True)
-        self._in_flight[c] = ([work], out, send)
+        self.in_flight[c] = ([work], out, send)
 
     def rows(self, c: int) -> Tensor:
         """The hidden rows of chunk ``c``, ``[tokens of the chunk, H]`` in chunk order (rank
         0's block first), valid until ``rows(c + 1)``; starts the gather of chunk ``c + 1``."""
-        self._start(c)
-        works, out, _ = self._in_flight.pop(c)
+        self.start_gather(c)
+        works, out, _ = self.in_flight.pop(c)
         for work in works:
             work.wait()
-        self._start(c + 1)
+        self.start_gather(c + 1)
         if self._gloo or not self._padded(c):  # broadcast into place: compact already
             self._current = (c, out)
             return out
@@ -242,11 +246,11 @@ class HiddenChunks:
     def release(self) -> None:
         """Wait for what is in flight and drop every buffer."""
         self._wait()
-        for works, _, _ in self._in_flight.values():
+        for works, _, _ in self.in_flight.values():
             for work in works:
                 work.wait()
-        self._in_flight.clear()
-        self._gathered, self._compact, self._current = [None, None], None, None
+        self.in_flight.clear()
+        self.gathered, self._compact, self._current = [None, None], None, None
 
 
 __all__ = ["SequenceLayout", "HiddenChunks"]
