@@ -45,9 +45,10 @@ def kernel(monkeypatch):
     active = types.SimpleNamespace(device=0, get_current_stream=lambda device: 1234 + device)
     active.get_current_device = lambda: active.device
     driver = types.SimpleNamespace(active=active)
-    monkeypatch.setattr(launch_mod, "_runtime", (JITFunction, runtime, driver))
+    launch_mod.use_runtime((JITFunction, runtime, driver))
     launch_mod.forget()
     yield fn, log, runtime, active
+    launch_mod.use_runtime(None)
     launch_mod.forget()  # the stand-ins hold what they were given
 
 

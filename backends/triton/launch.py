@@ -20,7 +20,8 @@ the type of every non-tensor value. A launch whose arguments do not fit their fo
 non-tensor where the first call had a tensor) goes through the JIT. Launch hooks (a
 profiler's) or pre-run hooks send every launch through the JIT, as do objects that are not
 plain JIT functions (Triton's interpreter, test doubles). Nothing here holds a tensor.
-``kept_count``, ``form_count`` and ``forget`` show and drop what is kept.
+``kept_count``, ``form_count`` and ``forget`` show and drop what is kept; ``use_runtime``
+puts stand-ins for Triton's runtime in its place.
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def _triton() -> Any:
         knobs = getattr(triton, "knobs", None)  # triton >= 3.4; older ones always take the JIT path
         _runtime = (JITFunction, getattr(knobs, "runtime", None), triton.runtime.driver)
     return _runtime
+
+
+def use_runtime(runtime: tuple[Any, Any, Any] | None) -> None:
+    """Launch through ``runtime`` (``JITFunction``, ``knobs.runtime``, the driver: stand-ins
+    in tests); None: Triton's own, imported at the next launch."""
+    global _runtime
+    _runtime = runtime
 
 
 def _hook_active(hook: Any) -> bool:
