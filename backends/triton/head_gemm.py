@@ -46,8 +46,8 @@ OPS_REFUSED = {
 }
 ROUTE = "triton epilogue GEMM (softmax statistics in the logits matmul's epilogue)"
 FALLBACK = "cuBLAS chunks"
-# On CUDA, vocabulary shards narrower than this take cuBLAS chunks: the GEMM won at a shard of
-# 151936 and lost at 75968 and 37984 on the H200 (docs/benchmarks.md, "Fused head")
+# On CUDA, vocabulary shards narrower than this take cuBLAS chunks, which were measured faster
+# there (docs/benchmarks.md, "Sixth round")
 MIN_CUDA_V_LOCAL = 100_000
 STATS_MODE = 1  # head_matmul_kernel's STATS epilogue
 
@@ -154,7 +154,7 @@ def tensors_refusal(
     if weight.is_cuda and weight.shape[0] < MIN_CUDA_V_LOCAL and env.head_gemm() != "triton":
         return (
             f"a vocabulary shard of {weight.shape[0]} rows: below {MIN_CUDA_V_LOCAL} cuBLAS chunks were "
-            "measured faster (docs/benchmarks.md, Fused head); VTP_HEAD_GEMM=triton takes the GEMM anyway"
+            "measured faster (docs/benchmarks.md, Sixth round); VTP_HEAD_GEMM=triton takes the GEMM anyway"
         )
     return None
 
