@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+N = TypeVar("N", int, float)
 
 
 def _int(text: str) -> int:
@@ -19,33 +22,6 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 0")
-    return value
-
-
-def positive_ints(text: str) -> list[int]:
-    """A comma-separated list of integers >= 1, at least one."""
-    items = text.split(",")
-    if len(items) == 1:
-        return [positive_int(text)]
-    bad = [item for item in items if not item.strip().isdigit() or int(item) < 1]
-    if bad:
-        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))} in {text!r}: each value must be an integer >= 1")
-    return [int(item) for item in items]
 
 
 def _float(text: str) -> float:
@@ -58,28 +34,36 @@ def _float(text: str) -> float:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
-    return value
+def _bounded(parse: Callable[[str], N], within: Callable[[N], bool], what: str) -> Callable[[str], N]:
+    """The type of a value that ``parse`` reads and ``within`` accepts; ``what`` says which
+    (e.g. "an integer >= 1")."""
+
+    def check(text: str) -> N:
+        value = parse(text)
+        if not within(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    check.__name__ = check.__doc__ = what
+    return check
 
 
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
-    return value
+positive_int = _bounded(_int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int = _bounded(_int, lambda v: v >= 0, "an integer >= 0")
+positive_float = _bounded(_float, lambda v: v > 0, "a number > 0")
+non_negative_float = _bounded(_float, lambda v: v >= 0, "a number >= 0")
+unit_float = _bounded(_float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
-def unit_float(text: str) -> float:
-    """A number in [0, 1]."""
-    value = _float(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1]")
-    return value
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of integers >= 1, at least one."""
+    items = text.split(",")
+    if len(items) == 1:
+        return [positive_int(text)]
+    bad = [item for item in items if not item.strip().isdigit() or int(item) < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, bad))} in {text!r}: each value must be an integer >= 1")
+    return [int(item) for item in items]
 
 
 def names(known: Iterable[str] | Callable[[], Iterable[str]], what: str, *, empty: bool = False):
