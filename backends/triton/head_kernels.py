@@ -34,14 +34,12 @@ stride, Triton's interpreter). One of four epilogues (``MODE``):
 import triton
 import triton.language as tl
 
-from .kernels import CE, CE_FIELDS, LOGPROBS_FIELDS, P_INDEX, P_LABEL, P_MAX, P_MAX_A, P_MAX_B, PAIR_FIELDS
+from .kernels import CE, CE_FIELDS, LN2, LOGPROBS_FIELDS, P_INDEX, P_LABEL, P_MAX, P_MAX_A, P_MAX_B, PAIR_FIELDS
 
 LOGITS = tl.constexpr(0)
 STATS = tl.constexpr(1)
 STATS_ONLY = tl.constexpr(2)
 GRAD = tl.constexpr(3)
-
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
