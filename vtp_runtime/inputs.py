@@ -116,37 +116,12 @@ class _Placement:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Layout(_Placement):
     """A logits DTensor's placement with its mesh and the vocabulary's process group, for
     one call (never cached: a cache holding them would keep them alive)."""
 
     mesh: Any  # DeviceMesh
-    placement: _Placement
     group: Any  # the vocabulary's ProcessGroup; None when vocab_mesh_dim is None
-
-    @property
-    def placements(self) -> tuple:
-        return self.placement.placements
-
-    @property
-    def vocab_mesh_dim(self) -> int | None:
-        return self.placement.vocab_mesh_dim
-
-    @property
-    def batch_sharded(self) -> bool:
-        return self.placement.batch_sharded
-
-    @property
-    def vocab_start(self) -> int | None:
-        return self.placement.vocab_start
-
-    @property
-    def vocab_end(self) -> int | None:
-        return self.placement.vocab_end
-
-    @property
-    def vocab_size(self) -> int:
-        return self.placement.vocab_size
 
 
 def _placements(t, torch_names: _Torch) -> tuple:
@@ -175,7 +150,7 @@ def _layout_for(mesh, placements: tuple, shape: tuple, names: _Torch, seen: dict
     group = None if found.vocab_mesh_dim is None else mesh.get_group(found.vocab_mesh_dim)
     if seen is not None and group is not None:
         seen["group"] = group
-    return _Layout(mesh, found, group)
+    return _Layout(**vars(found), mesh=mesh, group=group)
 
 
 def _new_placement(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Placement:
