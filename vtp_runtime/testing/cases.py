@@ -239,15 +239,7 @@ def run_case(rank: int, world: int, group, case: Case) -> dict:
     )
     del flat_logits
     errors: dict[str, float] = {}
-    for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
-        # values: fp32 accumulation against float64
-        close(
-            "value" if i == 0 else f"value[{i}]",
-            o.detach().cpu().double(),
-            ref_out.double().reshape(o.shape),
-            VALUE_RTOL[case.dtype],
-            errors,
-        )
+    close_values(outs, ref_outs, VALUE_RTOL[case.dtype], errors)  # fp32 accumulation against float64
     if any(t.requires_grad for t in local):
         wanted = [t for t in local if t.requires_grad]
 
@@ -386,6 +378,18 @@ def _reference_output(
         op, flat_logits, flat_index, per_token_grad.to(dev), needs_grad=needs_grad, **ref_opts, **flat_extra
     )
     return ref_out, ref_rows, tuple(None if rg is None else rg.cpu() for rg in ref_grads)
+
+
+def close_values(outs: tuple[torch.Tensor, ...], ref_outs: Any, rtol: float, errors: dict) -> None:
+    """``close`` for each output of a call against its reference, named ``value``, ``value[1]``, ..."""
+    for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
+        close(
+            "value" if i == 0 else f"value[{i}]",
+            o.detach().cpu().double(),
+            ref_out.double().reshape(o.shape),
+            rtol,
+            errors,
+        )
 
 
 def close(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, errors: dict) -> None:

@@ -28,6 +28,7 @@ from .cases import (
     GRAD_RTOL,
     Case,
     close,
+    close_values,
     make_inputs,
     outputs,
     reference,
@@ -206,14 +207,7 @@ def run_head_case(rank: int, world: int, group, case: HeadCase) -> dict:
         case, tuple(flat_logits), flat_index, flat_extra, [o.shape for o in outs], dlogit_needed
     )
     errors: dict = {}
-    for i, (o, ref_out) in enumerate(zip(outs, ref_outs)):
-        close(
-            "value" if i == 0 else f"value[{i}]",
-            o.detach().cpu().double(),
-            ref_out.double().reshape(o.shape),
-            HEAD_VALUE_RTOL[case.dtype],
-            errors,
-        )
+    close_values(outs, ref_outs, HEAD_VALUE_RTOL[case.dtype], errors)
 
     # expected gradients; a token whose value is inf/NaN has no defined gradient: its rows are
     # skipped, and the weight/bias gradients (sums over every token) are not checked then
