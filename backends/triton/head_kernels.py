@@ -49,6 +49,25 @@ def _anchor(m):
 
 
 @triton.jit
+def _merge_partials(part_ptr, n_parts, rows, rmask, n_rows, k2, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each row's ``(max, sum)`` merged from ``[P, 2, M]`` partials, ``BLOCK_P`` at a time."""
+    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        ps = p0 + tl.arange(0, BLOCK_P)
+        mask = (ps < n_parts)[:, None] & rmask[None, :]
+        src = part_ptr + ps[:, None] * 2 * n_rows + rows[None, :]
+        mp = tl.load(src, mask=mask, other=float("-inf"))
+        sp = tl.load(src + n_rows, mask=mask, other=0.0)
+        m_new = tl.maximum(m, tl.max(mp, 0))
+        a_new = _anchor(m_new)
+        # exp2((m - a) k2) is 0 for an empty state (m = -inf), whatever a is
+        s = s * tl.exp2((m - a_new) * k2) + tl.sum(sp * tl.exp2((mp - a_new[None, :]) * k2), 0)
+        m = m_new
+    return m, s
+
+
+@triton.jit
 def _tile(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     """(row tile, vocabulary tile) of the ``tile``-th output tile: row tiles vary fastest
     within a group of ``GROUP_M`` of them, so that consecutive programs share a weight tile."""
@@ -258,19 +277,7 @@ def head_ce_finish_kernel(
     label's logit is read from the stored logits (``LABEL_FROM_Z``) or from ``label_ptr``."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
-    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_N], tl.float32)
-    for p0 in range(0, n_parts, BLOCK_P):
-        ps = p0 + tl.arange(0, BLOCK_P)
-        mask = (ps < n_parts)[:, None] & rmask[None, :]
-        src = part_ptr + ps[:, None] * 2 * n_rows + rows[None, :]
-        mp = tl.load(src, mask=mask, other=float("-inf"))
-        sp = tl.load(src + n_rows, mask=mask, other=0.0)
-        m_new = tl.maximum(m, tl.max(mp, 0))
-        a_new = _anchor(m_new)
-        # exp2((m - a) k2) is 0 for an empty state (m = -inf), whatever a is
-        s = s * tl.exp2((m - a_new) * k2) + tl.sum(sp * tl.exp2((mp - a_new[None, :]) * k2), 0)
-        m = m_new
+    m, s = _merge_partials(part_ptr, n_parts, rows, rmask, n_rows, k2, BLOCK_P, BLOCK_N)
     a = _anchor(m)
     log_s = tl.log2(s)
     y = tl.load(idx_ptr + rows, mask=rmask, other=ignore_index)
@@ -367,19 +374,7 @@ def tile_partials_kernel(
     ``SIDE_B``, of input b (teacher); the other input's fields are left alone."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < n_rows
-    m = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_N], tl.float32)
-    for t0 in range(0, n_tiles, BLOCK_T):
-        ts = t0 + tl.arange(0, BLOCK_T)
-        mask = (ts < n_tiles)[:, None] & rmask[None, :]
-        src = tile_ptr + ts[:, None] * 2 * n_rows + rows[None, :]
-        mp = tl.load(src, mask=mask, other=float("-inf"))
-        sp = tl.load(src + n_rows, mask=mask, other=0.0)
-        m_new = tl.maximum(m, tl.max(mp, 0))
-        a_new = _anchor(m_new)
-        # exp2((m - a) k2) is 0 for an empty state (m = -inf), whatever a is
-        s = s * tl.exp2((m - a_new) * k2) + tl.sum(sp * tl.exp2((mp - a_new[None, :]) * k2), 0)
-        m = m_new
+    m, s = _merge_partials(tile_ptr, n_tiles, rows, rmask, n_rows, k2, BLOCK_T, BLOCK_N)
     if PAIR:
         n_fields = PAIR_FIELDS
         first = P_MAX_B if SIDE_B else P_MAX_A

@@ -126,11 +126,10 @@ def _form(kernel: Any, args: dict[str, Any]) -> _Form | None:
     return form
 
 
-def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
-    """``kernel[grid](**args)``, through the kept compiled kernel when ``fast`` allows."""
-    if not fast:
-        kernel[grid](**args)
-        return
+def direct(kernel: Any) -> tuple[Any, Any] | None:
+    """Triton's ``(knobs.runtime, driver)`` where a launch of ``kernel`` may call a compiled
+    kernel's launcher directly: a plain JIT function without pre-run hooks, on a Triton with
+    knobs, while no launch hook is active; None where it must go through the JIT."""
     jit_function, runtime, driver = _triton()
     if (
         runtime is None
@@ -140,8 +139,39 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
         or _hook_active(runtime.launch_enter_hook)
         or _hook_active(runtime.launch_exit_hook)
     ):
+        return None
+    return runtime, driver
+
+
+def launchable(compiled: Any) -> bool:
+    """Whether ``compiled``, what a JIT launch returned, can be launched by ``run_compiled``."""
+    return hasattr(compiled, "packed_metadata") and hasattr(compiled, "function")
+
+
+def run_compiled(compiled: Any, grid: tuple[int, ...], runtime: Any, driver: Any, device: Any, values: Any) -> None:
+    """Launch ``compiled`` on ``grid`` with ``values``, every argument in signature order, as
+    the JIT itself does."""
+    compiled.run(
+        grid[0],
+        grid[1] if len(grid) > 1 else 1,
+        grid[2] if len(grid) > 2 else 1,
+        driver.active.get_current_stream(device),
+        compiled.function,
+        compiled.packed_metadata,
+        None,
+        runtime.launch_enter_hook,
+        runtime.launch_exit_hook,
+        *values,
+    )
+
+
+def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
+    """``kernel[grid](**args)``, through the kept compiled kernel when ``fast`` allows."""
+    found = direct(kernel) if fast else None
+    if found is None:
         kernel[grid](**args)
         return
+    runtime, driver = found
     device = driver.active.get_current_device()  # the JIT keeps compiled kernels per device too
     form = _form(kernel, args)
     key = compiled = None
@@ -153,29 +183,13 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
             key = None
     if compiled is None:
         compiled = kernel[grid](**args)  # compiles on a miss; returns the compiled kernel
-        if (
-            form is not None
-            and key is not None
-            and hasattr(compiled, "packed_metadata")
-            and hasattr(compiled, "function")
-        ):
+        if form is not None and key is not None and launchable(compiled):
             if len(form.kept) >= MAX_KEPT:
                 form.kept.clear()
             form.kept[key] = compiled
         return
     assert form is not None  # a kept kernel has a form
-    compiled.run(
-        grid[0],
-        grid[1] if len(grid) > 1 else 1,
-        grid[2] if len(grid) > 2 else 1,
-        driver.active.get_current_stream(device),
-        compiled.function,
-        compiled.packed_metadata,
-        None,
-        runtime.launch_enter_hook,
-        runtime.launch_exit_hook,
-        *form.ordered(args),
-    )
+    run_compiled(compiled, grid, runtime, driver, device, form.ordered(args))
 
 
 def form_count(kernel: Any) -> int:

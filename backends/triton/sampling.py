@@ -35,7 +35,7 @@ from vtp_runtime.sampling import FIELDS, SEED_WORDS, Scale, Scan
 
 from . import source
 from .config import LaunchConfig, cdiv, split_chunk, vocab_splits
-from .launch import launch
+from .launch import direct, launch, launchable, run_compiled
 
 Tensor = torch.Tensor
 
@@ -261,66 +261,22 @@ def launch_decode(plan: DecodePlan, z: Tensor, out: Tensor, seed_key: int) -> No
     kernel's own launcher once a launch has returned it (no JIT dispatch: the plan's
     signature fixes everything the JIT specializes on), else through the JIT. Written for
     this one kernel; ``launch.launch`` is the general form for the loss kernels."""
-    compiled = plan.compiled
-    if compiled is not None:
-        runtime, driver = _runtime()
+    kernel = source.module("sampling_kernels").decode_kernel
+    found = direct(kernel) if plan.fast else None
+    if found is not None and plan.compiled is not None:
+        runtime, driver = found
         device = driver.active.get_current_device()
-        if device == plan.device and not (_hook(runtime.launch_enter_hook) or _hook(runtime.launch_exit_hook)):
+        if device == plan.device:
             values = plan.values.copy()
             values[0], values[1], values[2] = z, out, seed_key  # PER_CALL, first in the signature
-            compiled.run(
-                plan.programs,
-                1,
-                1,
-                driver.active.get_current_stream(device),
-                compiled.function,
-                compiled.packed_metadata,
-                None,
-                runtime.launch_enter_hook,
-                runtime.launch_exit_hook,
-                *values,
-            )
+            run_compiled(plan.compiled, (plan.programs,), runtime, driver, device, values)
             return
-    kernel = source.module("sampling_kernels").decode_kernel
     launched = kernel[(plan.programs,)](z_ptr=z, out_ptr=out, seed_key=seed_key, **plan.args)
-    if plan.fast and _prebindable(kernel, launched):
+    if found is not None and launchable(launched) and tuple(kernel.arg_names[:3]) == PER_CALL:
         # the per-call slots stay empty: a plan holds no tensor
         given = {**plan.args, "z_ptr": None, "out_ptr": None, "seed_key": None}
         plan.values = [given[name] for name in kernel.arg_names]
-        plan.compiled, plan.device = launched, _runtime()[1].active.get_current_device()
-
-
-_RUNTIME: Any = None
-
-
-def _runtime() -> Any:
-    global _RUNTIME
-    if _RUNTIME is None:
-        import triton
-
-        _RUNTIME = (triton.knobs.runtime, triton.runtime.driver)
-    return _RUNTIME
-
-
-def _hook(hook: Any) -> bool:
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-def _prebindable(kernel: Any, compiled: Any) -> bool:
-    """Whether ``compiled`` (what the JIT's launch returned) can be launched directly: a
-    plain JIT function (not the interpreter) without pre-run hooks, on a triton with knobs,
-    whose first parameters are the per-call ones."""
-    import triton
-    from triton.runtime.jit import JITFunction
-
-    return (
-        type(kernel) is JITFunction
-        and not getattr(kernel, "pre_run_hooks", True)
-        and getattr(triton, "knobs", None) is not None
-        and hasattr(compiled, "packed_metadata")
-        and hasattr(compiled, "function")
-        and tuple(kernel.arg_names[:3]) == PER_CALL
-    )
+        plan.compiled, plan.device = launched, found[1].active.get_current_device()
 
 
 def forward(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
