@@ -8,6 +8,9 @@ draws on the full logits in the same run.
 Each vtp arm runs on both ranks at once (the time is rank 0's; the ranks wait for each other
 in every call's collectives); the torch arms run on rank 0 alone on the full logits (rank 1
 waits at a barrier), as ``python -m vtp_runtime.tools.bench_sample`` times them at TP = 1.
+The ``gloo all-gather`` arm is the floor of any draw at TP > 1 here: one bare all-gather of a
+decode-sized payload (``N`` rows of four float32 fields) over the same group, the one
+collective an argmax or a plain draw makes.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vtp_runtime.comm import all_gather_stack
 from vtp_runtime.tools.bench_sample import decode_arms, decode_logits, decode_table, peer_decode_arms, wall_us
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         group = dist.group.WORLD
@@ -39,6 +41,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int, out: dict) -> None:
             z = x[:, bounds[0] : bounds[1]].contiguous()
             for name, fn in decode_arms(z, group, bounds).items():
                 times[(n, name)] = wall_us(fn, args.warmup, args.reps)
+            payload = torch.zeros(n * 4, dtype=torch.float32, device=z.device)
+            floor = lambda p=payload: all_gather_stack(p, group)  # noqa: E731
+            times[(n, "gloo all-gather")] = wall_us(floor, args.warmup, args.reps)
             if rank == 0:
                 for name, fn in peer_decode_arms(x).items():
                     times[(n, name)] = wall_us(fn, args.warmup, args.reps)
@@ -63,6 +68,8 @@ def main() -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("sample_tp2.py needs a CUDA GPU; --device cpu runs a smoke run", file=sys.stderr)
         return 2
+    if args.device == "cpu":  # before the ranks import triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_rank, args=(args, args.port, out), nprocs=2, join=True)
