@@ -32,6 +32,8 @@ class LaunchConfig:
     # arrival counter per row) instead of a finishing launch
     merge_rows: bool = True
     decode_rows: int = 1  # a TP = 1 argmax / sample in one launch: rows per program (a power of two)
+    decode_block: int = 4096  # its tile (columns) and warps: each program walks its rows' vocabulary
+    decode_warps: int = 8
     warps_finish: int = 4
     block_scale: int = 2048  # scaling a fused head's gradients in backward: tile, warps, programs
     warps_scale: int = 4
@@ -73,6 +75,8 @@ INTERPRETER_CONFIG = LaunchConfig(
     block_rows=16,
     block_reduce=16,
     decode_rows=16,
+    decode_block=16,
+    decode_warps=1,
     warps_finish=1,
     block_scale=16,
     warps_scale=1,

@@ -235,8 +235,8 @@ def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
         "GRAIN": GRAIN[z.dtype],
         "FAST_LOG2": cfg.fast_log2,
         "ROWS": cfg.decode_rows,
-        "BLOCK": cfg.block_stats,
-        "num_warps": cfg.warps_stats,
+        "BLOCK": cfg.decode_block,
+        "num_warps": cfg.decode_warps,
     }
     return DecodePlan(n, cdiv(n, cfg.decode_rows), args, gumbel, cfg.fast_launch)
 
