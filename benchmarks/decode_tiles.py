@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -42,7 +43,7 @@ def main() -> int:
     from vtp_runtime.invocation import Invocation
     from vtp_runtime.tools.bench_sample import TOP_K, TOP_P, decode_logits, wall_us
 
-    arms = {
+    arms: dict[str, tuple[str, dict[str, Any]]] = {
         "argmax": ("argmax", {}),
         "sample": ("sample", {"seed": 1}),
         "top_k": ("sample", {"seed": 1, "top_k": TOP_K}),
