@@ -246,9 +246,9 @@ def main() -> int:
             GRAIN=grain[dt],
             FAST_LOG2=True,
             ROWS=C.decode_rows,
-            BLOCK=C.decode_block,
+            BLOCK=C.decode_bisect_block if (k or p) else C.decode_block,
         )
-        jobs.append((S.decode_kernel, dt, const, C.decode_warps))
+        jobs.append((S.decode_kernel, dt, const, C.decode_bisect_warps if (k or p) else C.decode_warps))
     failed = 0
     for fn, dt, const, warps in jobs:
         try:

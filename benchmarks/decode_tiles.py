@@ -1,6 +1,8 @@
 """The one-launch decode kernel (TP = 1 argmax / sample) under launch configurations: its tile
 (``LaunchConfig.decode_block``), warps and rows per program, µs per call of the kernel alone
-(wall, back to back, the launch included), at decode sizes.
+(wall, back to back, the launch included), at decode sizes. A configuration ``BLOCKxWARPSxROWS``
+sets both tiles: the plain draw's (``decode_block``) and the bisecting draws' (top-k, top-p:
+``decode_bisect_block``).
 
     python benchmarks/decode_tiles.py                                   # N = 1, 8, 64, V = 151936
     python benchmarks/decode_tiles.py --device cpu --vocab 64 --tokens 1 --reps 2 --configs 16x1x1
@@ -59,7 +61,14 @@ def main() -> int:
             expected = None
             for spec in args.configs.split(","):
                 block, warps, per_program = (int(v) for v in spec.split("x"))
-                cfg = dataclasses.replace(base, decode_block=block, decode_warps=warps, decode_rows=per_program)
+                cfg = dataclasses.replace(
+                    base,
+                    decode_block=block,
+                    decode_warps=warps,
+                    decode_bisect_block=block,
+                    decode_bisect_warps=warps,
+                    decode_rows=per_program,
+                )
                 ids = triton_sampling.decode(cfg, call, x)
                 expected = ids if expected is None else expected
                 same = bool(torch.equal(ids, expected))

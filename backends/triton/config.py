@@ -32,8 +32,13 @@ class LaunchConfig:
     # arrival counter per row) instead of a finishing launch
     merge_rows: bool = True
     decode_rows: int = 1  # a TP = 1 argmax / sample in one launch: rows per program (a power of two)
-    decode_block: int = 4096  # its tile (columns) and warps: each program walks its rows' vocabulary
-    decode_warps: int = 8
+    # its tile (columns) and warps: each program walks its rows' vocabulary once per pass, so at
+    # few rows a pass is bound by one program's latency per tile; a top-k / top-p draw bisects
+    # (many passes) and takes the larger tile (benchmarks/decode_tiles.py)
+    decode_block: int = 8192
+    decode_warps: int = 16
+    decode_bisect_block: int = 16384
+    decode_bisect_warps: int = 32
     warps_finish: int = 4
     block_scale: int = 2048  # scaling a fused head's gradients in backward: tile, warps, programs
     warps_scale: int = 4
@@ -77,6 +82,8 @@ INTERPRETER_CONFIG = LaunchConfig(
     decode_rows=16,
     decode_block=16,
     decode_warps=1,
+    decode_bisect_block=16,
+    decode_bisect_warps=1,
     warps_finish=1,
     block_scale=16,
     warps_scale=1,

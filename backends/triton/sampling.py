@@ -217,6 +217,7 @@ def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
     k = restrict.k if restrict is not None else None
     p = restrict.p if restrict is not None else None
     min_p = restrict.min_p if restrict is not None else None
+    bisects = k is not None or p is not None
     args = {
         "n_rows": n,
         **geometry,
@@ -235,8 +236,8 @@ def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
         "GRAIN": GRAIN[z.dtype],
         "FAST_LOG2": cfg.fast_log2,
         "ROWS": cfg.decode_rows,
-        "BLOCK": cfg.decode_block,
-        "num_warps": cfg.decode_warps,
+        "BLOCK": cfg.decode_bisect_block if bisects else cfg.decode_block,
+        "num_warps": cfg.decode_bisect_warps if bisects else cfg.decode_warps,
     }
     return DecodePlan(n, cdiv(n, cfg.decode_rows), args, gumbel, cfg.fast_launch)
 
