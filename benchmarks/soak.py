@@ -24,8 +24,10 @@ on one GPU, as the repository's TP-on-one-GPU tests run):
 ``VTP_CHECK`` is ``once`` by default, the runtime's mode on a device-only group such as
 NCCL (gloo's default, a host gather per call, would hide a plan cache that drifts between
 ranks). Every ``--report-every`` steps each rank reports: allocated and reserved CUDA memory
-(on the CPU: the bytes of live tensors' storages, and the RSS), live tensors, open file
-descriptors, plans held, and destroyed groups still alive; a float64 check of two small
+(on the CPU: the bytes of live tensors' storages, and the RSS), the RSS slope since warm-up
+so far, live tensors, open file descriptors, plans held (in all, and per cache: the eager
+forms' group, the compiled form's group, calls without a group), and destroyed groups
+still alive; a float64 check of two small
 calls through the current group. At the end the targets are checked and the exit status is
 1 when one is missed:
 
@@ -116,6 +118,18 @@ def runtime_plans() -> tuple[int, int]:
     return plans.size(), 2 * plans.MAX_PLANS * (plans.groups() + 1)
 
 
+def plans_per_cache(group, compiled_group) -> tuple[int, int, int]:
+    """Plans this rank holds for the eager forms' group, for the compiled form's group and for
+    calls without a group (0 for a group not made, or dropped)."""
+    from vtp_runtime import plans
+
+    return (
+        0 if group is None else plans.size(group),
+        0 if compiled_group is None else plans.size(compiled_group),
+        plans.size(None),
+    )
+
+
 # -- measurements ----------------------------------------------------------------------------
 
 
@@ -177,16 +191,18 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def snapshot(device: str, destroyed: list) -> dict:
+def snapshot(device: str, destroyed: list, groups: tuple = (None, None)) -> dict:
+    """What is alive now; ``groups``: the eager forms' and the compiled form's groups."""
     import torch
 
     gc.collect()
     tensors, tensor_bytes = live_tensors()
     plans, bound = runtime_plans()
-    out: dict[str, float | None] = {
+    out: dict[str, object] = {
         "live_tensors": tensors,
         "open_fds": len(os.listdir("/proc/self/fd")),
         "plans": plans,
+        "plan_caches": plans_per_cache(*groups),
         "plan_bound": bound,
         "groups_destroyed": len(destroyed),
         "groups_alive": sum(ref() is not None for ref in destroyed),
@@ -414,8 +430,9 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                 rows.append(
                     {
                         "step": done,
-                        **snapshot(args.device, destroyed),
+                        **snapshot(args.device, destroyed, (group, compiled_group)),
                         "s_per_step": (now - last) / (done - rows[-1]["step"]),
+                        "rss_slope": slope_per_1000([(x, rss) for x, rss, _ in samples if x >= args.warmup_steps]),
                     }
                 )
                 last = now
@@ -446,6 +463,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             "allocated_slope": slope_per_1000([(x, a) for x, _, a in warm if a is not None]),
             "samples": len(warm),
             "graphs": graphs,
+            "plan_caches": rows[-1]["plan_caches"],
             "grown_types": growth,
             "grown_lines": lines,
         }
@@ -470,9 +488,11 @@ COLUMNS = (
     ("allocated_mib", "allocated MiB", "{:.1f}"),
     ("reserved_mib", "reserved MiB", "{:.1f}"),
     ("rss_mib", "RSS MiB", "{:.0f}"),
+    ("rss_slope", "RSS slope since warm-up, KiB / 1000 steps", "{:+.1f}"),
     ("live_tensors", "live tensors", "{:d}"),
     ("open_fds", "open fds", "{:d}"),
     ("plans", "plans", "{:d}"),
+    ("plan_caches", "plans: group / compiled form's group / no group", "{}"),
     ("groups_alive", "destroyed groups alive", "{}"),
     ("s_per_step", "ms/step", "{:.1f}"),
 )
@@ -486,6 +506,8 @@ def _cell(key: str, fmt: str, row: dict) -> str:
         return f"{value} of {row['groups_destroyed']}"
     if key == "s_per_step":
         return fmt.format(value * 1e3)
+    if key == "plan_caches":
+        return " / ".join(map(str, value))
     return fmt.format(value)
 
 
@@ -617,6 +639,10 @@ def print_targets(args, summaries: list[dict]) -> bool:
         "graphs compiled: "
         + ", ".join(f"rank {r}: {s['graphs']}" for r, s in enumerate(summaries))
         + f"; plans held at the end of the loop: see the last table row (bound {summaries[0]['after']['plan_bound']})"
+    )
+    print(
+        "plans per cache at the end of the loop (the eager forms' group / the compiled form's group / no group): "
+        + "; ".join(f"rank {r}: {' / '.join(map(str, s['plan_caches']))}" for r, s in enumerate(summaries))
     )
     for r, s in enumerate(summaries):
         growth = ", ".join(f"{name} +{n}" for name, n in s["grown_types"]) or "none"

@@ -1,7 +1,8 @@
 """What several test files share: the repository's root, the tiny transformers models the
 integration tests build (and a step of one), the docs' multi-rank examples, the device mesh and
-DTensor check of rank jobs, float64 inputs with each rank's shard of them, the sampling tests'
-random logits, and rank pools that fail fast."""
+DTensor check of rank jobs, float64 inputs with each rank's shard of them, counts of the
+plans' full paths and gathers, the sampling tests' random logits, and rank pools that fail
+fast."""
 
 from __future__ import annotations
 
@@ -226,6 +227,43 @@ def healthy_calls(rank: int, world: int, group) -> float:
         max_error(ce, reference("cross_entropy", (d.z,), d.y, label_smoothing=0.2)),
         max_error(jsd, reference("jsd", (d.z, d.t), beta=0.3)),
     )
+
+
+# -- plans ----------------------------------------------------------------------------------
+
+
+class PlanCounts:
+    """Counts full preparations (checks, gather, dispatch) and metadata gathers on this rank,
+    by patching the two module functions for the duration of a block."""
+
+    def __init__(self):
+        self.prepared, self.gathered = 0, 0
+
+    def __enter__(self):
+        from vtp_runtime import metadata, plans
+
+        self._prepare, self._gather = plans.full_path, metadata.gather
+
+        def prepare(*args, **kwargs):
+            self.prepared += 1
+            return self._prepare(*args, **kwargs)
+
+        def gather(*args, **kwargs):
+            self.gathered += 1
+            return self._gather(*args, **kwargs)
+
+        plans.full_path, metadata.gather = prepare, gather
+        return self
+
+    def __exit__(self, *exc):
+        from vtp_runtime import metadata, plans
+
+        plans.full_path, metadata.gather = self._prepare, self._gather
+
+    def take(self) -> tuple[int, int]:
+        out = (self.prepared, self.gathered)
+        self.prepared = self.gathered = 0
+        return out
 
 
 # -- random logits over the sampling tests' vocabulary --------------------------------------

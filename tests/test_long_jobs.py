@@ -524,14 +524,16 @@ def test_soak_benchmark_holds_its_targets_briefly():
 
 
 def test_soak_memory_is_flat_after_warm_up():
-    """The soak for 3000 steps with 4 token counts (its caches fill within the first 1000):
-    the RSS slope fitted over steps 1000-3000 within 4 MiB per 1000 steps (the leak of
-    compiling again at every rebuild, about 6.6 MiB each, is 13 MiB per 1000 steps here; the
-    allocator still settles this early, by up to 2.7 MiB per 1000 steps seen on a two-core CI
-    machine: benchmarks/soak_cpu.sh holds 256 KiB over long runs), plans within their bound,
-    and the compiled form compiled once per shape family however often the eager forms'
-    group is rebuilt (5 rebuilds; compiling again at each adds a graph per op)."""
-    argv = ("--steps", "3000", "--rebuild-every", "500", "--report-every", "1000", "--tokens", "1,4")
+    """The soak for 3000 steps with 64 token counts: one plan per kind of call whatever the
+    count (each op and input form on the group, two float64 checks, rank 0's two group-less
+    calls on 5 vocabularies), so the caches fill within the first 1000 steps; the RSS slope
+    fitted over steps 1000-3000 within 4 MiB per 1000 steps (the leak of compiling again at
+    every rebuild, about 6.6 MiB each, is 13 MiB per 1000 steps here; the allocator still
+    settles this early, by up to 2.7 MiB per 1000 steps seen on a two-core CI machine:
+    benchmarks/soak_cpu.sh holds 256 KiB over long runs), plans within their bound, and the
+    compiled form compiled once per shape family however often the eager forms' group is
+    rebuilt (5 rebuilds; compiling again at each adds a graph per op)."""
+    argv = ("--steps", "3000", "--rebuild-every", "500", "--report-every", "1000", "--tokens", "1,64")
     out = _soak(
         *SOAK_CPU, *argv, "--sample-every", "20", "--warmup-steps", "1000", "--rss-slope-bound", "4096", timeout=400
     )
@@ -541,3 +543,7 @@ def test_soak_memory_is_flat_after_warm_up():
     graphs = next(line for line in out.splitlines() if line.startswith("graphs compiled:"))
     counts = [int(n) for n in re.findall(r"rank \d+: (\d+)", graphs.split(";")[0])]
     assert max(counts) <= 24, graphs  # 6 ops, forward and backward, N = 1 and dynamic N
+    caches = next(line for line in out.splitlines() if line.startswith("plans per cache at the end of the loop"))
+    held = [tuple(map(int, part.split(" / "))) for part in re.findall(r"rank \d+: ([\d /]+)", caches)]
+    # 6 ops x 2 forms + 2 float64 checks / 6 ops / 2 ops x 5 vocabularies on rank 0
+    assert held == [(14, 6, 10), (14, 6, 0)], caches

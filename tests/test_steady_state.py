@@ -1,7 +1,8 @@
 """Plans: after the first call of a signature, later calls skip the checks, the dispatch and
 (on a device-only group, or with VTP_CHECK=once) the metadata gather; every rank of a group
-plans and reuses together, through sequences of calls that repeat, change shapes on every
-rank, alternate ops, and overflow the plan cache. Values are checked against float64.
+plans and reuses together, through sequences of calls that repeat, change token counts on
+every rank (one plan for every token count), alternate ops, and overflow the plan cache.
+Values are checked against float64. Many token counts, one plan: test_plan_tokens.py.
 The device side (no device-to-host copy, CUDA graph capture) is in test_native_gpu.py."""
 
 import os
@@ -11,42 +12,12 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime import metadata
+from tests.helpers import PlanCounts
 from vtp_runtime import plans as plan
 from vtp_runtime.errors import ShardError
 from vtp_runtime.testing.reference import values as reference
 
 SIZES = {1: [23], 2: [9, 14], 4: [6, 0, 9, 8]}  # uneven shards; an empty one at TP 4
-
-
-class _Counts:
-    """Counts full preparations (checks, gather, dispatch) and metadata gathers on this rank,
-    by patching the two module functions for the duration of a block."""
-
-    def __init__(self):
-        self.prepared, self.gathered = 0, 0
-
-    def __enter__(self):
-        self._prepare, self._gather = plan.full_path, metadata.gather
-
-        def prepare(*args, **kwargs):
-            self.prepared += 1
-            return self._prepare(*args, **kwargs)
-
-        def gather(*args, **kwargs):
-            self.gathered += 1
-            return self._gather(*args, **kwargs)
-
-        plan.full_path, metadata.gather = prepare, gather
-        return self
-
-    def __exit__(self, *exc):
-        plan.full_path, metadata.gather = self._prepare, self._gather
-
-    def take(self) -> tuple[int, int]:
-        out = (self.prepared, self.gathered)
-        self.prepared = self.gathered = 0
-        return out
 
 
 class _Env:
@@ -113,7 +84,7 @@ def _sequence(rank, world, group, check, max_plans=None):
         plan.MAX_PLANS = max_plans
     counts, worst = [], 0.0
     try:
-        with _Env(VTP_CHECK=check), _Counts() as c:
+        with _Env(VTP_CHECK=check), PlanCounts() as c:
             for i, (kind, n) in enumerate(SEQUENCE):
                 worst = max(worst, _call(kind, n, rank, world, group, seed=i))
                 counts.append(c.take())
@@ -123,8 +94,9 @@ def _sequence(rank, world, group, check, max_plans=None):
     return counts, worst
 
 
-# (full preparations, gathers) per call of SEQUENCE: first calls of a signature are planned
-FIRST = [i not in (1, 3, 4, 7, 9, 10, 11) for i in range(len(SEQUENCE))]
+# (full preparations, gathers) per call of SEQUENCE: the first call of each kind is planned;
+# a token count changing on every rank reuses the kind's plan
+FIRST = [i in (0, 2, 5) for i in range(len(SEQUENCE))]
 
 
 def test_tp1_plans_once_per_signature():
@@ -158,10 +130,10 @@ def test_check_mode_prepares_every_call(ranks):
 
 
 def test_plan_cache_turns_over_on_every_rank_together(ranks):
-    """With room for two plans per generation, the sequence's four signatures evict each
+    """With room for one plan per generation, the sequence's three signatures evict each
     other; the ranks still plan on the same calls (the count decides, the same on every
     rank), and no call waits for a collective another rank skipped."""
-    results = ranks(2, _sequence, "once", max_plans=2, timeout=180)
+    results = ranks(2, _sequence, "once", max_plans=1, timeout=180)
     assert results[0] == results[1]
     counts, worst = results[0]
     assert worst < 1e-10
@@ -190,7 +162,7 @@ def _error_after_planning(rank, world, group, check):
     """A call planned on every rank, then the same call with a wrong option on rank 1 only,
     then the healthy call again."""
     plan.clear()
-    with _Env(VTP_CHECK=check), _Counts() as counts:
+    with _Env(VTP_CHECK=check), PlanCounts() as counts:
         healthy = [_call(0, 5, rank, world, group, seed=0), _call(0, 5, rank, world, group, seed=1)]
         z = torch.randn(5, SIZES[world][rank], dtype=torch.float64, requires_grad=True)  # the planned signature
         y = torch.randint(0, sum(SIZES[world]), (5,))
@@ -235,7 +207,7 @@ def test_number_normalizer_is_checked_on_every_call():
 
 def test_signature_covers_what_the_plan_depends_on():
     """Calls that differ in anything the plan holds get their own plans; calls that differ
-    only in per-call data share one."""
+    only in per-call data or in their token count share one."""
     plan.clear()
     z = torch.randn(4, 11, requires_grad=True)
     y = torch.randint(0, 11, (4,))
@@ -243,6 +215,7 @@ def test_signature_covers_what_the_plan_depends_on():
     vtp.cross_entropy(z.detach().clone(), y.flip(0), backend="eager")  # new values: same signature...
     assert plan.size() == 2  # ...but requires_grad differs
     vtp.cross_entropy(torch.randn(4, 11, requires_grad=True), torch.randint(0, 11, (4,)), backend="eager")
+    vtp.cross_entropy(z[:3], y[:3], backend="eager")  # another token count
     assert plan.size() == 2
     variants: list[dict[str, Any]] = [{"label_smoothing": 0.1}, {"temperature": 2.0}, {"reduction": "sum"}]
     for variant in [*variants, {"backend": "triton"}]:
@@ -252,7 +225,7 @@ def test_signature_covers_what_the_plan_depends_on():
     with vtp.use_backend("triton"):
         vtp.cross_entropy(z, y)
     vtp.cross_entropy(z.double(), y, backend="eager")
-    vtp.cross_entropy(z[:3], y[:3], backend="eager")
+    vtp.cross_entropy(z.view(2, 2, 11), y.view(2, 2), backend="eager")  # the number of token dims
     assert plan.size() == 2 + 8
     vtp.jsd(z, z, reduction="sum", normalizer=3, backend="eager")
     vtp.jsd(z, z, reduction="sum", normalizer=5, backend="eager")  # a number normalizer is data

@@ -162,8 +162,8 @@ def with_head_logits(
     return ex
 
 
-# selections already made, by everything they depend on (no tensors, no groups); cleared past
-# MAX_SELECTIONS entries
+# selections already made, by everything they depend on (no tensors, no groups; of the token
+# count only whether there is any: no capability reads it); cleared past MAX_SELECTIONS entries
 _CACHE: dict = {}
 MAX_SELECTIONS = 4096
 
@@ -171,7 +171,7 @@ MAX_SELECTIONS = 4096
 def select(request: Request, shards: Shards | None, forced: str | None, forced_by: str) -> Backend:
     """The backend for this call, or the same BackendUnavailable on every rank."""
     key = (
-        request,
+        replace(request, num_tokens=min(request.num_tokens, 1)),
         None if shards is None or shards.tp_size == 1 else (shards.available, shards.available_per_rank),
         forced,
         REGISTRY.version,

@@ -525,12 +525,33 @@ def run_head_ids(backend: Any, call: Call, x: Head, rows: int, sequence: Sequenc
     return run.to_token_order(torch.cat(out))
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunking:
+    """What the tokens per chunk of a call with Head inputs derive from besides the token
+    count, the same on every rank: the widest shard, the weight's element size and the rows
+    the Heads ask for. A plan keeps it and sizes each call's chunks by its token count."""
+
+    max_v_local: int
+    itemsize: int
+    requested: int | None
+
+    def rows(self, num_tokens: int) -> int:
+        """Tokens per chunk of a call on ``num_tokens`` tokens (``chunk_rows``)."""
+        return chunk_rows(num_tokens, self.max_v_local, self.itemsize, self.requested)
+
+
+def chunking(max_v_local: int, heads: Sequence[Any]) -> Chunking:
+    """The ``Chunking`` of a call whose inputs include ``heads``; ``max_v_local``: the widest
+    shard of the gathered layout."""
+    found = [h for h in heads if isinstance(h, Head)]
+    requested = [h.chunk_rows for h in found if h.chunk_rows is not None]
+    return Chunking(max_v_local, found[0].weight.element_size(), min(requested) if requested else None)
+
+
 def rows_per_chunk(num_tokens: int, max_v_local: int, heads: Sequence[Any]) -> int:
     """Tokens per chunk of a call whose inputs include ``heads`` (``chunk_rows``, from what
     every rank shares)."""
-    found = [h for h in heads if isinstance(h, Head)]
-    requested = [h.chunk_rows for h in found if h.chunk_rows is not None]
-    return chunk_rows(num_tokens, max_v_local, found[0].weight.element_size(), min(requested) if requested else None)
+    return chunking(max_v_local, heads).rows(num_tokens)
 
 
 def sequence_layout(rows: tuple[int, ...], rank: int, max_v_local: int, heads: Sequence[Any]) -> SequenceLayout:
@@ -541,4 +562,4 @@ def sequence_layout(rows: tuple[int, ...], rank: int, max_v_local: int, heads: S
     return SequenceLayout(rows=rows, rank=rank, per_rank=max(1, rows_per_chunk(n, max_v_local, heads) // world))
 
 
-__all__ = ["InputRows", "TokenChunks", "ChunkedDriver", "HeadGradientConsumed", "CHUNK_BYTES", "chunk_rows"]
+__all__ = ["InputRows", "TokenChunks", "ChunkedDriver", "Chunking", "HeadGradientConsumed", "CHUNK_BYTES", "chunk_rows"]

@@ -228,6 +228,14 @@ def encode(mine: RankMetadata) -> list[int]:
     return row
 
 
+def with_num_tokens(row: Sequence[int], num_tokens: int) -> list[int]:
+    """``row``, a metadata vector, with the token count ``num_tokens`` (what a rank sends for
+    a call that differs from the planned one in its token count only)."""
+    out = list(row)
+    out[F["num_tokens"]] = num_tokens
+    return out
+
+
 def _metadata_device(group, device: torch.device | None) -> torch.device:
     # gloo gathers CPU tensors; NCCL/XCCL need the tensor on the accelerator.
     backend = str(dist.get_backend(group)).lower()

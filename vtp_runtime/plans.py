@@ -2,11 +2,27 @@
 
 A plan is everything the pipeline decides about a call -- the validated shards from the
 metadata gather, the chosen backend, what its ``Call`` holds, how its outputs are shaped --
-for one *signature*: the op, the option values, the shapes, dtypes and devices of every
-tensor (a ``Head``'s too), which inputs require grad, grad mode, the forced backend and the
-registry version. The first call of a signature takes the full path (local checks, the
-metadata gather, dispatch); later calls with the same signature reuse its plan and skip all
-of it, so they issue no metadata collective and read nothing from the device.
+for one *signature*: the op, the option values, the shapes (less the token dims, below),
+dtypes and devices of every tensor (a ``Head``'s too), which inputs require grad, grad mode,
+the forced backend and the registry version. The first call of a signature takes the full
+path (local checks, the metadata gather, dispatch); later calls with the same signature
+reuse its plan and skip all of it, so they issue no metadata collective and read nothing
+from the device.
+
+The token count is no part of a signature: calls that differ only in their token dims (the
+logits' leading dims, and with them the index's, the mask's, the labels' and a Head's hidden
+rows) share one plan, so a job whose sequence length changes every step keeps one plan per
+kind of call, not one per length. A signature holds each of those shapes past the token
+dims, or whole where it does not start with them (a call that then fails its checks on the
+full path, which raises). What depends on the token count is made per call from the plan
+(``Plan.for_tokens``), without a collective, from what every rank holds alike: the
+``Request``'s token count, the leading shape, a Head's chunk rows (``head_chunks.Chunking``)
+and the planned metadata row; the plan kept is the last call's, so a call repeating it
+makes nothing. Dispatch reads no token count (no capability depends on one, and a call
+without tokens never reaches a backend), so the backend chosen for one token count is the
+one for every other. One call keeps its token dims in the signature: a sequence-parallel
+``Head`` on a group of several ranks, whose chunk layout comes from every rank's token count,
+which only the metadata gather sees.
 
 What a plan holds: descriptions only (shapes, dtypes, bounds, the backend, option values,
 the planned metadata as integers), never a caller's tensor and never a process group: the
@@ -24,10 +40,13 @@ straight to the backend's collectives, a rank that does not goes to the metadata
 and the two would wait for each other forever. A group's cache changes only with that
 group's own calls, on a count (never time or memory), so every rank of the group holds the
 same plans and turns over at the same call, whatever a rank does with other groups or with
-none, as long as the ranks make the same calls. What this cannot see is a change on some
-ranks only after a signature was planned (see ``docs/guide.md``, "No host sync"); on a
-group with a CPU transport every call still gathers on the host (no device sync), and
-``VTP_CHECK=1`` checks every call in full.
+none, as long as the ranks make the same calls (a plan replaced by one for other token dims
+adds none to the count). In ``"gather"`` mode a call sends its own token count, and runs the
+plan only where the gathered table is the one planned for that count: a rank whose token
+count differs from the others' sends every rank to the full path, which raises on every
+rank. What this cannot see is a change on some ranks only after a signature was planned
+(see ``docs/guide.md``, "No host sync"); on a group with a CPU transport every call still
+gathers on the host (no device sync), and ``VTP_CHECK=1`` checks every call in full.
 
 ``options_signature`` and ``plain_options_keys`` show the options' part of a signature and
 what the lookup by plain options holds (the steady-state tests read them).
@@ -39,7 +58,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -68,11 +87,21 @@ class Metadata:
     table: list[list[int]]
     host: bool
 
+    def for_tokens(self, num_tokens: int) -> Metadata:
+        """The planned row and table of a call of ``num_tokens`` tokens on every rank (a
+        table that cannot match, under ``VTP_CHECK=1``, stays one)."""
+        return Metadata(
+            tuple(metadata.with_num_tokens(self.row, num_tokens)),
+            [metadata.with_num_tokens(row, num_tokens) for row in self.table],
+            self.host,
+        )
+
 
 @dataclass(frozen=True)
 class Plan:
     """What every call with one signature shares: the backend, what its ``Call`` holds, how
-    the per-call tensors are shaped around it."""
+    the per-call tensors are shaped around it; for the token dims of one call of it
+    (``for_tokens`` gives it for another call's)."""
 
     spec: OpSpec
     backend: Backend
@@ -89,10 +118,25 @@ class Plan:
     # what the ranks of an sp_group compare (checks.fingerprint, without per-call values)
     fingerprint: str = ""
     sequence: SequenceLayout | None = None  # a sequence-parallel Head's chunks (TP > 1)
+    chunking: head_chunks.Chunking | None = None  # what head_rows derives from besides N
 
     @property
     def num_tokens(self) -> int:
         return self.request.num_tokens
+
+    def for_tokens(self, lead: tuple[int, ...]) -> Plan:
+        """This plan for a call of its signature whose token dims are ``lead``: the token
+        count, the chunk rows and the planned metadata made for it (every rank makes the
+        same from the same ``lead``). Not for a plan with a ``sequence``, whose signature
+        holds its token dims."""
+        n = math.prod(lead)
+        return _replaced(
+            self,
+            request=_replaced(self.request, num_tokens=n),
+            lead=lead,
+            head_rows=None if self.chunking is None else self.chunking.rows(n),
+            metadata=None if self.metadata is None else self.metadata.for_tokens(n),
+        )
 
     def call(self, group: Any, options: Mapping[str, Any] | None = None, reduction: str = "none") -> Call:
         """The ``Call`` the backend gets, for this call's ``group``; ``options``: this call's
@@ -120,6 +164,18 @@ class Plan:
             topk=self.topk,
             reduction=reduction,
         )
+
+
+_Frozen = TypeVar("_Frozen", Plan, Request)
+
+
+def _replaced(record: _Frozen, **changes: Any) -> _Frozen:
+    """``dataclasses.replace(record, **changes)`` without running the class's ``__init__``
+    field by field (several µs for a ``Plan`` or a ``Request``, on the path of a call whose
+    token count changed): their fields are all init fields, with no ``__post_init__``."""
+    out = object.__new__(type(record))
+    out.__dict__.update(record.__dict__, **changes)
+    return out
 
 
 def metadata_mode(host_transport: bool) -> str:
@@ -158,9 +214,10 @@ class PlanCache:
 
     def store(self, key: tuple, plan: Plan) -> None:
         # Two generations: when the current one is full it becomes the previous one, so a
-        # signature used since the last turnover survives. The count is all that decides,
-        # so ranks whose signatures change together turn over together.
-        if len(self._plans) >= MAX_PLANS:
+        # signature used since the last turnover survives. The count of signatures is all
+        # that decides (a plan replacing its signature's adds none), so ranks whose
+        # signatures change together turn over together.
+        if key not in self._plans and len(self._plans) >= MAX_PLANS:
             self._previous, self._plans = self._plans, {}
         self._plans[key] = plan
 
@@ -207,6 +264,17 @@ def groups() -> int:
 # list ... -- makes the call take the full path, which says what is wrong with it)
 _PLAIN = (int, float, bool, str, type(None))
 _TENSORS = (Tensor, torch.nn.Parameter)
+# the tensor options shaped like the logits' tokens (their shapes past the token dims enter
+# a signature); a tensor normalizer's shape enters whole
+_PER_TOKEN = ("mask", "labels")
+# marks a shape in a signature that does not start with the call's token dims
+_NOT_TOKENS = "shape not led by the token dims"
+
+
+def _past(shape: torch.Size, lead: tuple[int, ...]) -> Any:
+    """``shape`` past the token dims ``lead`` where it starts with them, else whole and marked."""
+    n = len(lead)
+    return shape[n:] if shape[:n] == lead else (_NOT_TOKENS, shape)
 
 
 def signature(
@@ -216,12 +284,33 @@ def signature(
     forced: tuple,
     registry_version: int,
     needs_grad: tuple[bool, ...] | None = None,
+    group: Any = None,
 ) -> tuple | None:
     """The key of a call's plan, or None when the call cannot have one (then it takes the
-    full path every time). ``needs_grad``: given by a call from a compiled graph (whose
-    tensors do not require grad inside the op), read from the tensors otherwise. Built on
-    every call: keep it to attribute reads and a tuple. The process group is not part of it:
-    each group has its own cache.
+    full path every time): ``signature_and_tokens``' first part."""
+    return signature_and_tokens(spec, tensors, options, forced, registry_version, needs_grad, group)[0]
+
+
+def signature_and_tokens(
+    spec: OpSpec,
+    tensors: tuple,
+    options: Mapping[str, Any],
+    forced: tuple,
+    registry_version: int,
+    needs_grad: tuple[bool, ...] | None = None,
+    group: Any = None,
+    whole: bool = False,
+) -> tuple[tuple | None, tuple[int, ...] | None]:
+    """``(key, token dims)`` of a call: the key of its plan, or None when the call cannot have
+    one (then it takes the full path every time), and its token dims, the first input's
+    leading dims (a Head's hidden rows), which the key leaves out of the shapes of the inputs,
+    the index, the mask and the labels. ``whole`` (None for the token dims): every shape
+    whole in the key, as for a sequence-parallel Head on a ``group`` of several ranks, whose
+    chunk layout comes from every rank's token count, which only the metadata gather sees;
+    the group is not part of the key otherwise (each group has its own cache).
+    ``needs_grad``: given by a call from a compiled graph (whose tensors do not require grad
+    inside the op), read from the tensors otherwise. Built on every call: keep it to
+    attribute reads and a tuple.
 
     Options enter in their canonical form (``Option.canonical``), and an option given its
     default is left out, as if not given: ranks spelling one call differently (``2`` and
@@ -235,26 +324,43 @@ def signature(
         forced,
         registry_version,
     ]
+    lead: tuple[int, ...] | None = None
+    n = 0
+    if whole:
+        lead = ()
+        key.append(None)
     for t in tensors:
-        if type(t) in _TENSORS:
-            key += (t.shape, t.dtype, t.device) if traced else (t.shape, t.dtype, t.device, t.requires_grad)
-        elif type(t) is Head and not traced:
-            for part in (t.hidden, t.weight, t.bias):
+        head = None
+        if type(t) not in _TENSORS:
+            if type(t) is not Head or traced:
+                return None, None
+            head, t = t, t.hidden
+            if head.sequence_parallel and not whole and group_size(group) > 1:
+                return signature_and_tokens(spec, tensors, options, forced, registry_version, needs_grad, group, True)
+            if type(t) not in _TENSORS:
+                return None, None
+        shape = tuple(t.shape)  # a tuple slices in a fraction of a torch.Size's time
+        if lead is None:  # the first input: its leading dims are the token dims
+            lead = shape[:-1]
+            n = len(lead)
+            key.append(n)
+        past = shape[n:] if shape[:n] == lead else (_NOT_TOKENS, shape)  # _past, inline
+        key += (past, t.dtype, t.device) if traced else (past, t.dtype, t.device, t.requires_grad)
+        if head is not None:
+            for part in (head.weight, head.bias):
                 if part is None:
                     key.append(None)
                 elif type(part) in _TENSORS:
                     key += (part.shape, part.dtype, part.device, part.requires_grad)
                 else:
-                    return None
-            key += (t.reduce_hidden_grad, t.chunk_rows, t.sequence_parallel)
-        else:
-            return None
+                    return None, None
+            key += (head.reduce_hidden_grad, head.chunk_rows, head.sequence_parallel)
     opts = _plain_options(spec, options)
     if opts is None:
-        opts = _options_part(spec, options)
+        opts = _options_part(spec, options, lead or ())
         if opts is None:
-            return None
-    return (*key, *opts)
+            return None, None
+    return (*key, *opts), None if whole else lead
 
 
 _GROUPS = ("tp_group", "sp_group")
@@ -289,9 +395,9 @@ def _plain_options(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
     return part
 
 
-def _options_part(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
+def _options_part(spec: OpSpec, options: Mapping[str, Any], lead: tuple[int, ...] = ()) -> tuple | None:
     """The options' part of a call's signature (see ``signature``), or None where the call
-    cannot have one."""
+    cannot have one; ``lead``: the token dims left out of the mask's and the labels' shapes."""
     key: list[Any] = []
     schema = spec.options
     for name in sorted(options):
@@ -304,7 +410,8 @@ def _options_part(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
         if option.tensor and type(value) is Tensor:
             # tensor options (mask, labels, normalizer): their values are data of the call,
             # never read on the host; what they are is part of the signature
-            key += (name, value.shape, value.dtype, value.device)
+            shape = _past(value.shape, lead) if name in _PER_TOKEN else value.shape
+            key += (name, shape, value.dtype, value.device)
             continue
         value = option.canonical(value)
         if option.per_call and type(value) in (int, float):
@@ -333,33 +440,43 @@ def plain_options_keys() -> list[tuple]:
 
 
 def plan_for(invocation: Invocation) -> Plan:
-    """The plan of a invocation: the first invocation of a signature is checked and planned in full,
-    later ones reuse the plan. With a TP group, whether the metadata is gathered again
-    depends on ``metadata_mode``."""
+    """The plan of an invocation: the first invocation of a signature is checked and planned
+    in full, later ones reuse the plan, made for their token dims. With a TP group, whether
+    the metadata is gathered again depends on ``metadata_mode``."""
     op, tensors, options = invocation.op, invocation.tensors, invocation.options
     group, failure = invocation.group, invocation.failure
     forced = invocation.traced_backend or dispatch.forced_backend(op, options.get("backend"))
     spec = OPS.get(op)
-    key = cache = None
-    if failure is None and spec is not None and type(forced[0]) in (str, type(None)):
-        key = signature(spec, tensors, options, forced, REGISTRY.version, invocation.traced_needs_grad)
-        if key is not None and (group is None or is_group(group)):
+    traced_grad = invocation.traced_needs_grad
+    key = cache = lead = None
+    plannable = group is None or is_group(group)
+    if failure is None and spec is not None and type(forced[0]) in (str, type(None)) and plannable:
+        key, lead = signature_and_tokens(spec, tensors, options, forced, REGISTRY.version, traced_grad, group)
+        if key is not None:
             cache = cache_for(group)
     cached = None if cache is None or key is None else cache.lookup(key)
     table = None
     if cached is not None:
+        assert key is not None and cache is not None  # a plan was found by its key
+        tokens_changed = False
+        if lead is not None and lead != cached.lead:  # the signature's plan, for this call's token dims
+            cached, tokens_changed = cached.for_tokens(lead), True
         failure = checks.per_call_failure(cached.spec, options, invocation.check)
         meta = cached.metadata
         mode = "once" if meta is None else metadata_mode(meta.host)
         if mode == "once":  # a single rank, or a group whose ranks are trusted to agree
             if failure is not None:
                 raise failure
+            if tokens_changed:  # kept for the calls repeating these token dims
+                cache.store(key, cached)
             return cached
         if mode == "gather":  # on the host: every rank gathers once per invocation, whatever it holds
             assert meta is not None  # mode is "once" without metadata
             row = metadata.pack_failure(group, None) if failure else torch.tensor(meta.row, dtype=torch.int64)
             table = metadata.gather(row, group)
             if failure is None and table == meta.table:
+                if tokens_changed:
+                    cache.store(key, cached)
                 return cached
         if failure is not None:
             invocation = dataclasses.replace(invocation, failure=failure)
@@ -368,7 +485,7 @@ def plan_for(invocation: Invocation) -> Plan:
     if cache is not None and key is not None:
         if REGISTRY.version != version:  # the first invocation loaded the plugins
             assert spec is not None  # a key needs a known op
-            key = signature(spec, tensors, options, forced, REGISTRY.version, invocation.traced_needs_grad)
+            key = signature(spec, tensors, options, forced, REGISTRY.version, traced_grad, group)
         if key is not None:
             cache.store(key, plan)
     return plan
@@ -488,7 +605,7 @@ def _make_plan(checked: checks.CheckedCall, shards: metadata.Shards, meta: Metad
     request = request_of(checked, shards, compiled)
     backend = dispatch.select(request, shards, checked.forced, checked.forced_by)
     options = backend_options(checked.spec, checked.options)
-    lead, sequence, head_rows = checked.lead, None, None
+    lead, sequence, head_rows, chunking = checked.lead, None, None, None
     if shards.sequence is not None and shards.tp_size > 1:
         assert checked.heads is not None  # a sequence layout comes with a sequence-parallel Head
         sequence = head_chunks.sequence_layout(
@@ -498,7 +615,8 @@ def _make_plan(checked: checks.CheckedCall, shards: metadata.Shards, meta: Metad
         if not checked.covered:  # no input covered every rank's tokens: their shards make the first dim
             lead = (sum(first for first, _ in shards.sequence), *checked.lead[1:])
     elif checked.heads is not None:
-        head_rows = head_chunks.rows_per_chunk(shards.num_tokens, max(shards.sizes), checked.heads)
+        chunking = head_chunks.chunking(max(shards.sizes), checked.heads)
+        head_rows = chunking.rows(shards.num_tokens)
     return Plan(
         spec=checked.spec,
         backend=backend,
@@ -515,4 +633,5 @@ def _make_plan(checked: checks.CheckedCall, shards: metadata.Shards, meta: Metad
         fingerprint=checks.fingerprint(checked, compiled, per_call=False)
         + f"|dtype={dtype_name(request.dtype)}|device type={request.device_type}",
         sequence=sequence,
+        chunking=chunking,
     )
