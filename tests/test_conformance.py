@@ -14,9 +14,11 @@ import pytest
 
 from vtp_runtime.backend import ALL_DTYPES, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
+from vtp_runtime.ops import LOSSES, OPS
 from vtp_runtime.registry import hookimpl
 from vtp_runtime.testing import conformance as kit
 from vtp_runtime.testing.cases import DTYPES, shard_sizes
+from vtp_runtime.testing.head_cases import TOKEN_SPLITS, token_split
 
 EXAMPLE_SRC = Path(__file__).resolve().parents[1] / "plugins" / "vtp-example-backend" / "src"
 if str(EXAMPLE_SRC) not in sys.path:  # importable here and in the rank processes spawned later
@@ -104,6 +106,28 @@ def test_smoke_keeps_one_case_of_every_check():
             assert ops == {c.case.op for c in smoke if c.world == world and c.expect == "match"}
         assert [c for c in fast if c.expect == "refused"] == [c for c in smoke if c.expect == "refused"]
         assert len(smoke) < len(fast)
+
+
+def test_what_tests_enumerate_follows_the_declarations(monkeypatch):
+    """The ops, backends and TP sizes other tests parametrize over come from the op table and
+    the backends' declarations, so that a new op, feature or backend shows up in them."""
+    assert kit.ops_with() == LOSSES
+    assert kit.ops_with("mask") == tuple(op for op in LOSSES if "mask" in OPS[op].features) == ("entropy", "kl", "jsd")
+    assert kit.ops_with(backend=BlockwiseBackend()) == ("entropy", "kl")
+    assert kit.ops_with("reverse", backend=BlockwiseBackend()) == ("kl",)
+    assert kit.ops_with("topk", backend="liger") == ()
+    assert kit.backends_with("sample") == ("eager", "triton")  # liger has no sampling
+    assert kit.backends_with("kl", "teacher_grad") == ("eager", "triton")  # liger's teacher is frozen
+    assert "example_blockwise" not in kit.backends_with("entropy")  # a plugin's suite runs it
+    assert kit.backends_with(device_type="xpu") == ("eager", "triton_xpu")
+    monkeypatch.delenv("VTP_TEST_DEPTH", raising=False)
+    assert kit.tp_sizes(2, 4) == (2, 4)
+    assert kit.tp_sizes(2, 4, depth="full") == kit.tp_sizes(4, 2, depth="full") == (2, 3, 4)
+    monkeypatch.setenv("VTP_TEST_DEPTH", "full")
+    assert kit.tp_sizes(1, 3) == (1, 2, 3, 4)
+    assert all(sum(token_split(split, 5, 2, 0)) == 5 for split in TOKEN_SPLITS)
+    with pytest.raises(ValueError, match="unknown token split 'odd'; known: even, uneven, empty"):
+        token_split("odd", 5, 2, 0)
 
 
 # -- broken backends the kit must catch ----------------------------------------------------

@@ -18,6 +18,7 @@ from vtp_runtime.backends.triton import TritonBackend
 from vtp_runtime.errors import BackendUnavailable, ShardError
 from vtp_runtime.nn import VocabParallelHead, shard_bounds
 from vtp_runtime.registry import REGISTRY, registered
+from vtp_runtime.testing import conformance
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's -inf arithmetic
 
@@ -167,7 +168,7 @@ def _hidden_grads(rank, world, group, reduce):
     return h.grad, full.grad, partial @ weight
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", conformance.tp_sizes(2, 4))
 def test_hidden_gradient_is_complete_on_every_rank(ranks, world):
     for got, full, _ in ranks(world, _hidden_grads, True, timeout=60):
         torch.testing.assert_close(got, full, rtol=1e-10, atol=1e-12)

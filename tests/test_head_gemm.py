@@ -25,8 +25,9 @@ pytest.importorskip("triton")
 
 import vtp_runtime as vtp  # noqa: E402
 from vtp_runtime.backends.triton import head_gemm  # noqa: E402
+from vtp_runtime.testing import conformance  # noqa: E402
 from vtp_runtime.testing.cases import DTYPES, shard_sizes  # noqa: E402
-from vtp_runtime.testing.head_cases import HeadCase, run_head_case  # noqa: E402
+from vtp_runtime.testing.head_cases import TOKEN_SPLITS, HeadCase, run_head_case  # noqa: E402
 
 
 @contextmanager
@@ -112,7 +113,7 @@ def test_ranks_on_either_path_agree(ranks, name, layout):
     assert [c > 0 for c in counts] == [_aligned(v, case.dtype) for v in sizes], (sizes, counts)
 
 
-@pytest.mark.parametrize("sequence", ["even", "uneven", "empty"])
+@pytest.mark.parametrize("sequence", TOKEN_SPLITS)
 @pytest.mark.parametrize("name", ["ce-bias-ignored", "jsd-teacher-head-masked"])
 def test_sequence_parallel_heads(ranks, name, sequence):
     case = CASES[name].with_(layout="even", sequence=sequence, shape=(9, 2))
@@ -126,7 +127,7 @@ def test_forced_fallback_on_ranks(ranks):
     assert counts == [0, 0]
 
 
-@pytest.mark.parametrize("op", ["entropy", "kl"])
+@pytest.mark.parametrize("op", [op for op in conformance.ops_with() if op not in head_gemm.OPS])
 def test_ops_the_epilogue_does_not_serve_run_through_torch_mm(ranks, op):
     case = BASE.with_(op=op, options=(("reduction", "mean"),), layout="even")
     assert ranks(2, _case_counting, case, timeout=300) == [0, 0]
@@ -313,7 +314,7 @@ def _float64(op, h, w, y, teacher, rows=1024):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [1, 4])
-@pytest.mark.parametrize("op", ["cross_entropy", "logprobs", "jsd"])
+@pytest.mark.parametrize("op", head_gemm.OPS)
 def test_gpu_both_paths_against_float64_and_each_other(op, tp):
     """The epilogue GEMM (default) and cuBLAS chunks (VTP_HEAD_GEMM=cublas) in one test,
     reduction "sum": each within bf16 error of float64 (the GEMM's no more than 1.5x the

@@ -17,6 +17,7 @@ from vtp_runtime import head_gather
 from vtp_runtime.backend import ALL_DTYPES, HeadSupport, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.registry import registered
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.distributed import outcome
 from vtp_runtime.testing.head_cases import HeadCase, run_head_case, token_split
 
@@ -76,7 +77,7 @@ def test_sequence_parallel_head(ranks, world, case):
     ranks(world, run_head_case, case, timeout=180)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", conformance.tp_sizes(2, 3))
 @pytest.mark.parametrize("case", TRITON_SP, ids=head_case_id)
 def test_sequence_parallel_head_triton(ranks, world, case):
     ranks(world, run_head_case, case, timeout=180)

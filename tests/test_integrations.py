@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from vtp_runtime.integrations import copy_to_tp_region
 from vtp_runtime.integrations.transformers import causal_lm_loss
-from vtp_runtime.testing import reference
+from vtp_runtime.testing import conformance, reference
 
 
 def _copy_job(rank, world, group):
@@ -22,7 +22,7 @@ def _copy_job(rank, world, group):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", conformance.tp_sizes(2, 4))
 def test_copy_to_tp_region_sums_gradients(ranks, world):
     grads = ranks(world, _copy_job, timeout=60)
     expected = torch.full((6,), float(sum(range(1, world + 1))), dtype=torch.float64)

@@ -13,6 +13,8 @@ import vtp_runtime as vtp
 from vtp_runtime.backend import Request
 from vtp_runtime.errors import BackendUnavailable
 from vtp_runtime.testing import conformance
+from vtp_runtime.testing.cases import DTYPES, make_inputs
+from vtp_runtime.testing.head_cases import HeadCase
 from vtp_runtime.testing.reference import values_and_grads
 
 liger_kernel = pytest.importorskip("liger_kernel")
@@ -90,37 +92,33 @@ def test_jsd_refused_at_tp2(ranks):
     assert msgs[0] == msgs[1] and "TP size 2 not supported (supports [1])" in msgs[0]
 
 
-@pytest.mark.parametrize(
-    "op,kwargs,reason",
-    [
-        ("cross_entropy", {"z_loss": 1e-4}, "does not support z_loss"),
-        ("cross_entropy", {"label_smoothing": 0.1}, "does not support label_smoothing"),
-        ("cross_entropy", {"temperature": 2.0}, "does not support temperature"),
-        ("cross_entropy", {"dtype": torch.float64}, "dtype float64 not supported"),
-        ("jsd", {"teacher_grad": True}, "does not support teacher_grad"),
-        ("kl", {"teacher_grad": True}, "does not support teacher_grad"),
-        ("logprobs", {}, "does not implement op 'logprobs'"),
-        ("entropy", {}, "does not implement op 'entropy'"),
-    ],
-)
-def test_capability_refusals(op, kwargs, reason):
-    kwargs = dict(kwargs)
-    dtype = kwargs.pop("dtype", torch.float32)
-    n = kwargs.pop("tokens", 3)
-    teacher_grad = kwargs.pop("teacher_grad", False)
-    z = torch.randn(n, 8, dtype=dtype, requires_grad=True)
-    tensors: tuple[torch.Tensor, ...]
-    if op in ("cross_entropy", "logprobs"):
-        tensors = (z, torch.randint(0, 8, (n,)))
-    elif op == "entropy":
-        tensors = (z,)
-    else:
-        tensors = (z, torch.randn(n, 8, dtype=dtype, requires_grad=teacher_grad))
+# the kit's refusals of liger on logits at TP 1: every op, feature and dtype it does not claim
+REFUSED = [
+    cc
+    for cc in conformance.conformance_cases("liger", world_sizes=(1,))
+    if cc.expect == "refused" and not isinstance(cc.case, HeadCase)
+]
+
+
+def _reason(why: str) -> str:
+    """What dispatch's refusal says, for the kit's ``why`` of a refused case."""
+    what = why.split()[-1]
+    if why.startswith("does not implement"):
+        return f"does not implement op '{what}'"
+    return f"dtype {what} not supported" if what in DTYPES else f"does not support {what}"
+
+
+@pytest.mark.parametrize("cc", REFUSED, ids=str)
+def test_capability_refusals(cc):
+    case = cc.case
+    logits, index, extra = make_inputs(case, 8)
+    tensors = [z.requires_grad_(need) for z, need in zip(logits, case.grads)] + ([index] if index is not None else [])
+    kwargs = {**dict(case.options), **extra}
     with pytest.raises(BackendUnavailable, match="backend 'liger' was forced") as info:
-        vtp.loss(op, *tensors, backend="liger", **kwargs)
-    assert reason in str(info.value)
+        vtp.loss(case.op, *tensors, backend="liger", **kwargs)
+    assert _reason(cc.why) in str(info.value)
     # and without forcing, dispatch picks another backend that can
-    assert vtp.explain(op, *tensors, **kwargs).backend not in (None, "liger")
+    assert vtp.explain(case.op, *tensors, **kwargs).backend not in (None, "liger")
 
 
 def test_selected_when_it_can_run():

@@ -14,6 +14,7 @@ from vtp_runtime.backend import ALL_DTYPES, OpCapability
 from vtp_runtime.backends.eager import EagerBackend
 from vtp_runtime.errors import BackendUnavailable, ShardError
 from vtp_runtime.registry import hookimpl, registered
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.cases import Case, run_case
 from vtp_runtime.testing.reference import values_and_grads
 
@@ -58,7 +59,7 @@ def test_triton_tp2(ranks, case):
     ranks(2, run_case, case, timeout=300)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", conformance.tp_sizes(2, 4))
 def test_eager_float64_uneven_and_empty(ranks, world):
     for layout in ("uneven", "empty"):
         for topk in (0, 3):
@@ -89,7 +90,7 @@ def _topk_masking(backend):
     torch.testing.assert_close(lp_mean.double(), ref_lp.sum() / 3)
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("backend", conformance.backends_with("logprobs", "return_entropy", "topk"))
 def test_topk_token_is_masked_only_when_every_entry_is_ignored(backend):
     _topk_masking(backend)
 

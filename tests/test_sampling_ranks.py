@@ -16,7 +16,8 @@ from tests.helpers import random_logits
 from vtp_runtime.testing import conformance, reference
 from vtp_runtime.testing.distributed import outcome
 
-BACKENDS = ["eager", "triton"]
+# the built-in backends that sample on CPU; all but eager run in Triton's (slow) interpreter here
+BACKENDS = conformance.backends_with("sample")
 FULL = conformance.current_depth() == "full"
 
 # where each rank's shard starts and ends, as fractions of V
@@ -48,7 +49,7 @@ def _call(rank, group, x, layout, fn):
 
 RANK_CASES = [{}, {"top_k": 5}, {"top_p": 0.7}, {"min_p": 0.1}, {"top_k": 7, "top_p": 0.8, "min_p": 0.05}]
 # what each backend samples on every layout: triton in its interpreter every restriction at once
-LAYOUT_CASES = {"eager": RANK_CASES, "triton": RANK_CASES if FULL else RANK_CASES[-1:]}
+LAYOUT_CASES = {b: RANK_CASES if b == "eager" or FULL else RANK_CASES[-1:] for b in BACKENDS}
 
 
 def _layout_logits(n: int, v: int, device: str) -> torch.Tensor:
@@ -168,7 +169,7 @@ def extremes_job(rank, world, group, layout, backend, cases, n):
     return out
 
 
-EXTREME_CASES = {"eager": EXTREME_RANK_CASES, "triton": EXTREME_RANK_CASES if FULL else EXTREME_RANK_CASES[1::2]}
+EXTREME_CASES = {b: EXTREME_RANK_CASES if b == "eager" or FULL else EXTREME_RANK_CASES[1::2] for b in BACKENDS}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -297,7 +298,7 @@ def head_argmax_job(rank, world, group, backend):
     return got, want
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("backend", conformance.backends_with("argmax"))
 def test_argmax_of_a_head(ranks, backend):
     """argmax straight from the hidden states, the logits formed one token chunk at a time:
     the dense argmax of hidden @ W.T + b on every rank."""

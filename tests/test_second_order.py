@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import vtp_runtime as vtp
+from vtp_runtime.ops import OPS
 from vtp_runtime.registry import REGISTRY, registered
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.reference import values_and_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -20,13 +22,22 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 MESSAGE = "second-order gradients through vtp_runtime ops are not supported"
 V = 24
 
-# every op each backend runs on CPU here (liger: under Triton's interpreter, at TP 1)
-BACKEND_OPS = {
-    "eager": ["cross_entropy", "logprobs", "entropy", "kl", "jsd"],
-    "triton": ["cross_entropy", "logprobs", "entropy", "kl", "jsd"],
-    "liger": ["cross_entropy", "kl", "jsd"],
-    "example_blockwise": ["entropy", "kl"],
-}
+EXAMPLE = "example_blockwise"
+
+
+def _example_backend():
+    """The example plugin's backend: registered where it is installed, else from its source."""
+    if EXAMPLE in REGISTRY.backends():
+        return REGISTRY.get(EXAMPLE)
+    import vtp_example_backend  # on sys.path through tests/test_conformance.py
+
+    return vtp_example_backend.BlockwiseBackend()
+
+
+# every op each built-in backend claims on CPU (liger: under Triton's interpreter, at TP 1),
+# and the example plugin's
+BACKEND_OPS = {b: conformance.ops_with(backend=b) for b in conformance.backends_with(device_type="cpu")}
+BACKEND_OPS[EXAMPLE] = conformance.ops_with(backend=_example_backend())
 CASES = [(b, op) for b, ops in BACKEND_OPS.items() for op in ops]
 
 
@@ -34,7 +45,7 @@ CASES = [(b, op) for b, ops in BACKEND_OPS.items() for op in ops]
 def _backend(name):
     if name == "liger":
         pytest.importorskip("liger_kernel")
-    if name == "example_blockwise" and name not in REGISTRY.backends():
+    if name == EXAMPLE and name not in REGISTRY.backends():
         import vtp_example_backend  # on sys.path through tests/test_conformance.py or installed
 
         with registered(vtp_example_backend):
@@ -44,11 +55,9 @@ def _backend(name):
 
 
 def _loss(op, logits, backend, teacher, labels):
-    if op in ("cross_entropy", "logprobs"):
-        return vtp.loss(op, logits, labels, backend=backend, reduction="sum")
-    if op == "entropy":
-        return vtp.entropy(logits, backend=backend, reduction="sum")
-    return vtp.loss(op, logits, teacher, backend=backend, reduction="sum")
+    spec = OPS[op]
+    args = (logits, teacher)[: len(spec.inputs)] + ((labels,) if spec.index else ())
+    return vtp.loss(op, *args, backend=backend, reduction="sum")
 
 
 def _inputs(seed=0):
@@ -93,8 +102,8 @@ def test_plain_create_graph_keeps_working(backend, op):
         z, _ = _inputs(0)
         logits = z.clone().requires_grad_()
         (g,) = torch.autograd.grad(_loss(op, logits, backend, teacher, labels), logits, create_graph=True)
-        floats = (z, teacher) if op in ("kl", "jsd") else (z,)
-        index = labels if op in ("cross_entropy", "logprobs") else None
+        floats = (z, teacher)[: len(OPS[op].inputs)]
+        index = labels if OPS[op].index else None
         _, (ref, *_) = values_and_grads(op, floats, index, needs_grad=(True,) + (False,) * (len(floats) - 1))
         torch.testing.assert_close(g.detach().double(), ref, rtol=2e-4, atol=1e-6)
         _loss(op, logits, backend, teacher, labels).backward(create_graph=True)

@@ -17,6 +17,7 @@ import torch
 import vtp_runtime as vtp
 from tests.helpers import FullInputs, max_error
 from vtp_runtime.errors import ShardError
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.cases import DTYPES, shard_sizes
 from vtp_runtime.testing.reference import topk_kl
 
@@ -185,7 +186,7 @@ def test_tp1(case):
     assert run_topk_case(0, 1, None, case)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", conformance.tp_sizes(2, 4))
 @pytest.mark.parametrize("case", TPN, ids=lambda c: c.id)
 def test_tp(ranks, world, case):
     assert ranks(world, run_topk_case, case, timeout=120) == [True] * world

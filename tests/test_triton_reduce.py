@@ -14,12 +14,16 @@ import torch
 import vtp_runtime as vtp
 from vtp_runtime import outputs
 from vtp_runtime.backends.triton import CUDA_CONFIG, INTERPRETER_CONFIG, TritonBackend
+from vtp_runtime.ops import get_spec
 from vtp_runtime.registry import hookimpl, registered
+from vtp_runtime.testing import conformance
 from vtp_runtime.testing.reference import values
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-OPS = ("cross_entropy", "logprobs", "logprobs_topk", "entropy", "kl", "jsd")
+# every loss op the triton backend claims, and "<op>_topk" (an [N, k] index) where it claims topk
+_TOPK = conformance.ops_with("topk", backend="triton")
+OPS = tuple(f for op in conformance.ops_with(backend="triton") for f in ((op, f"{op}_topk") if op in _TOPK else (op,)))
 
 
 class _Separate(TritonBackend):
@@ -41,16 +45,16 @@ class _SeparatePlugin:
 def _inputs(op: str, n: int, v: int, dtype: torch.dtype, device: str, seed: int = 0):
     """``(args, options, index, mask)`` of one call: logits (and a teacher), some tokens
     ignored or masked."""
+    spec = get_spec(op.removesuffix("_topk"))
     g = torch.Generator(device=device).manual_seed(seed)
     z = (torch.randn(n, v, device=device, generator=g) * 3).to(dtype)
     args: list = [z]
-    options: dict = {}
+    options: dict = {"beta": 0.3} if spec.name == "jsd" else {}
     index = mask = None
-    if op in ("kl", "jsd"):
+    if len(spec.inputs) == 2:
         args.append((torch.randn(n, v, device=device, generator=g) * 3).to(dtype))
-        options = {"beta": 0.3} if op == "jsd" else {}
-    if op in ("cross_entropy", "logprobs", "logprobs_topk"):
-        shape = (n, 3) if op == "logprobs_topk" else (n,)
+    if spec.index:
+        shape = (n, 3) if op.endswith("_topk") else (n,)
         index = torch.randint(0, v, shape, device=device, generator=g)
         index[torch.rand(shape, device=device, generator=g) < 0.25] = -100
         args.append(index)
@@ -63,7 +67,7 @@ def _inputs(op: str, n: int, v: int, dtype: torch.dtype, device: str, seed: int 
 def _reference(op: str, args, index, mask, reduction: str, options) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 sum or mean of the dense reference's per-token values, differentiable in
     the (float64) first input."""
-    ref_op = "logprobs" if op == "logprobs_topk" else op
+    ref_op = op.removesuffix("_topk")
     floats = [a.detach().double() for a in args if a.is_floating_point()]
     floats[0].requires_grad_(True)
     opts = {k: val for k, val in options.items() if k != "mask"}
@@ -76,8 +80,7 @@ def _reference(op: str, args, index, mask, reduction: str, options) -> tuple[tor
 
 def _run(op: str, args, options, reduction: str, backend: str):
     z = args[0].detach().requires_grad_(True)
-    name = "logprobs" if op == "logprobs_topk" else op
-    out = vtp.loss(name, z, *args[1:], reduction=reduction, backend=backend, **options)
+    out = vtp.loss(op.removesuffix("_topk"), z, *args[1:], reduction=reduction, backend=backend, **options)
     return out, z
 
 

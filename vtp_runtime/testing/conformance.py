@@ -38,6 +38,12 @@ claimed dtype and on every shard layout, on TP 1 to 4, with memory layouts on ev
 layout, every pair of claimed features and more through ``vtp.Head``. ``smoke``
 (``smoke(...)``), for a backend slow per element such as Triton's interpreter, keeps one
 case of each check per TP size.
+
+What other tests parametrize over, from the same declarations: ``ops_with(*features,
+backend=...)`` (the loss ops a feature applies to, or a backend claims), ``backends_with(op,
+*features)`` (the built-in backends claiming them on a device type) and ``tp_sizes(*fast)``
+(a test's TP sizes, more at full depth); ``head_cases.TOKEN_SPLITS``, the splits of a
+sequence-parallel Head's tokens.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from .. import env
 from ..backend import Backend, HeadSupport, OpCapability, head_support
 from ..errors import BackendUnavailable
 from ..ops import LOSSES, OPS
-from ..registry import REGISTRY, registered
+from ..registry import BUILTIN_MODULES, REGISTRY, registered
 from .cases import DTYPES, VIEWS, Case, run_case
 from .head_cases import HeadCase, run_head_case
 
@@ -107,6 +113,53 @@ def current_depth(slow: bool = False) -> str:
 def default_world_sizes(depth: str) -> tuple[int, ...]:
     """TP 1 and 2; TP 3 and 4 too at full depth."""
     return (1, 2, 3, 4) if depth == "full" else (1, 2)
+
+
+def tp_sizes(*fast: int, depth: str | None = None) -> tuple[int, ...]:
+    """The TP sizes of a test on gloo ranks: ``fast`` (the sizes it names, chosen cheap) at
+    fast depth; at full depth also every size ``default_world_sizes`` runs from the smallest
+    of ``fast`` up. ``depth``: default ``current_depth()``."""
+    if (depth or current_depth()) != "full":
+        return tuple(fast)
+    return tuple(sorted({*fast, *(w for w in default_world_sizes("full") if w >= min(fast))}))
+
+
+# -- what tests enumerate ------------------------------------------------------------------
+
+
+def ops_with(*features: str, backend: str | Backend | None = None) -> tuple[str, ...]:
+    """The loss ops (``LOSSES``, in its order) that every one of ``features`` applies to;
+    with ``backend`` (a registered name or a Backend), those of them it claims with those
+    features. A test parametrized over them runs an op added later, or one given the feature
+    later, without an edit."""
+    b = REGISTRY.get(backend) if isinstance(backend, str) else backend
+    wanted = set(features)
+    out = []
+    for op in LOSSES:
+        if not wanted <= set(OPS[op].features):
+            continue
+        cap = None if b is None else b.ops.get(op)
+        if b is None or cap is not None and wanted <= cap.features:
+            out.append(op)
+    return tuple(out)
+
+
+def backends_with(op: str | None = None, *features: str, device_type: str = "cpu") -> tuple[str, ...]:
+    """The built-in backends (``registry.BUILTIN_MODULES``: a plugin runs the kit in its own
+    suite) that claim ``op`` (any op when None) with every one of ``features`` on
+    ``device_type``, by name."""
+    out = []
+    for name, b in REGISTRY.backends().items():
+        owner = REGISTRY.owner(name)
+        if owner is None or owner.name not in BUILTIN_MODULES:
+            continue
+        caps = list(b.ops.values()) if op is None else [b.ops[op]] if op in b.ops else []
+        if any(
+            set(features) <= cap.features and (cap.device_types is None or device_type in cap.device_types)
+            for cap in caps
+        ):
+            out.append(name)
+    return tuple(sorted(out))
 
 
 # -- deriving the cases --------------------------------------------------------------------

@@ -40,6 +40,8 @@ from .cases import (
 # Values go through logits rounded to the input dtype (the reference's are float64), so the
 # low-precision tolerances are those of the logits, not of the op.
 HEAD_VALUE_RTOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3, "float64": 1e-9}
+# how a sequence-parallel Head's tokens can be split over the ranks (see token_split)
+TOKEN_SPLITS = ("even", "uneven", "empty")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class HeadCase(Case):
     reduce_hidden_grad: bool = True
     chunk_rows: int | None = 5
     # Head(sequence_parallel=True): how the first token dimension is split over the ranks
-    # ("even", "uneven", "empty": rank 1 holds none), "" for a hidden replicated on every rank;
+    # (one of TOKEN_SPLITS; "empty": rank 1 holds none), "" for a hidden replicated on every rank;
     # sequence_inputs says which Head inputs are sequence-parallel (the others replicated)
     sequence: str = ""
     sequence_inputs: tuple[bool, bool] = (True, True)
@@ -105,6 +107,8 @@ def token_split(layout: str, tokens: int, world: int, seed: int) -> list[int]:
     """Tokens per rank of a sequence-parallel Head: ``even`` (the remainder to the first
     ranks), ``uneven`` (random cuts, no rank empty where the tokens allow) or ``empty``
     (rank 1 holds none, the others uneven)."""
+    if layout not in TOKEN_SPLITS:
+        raise ValueError(f"unknown token split {layout!r}; known: {', '.join(TOKEN_SPLITS)}")
     if layout == "even":
         return [tokens // world + (r < tokens % world) for r in range(world)]
     g = torch.Generator().manual_seed(seed + 7)
