@@ -10,6 +10,7 @@
 #   decode    decode-time draws at N = 1, 8, 64 (TP=1), and at TP=2 (two processes, one GPU)
 #   generate  benchmarks/generate.py --quick: ms per decode step with and without the hook
 #   soak      benchmarks/soak.py: 5,000 steps, RSS and allocated memory slopes after warm-up
+#             (SOAK_ARGS: more of its flags, e.g. --max-plans 256)
 #   head      the fused head at N=8192 (logits GEMM, cuBLAS chunks, materialized)
 #   step      the transformers step, fuse_lm_head against use_vocab_parallel_loss
 . "$(dirname "$0")/gpu_setup.sh"
@@ -34,7 +35,7 @@ if [[ $STEPS == *generate* ]]; then
     | tee "$OUT/generate_quick.log" | tail -12
 fi
 if [[ $STEPS == *soak* ]]; then
-  timeout 240 python3 benchmarks/soak.py --device cuda --steps 5000 --warmup-steps 1000 --report-every 1000 \
+  timeout 240 python3 benchmarks/soak.py --device cuda --steps 5000 --warmup-steps 1000 --report-every 1000 ${SOAK_ARGS:-} \
     > "$OUT/soak.md" 2> "$OUT/soak.err"; echo "soak exit $?"; tail -30 "$OUT/soak.md"; tail -3 "$OUT/soak.err"
 fi
 if [[ $STEPS == *head* ]]; then

@@ -34,7 +34,9 @@ calls through the current group. At the end the targets are checked and the exit
 - allocated memory after the loop within ``--memory-slack`` MiB of before it (64; 1 on the
   CPU, whose sizes are a thousandth of the GPU's);
 - the resident set's slope after warm-up (``--warmup-steps``: caches filling, first
-  compilations) at most ``--rss-slope-bound`` KiB per 1000 steps (256): a least-squares line
+  compilations; ``--max-plans`` lowers the plan caches' bound so that they fill and turn
+  over within it, as a long job's do: rank 0's group-less call of a random shape makes a
+  new signature at most steps) at most ``--rss-slope-bound`` KiB per 1000 steps (256): a least-squares line
   through RSS samples taken every ``--sample-every`` steps; on CUDA the same for allocated
   memory (not checked with ``--recompile-on-rebuild``, whose growth is torch's);
 - live tensors after the loop at most ``--tensor-slack`` (16) more than before it;
@@ -363,6 +365,10 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
 
     if args.check:
         os.environ["VTP_CHECK"] = args.check
+    if args.max_plans:
+        from vtp_runtime import plans
+
+        plans.MAX_PLANS = args.max_plans
     if args.device == "cpu":
         torch.set_num_threads(1)
     else:
@@ -702,6 +708,13 @@ def parse(argv: list[str]):
     p.add_argument("--step-timeout", type=float, default=120.0, help="seconds a step may take (default 120)")
     p.add_argument("--memory-slack", type=float, default=None, help="MiB allocated memory may grow (default 64; CPU 1)")
     p.add_argument("--tensor-slack", type=int, default=16, help="how many live tensors may be added (default 16)")
+    p.add_argument(
+        "--max-plans",
+        type=positive_int,
+        default=None,
+        help="plans per cache generation (default the runtime's): a lower bound makes the caches fill and turn "
+        "over within the warm-up, so the RSS slope after it measures a job whose caches are full",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
