@@ -18,9 +18,9 @@ full path, which raises). What depends on the token count is made per call from 
 (``Plan.for_tokens``), without a collective, from what every rank holds alike: the
 ``Request``'s token count, the leading shape, a Head's chunk rows (``head_chunks.Chunking``)
 and the planned metadata row; the plan kept is the last call's, so a call repeating it
-makes nothing. Dispatch reads no token count (no capability depends on one, and a call
-without tokens never reaches a backend), so the backend chosen for one token count is the
-one for every other. One call keeps its token dims in the signature: a sequence-parallel
+makes nothing. Dispatch reads of the token count only whether there is any (no capability
+reads the count), which a signature keeps, so the backend chosen for one token count is
+the one for every other. One call keeps its token dims in the signature: a sequence-parallel
 ``Head`` on a group of several ranks, whose chunk layout comes from every rank's token count,
 which only the metadata gather sees.
 
@@ -304,10 +304,12 @@ def signature_and_tokens(
     """``(key, token dims)`` of a call: the key of its plan, or None when the call cannot have
     one (then it takes the full path every time), and its token dims, the first input's
     leading dims (a Head's hidden rows), which the key leaves out of the shapes of the inputs,
-    the index, the mask and the labels. ``whole`` (None for the token dims): every shape
-    whole in the key, as for a sequence-parallel Head on a ``group`` of several ranks, whose
-    chunk layout comes from every rank's token count, which only the metadata gather sees;
-    the group is not part of the key otherwise (each group has its own cache).
+    the index, the mask and the labels (it keeps how many there are and whether any is 0: a
+    call without tokens is planned apart, as dispatch tells it apart). ``whole`` (None for
+    the token dims): every shape whole in the key, as for a sequence-parallel Head on a
+    ``group`` of several ranks, whose chunk layout comes from every rank's token count, which
+    only the metadata gather sees; the group is not part of the key otherwise (each group has
+    its own cache).
     ``needs_grad``: given by a call from a compiled graph (whose tensors do not require grad
     inside the op), read from the tensors otherwise. Built on every call: keep it to
     attribute reads and a tuple.
@@ -343,7 +345,7 @@ def signature_and_tokens(
         if lead is None:  # the first input: its leading dims are the token dims
             lead = shape[:-1]
             n = len(lead)
-            key.append(n)
+            key += (n, 0 in lead)  # how many, and whether there is any token (as dispatch keys it)
         past = shape[n:] if shape[:n] == lead else (_NOT_TOKENS, shape)  # _past, inline
         key += (past, t.dtype, t.device) if traced else (past, t.dtype, t.device, t.requires_grad)
         if head is not None:
