@@ -173,7 +173,7 @@ def argmax(logits: Logits, **options: Any) -> Tensor:
     """
     if torch.compiler.is_compiling():
         return _eagerly("argmax", (logits,), options)
-    return pipeline.run("argmax", (logits,), options)
+    return pipeline.ids("argmax", logits, options)
 
 
 def sample(
@@ -216,7 +216,7 @@ def sample(
             given[name] = value
     if torch.compiler.is_compiling():
         return _eagerly("sample", (logits,), given)
-    return pipeline.run("sample", (logits,), given)
+    return pipeline.ids("sample", logits, given)
 
 
 @torch.compiler.disable  # inside a compiled function: a graph break, the call runs eagerly

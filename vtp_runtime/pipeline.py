@@ -81,6 +81,36 @@ def run(
     return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
 
 
+def ids(op: str, logits: Any, options: dict[str, Any]) -> Tensor:
+    """``run(op, (logits,), options)`` for ``argmax`` and ``sample`` outside a compiled graph:
+    a call on one plain tensor without a group finds its plan by the call as passed
+    (``plans.direct_key``), with the per-call checks of its seed, and goes straight to the
+    backend; any other call takes ``run``. The first call of a key is planned by
+    ``plans.plan_for``, as ``run`` plans it."""
+    key = plans.direct_key(op, logits, options)
+    if key is None:
+        return run(op, (logits,), options)
+    direct = plans.direct_plan(key)
+    if direct is None:
+        plan = plans.plan_for(Invocation(op, (logits,), options))
+        # made again: the first call of a process loads the plugins, which changes the key
+        plans.keep_direct(plans.direct_key(op, logits, options) or key, plan, logits)
+        return _no_grad_ids(plan, plan.call(None, options), logits)
+    plan = direct.plan
+    failure = checks.per_call_failure(plan.spec, options, None)
+    if failure is not None:
+        raise failure
+    call = direct.call or plan.call(None, options)
+    if direct.as_is and not logits.requires_grad:  # the common decode step: straight to the backend
+        return plan.backend.forward(call, (logits,), None, None)[0]
+    return _no_grad_ids(plan, call, logits)
+
+
+def _no_grad_ids(plan: plans.Plan, call: Any, logits: Tensor) -> Tensor:
+    with torch.no_grad():  # ids have no gradient: no graph of the backend's ops
+        return _ids(plan, call, logits).view(plan.lead)
+
+
 _eager = torch.compiler.disable(run)  # a call with sp_group inside a compiled function runs eagerly
 
 

@@ -63,7 +63,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import checks, dispatch, env, head_chunks, metadata
-from .backend import Backend, Call, Request
+from .backend import Backend, Call, Request, meets_layout
 from .comm import group_size, is_group
 from .head import Head
 from .head_gather import SequenceLayout
@@ -243,6 +243,7 @@ def clear() -> None:
     """Forget every plan of every group (every rank of a group must clear together, like any
     collective)."""
     _LOCAL.clear()
+    _DIRECT.clear()
     for cache in _BY_GROUP.values():
         cache.clear()
 
@@ -374,10 +375,9 @@ _PLAIN_OPTIONS: dict[tuple, tuple | None] = {}
 MAX_PLAIN_OPTIONS = 4096
 
 
-def _plain_options(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
-    """``_options_part`` looked up by the options as passed (in the order passed), where
-    each is a plain value (a per-call number by its type alone); None where some is not, or
-    where the options have no signature (then ``_options_part`` says so again)."""
+def _as_passed(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
+    """The op and its options as passed (in the order passed), each a plain value (a per-call
+    number by its type alone; a group left out); None where some option is not plain."""
     raw: list[Any] = [spec.name]
     per_call = spec.per_call
     for name, value in options.items():
@@ -386,7 +386,16 @@ def _plain_options(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
             raw += (name, kind) if name in per_call and kind in (int, float) else (name, kind, value)
         elif name not in _GROUPS:
             return None
-    raw_key = tuple(raw)
+    return tuple(raw)
+
+
+def _plain_options(spec: OpSpec, options: Mapping[str, Any]) -> tuple | None:
+    """``_options_part`` looked up by the options as passed (``_as_passed``); None where some
+    is not a plain value, or where the options have no signature (then ``_options_part``
+    says so again)."""
+    raw_key = _as_passed(spec, options)
+    if raw_key is None:
+        return None
     try:
         return _PLAIN_OPTIONS[raw_key]
     except KeyError:
@@ -436,6 +445,63 @@ def plain_options_keys() -> list[tuple]:
     """What the lookup by plain options holds now: a key per spelling of a call's options
     (at most ``MAX_PLAIN_OPTIONS``)."""
     return list(_PLAIN_OPTIONS)
+
+
+# -- direct plans: argmax and sample on one plain tensor without a group ----------------------
+# A decode loop repeats one call, one token per step: its plan is found by the call as passed
+# (the logits' shape, strides, dtype, device and requires_grad, the options as passed, grad
+# mode, the forced backend, the registry's version), without the input forms, the signature
+# and the per-group cache. Holds descriptions only (no tensor, no group: a call with one never
+# gets here), at most MAX_DIRECT; ``clear`` drops them with the rest.
+MAX_DIRECT = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Direct:
+    """A direct plan: the ``plan``; its ``call`` where no option of the op reaches the backend
+    per call (argmax), else None (made per call: ``sample``'s seed); ``as_is``: the logits
+    go to the backend as they are (``[N, V_local]`` in its layout), else through
+    ``autograd.rows``."""
+
+    plan: Plan
+    call: Call | None
+    as_is: bool
+
+
+_DIRECT: dict[tuple, Direct] = {}
+
+
+def direct_key(op: str, x: Any, options: Mapping[str, Any]) -> tuple | None:
+    """The key of an ``argmax``/``sample`` call's direct plan, or None where the call has none
+    (not one plain tensor, a group given, an option that is not a plain value)."""
+    if type(x) not in _TENSORS or options.get("tp_group") is not None or options.get("sp_group") is not None:
+        return None
+    raw = _as_passed(OPS[op], options)
+    if raw is None:
+        return None
+    forced = dispatch.forced_backend(op, options.get("backend"))
+    grad = torch.is_grad_enabled()
+    return (raw, x.shape, x.stride(), x.dtype, x.device, x.requires_grad, grad, forced, REGISTRY.version)
+
+
+def direct_plan(key: tuple) -> Direct | None:
+    """The direct plan kept for ``key`` (``direct_key``), or None."""
+    return _DIRECT.get(key)
+
+
+def keep_direct(key: tuple, plan: Plan, x: Tensor) -> None:
+    """Keep ``plan`` for ``key``, made for logits ``x``; past ``MAX_DIRECT`` every direct plan
+    is dropped first."""
+    if len(_DIRECT) >= MAX_DIRECT:
+        _DIRECT.clear()
+    call = None if plan.spec.per_call_backend else plan.call(None)
+    as_is = x.dim() == 2 and plan.num_tokens > 0 and meets_layout(x, plan.backend.input_layout)
+    _DIRECT[key] = Direct(plan, call, as_is)
+
+
+def direct_size() -> int:
+    """How many direct plans are kept (at most ``MAX_DIRECT``)."""
+    return len(_DIRECT)
 
 
 # -- the plan of a call ----------------------------------------------------------------------
