@@ -27,6 +27,7 @@ import io
 import json
 import pstats
 import time
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ def wall_us(fn, reps: int, device: torch.device) -> float:
     return sorted(runs)[2]
 
 
-ARMS = {
+ARMS: dict[str, dict[str, Any]] = {
     "argmax": {},
     "sample": {"seed": 1},
     "top_k": {"seed": 1, "top_k": 50},
@@ -77,7 +78,7 @@ def layers(arm: str, x: torch.Tensor, reps: int) -> dict[str, float]:
     options = {**ARMS[arm], "backend": "triton"}
     plan = plans.plan_for(Invocation(op, (x,), options))
     call = plan.call(None, options)
-    backend = REGISTRY.get("triton")
+    backend: Any = REGISTRY.get("triton")  # the triton backend: its launch configuration too
     decode_plan = triton_sampling.decode_plan(backend.config_for(dev), call, x)
     out = torch.empty(n, dtype=torch.int64, device=dev)
     seed_key = 0 if op == "argmax" else 1
@@ -107,7 +108,7 @@ def main() -> None:
     for n in map(int, args.tokens.split(",")):
         x = torch.randn(n, args.vocab, device=dev).mul(4).bfloat16()
         for arm in ARMS:
-            row = {"tokens": n, "arm": arm, **layers(arm, x, args.reps)}
+            row: dict[str, Any] = {"tokens": n, "arm": arm, **layers(arm, x, args.reps)}
             rows.append(row)
             print(
                 f"N={n:3d} {arm:7s} torch {row['torch']:7.1f}  call {row['call']:7.1f}  "

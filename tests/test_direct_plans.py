@@ -90,7 +90,7 @@ def test_the_seed_is_checked_on_every_call():
     vtp.sample(x, seed=2, backend="eager")  # direct
     for _ in range(2):
         with pytest.raises(TypeError, match="seed"):
-            vtp.sample(x, seed=1.5, backend="eager")
+            vtp.sample(x, seed=1.5, backend="eager")  # type: ignore[arg-type]
     assert torch.equal(vtp.sample(x, seed=2, backend="eager"), vtp.sample(x, seed=2, backend="eager"))
 
 
