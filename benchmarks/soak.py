@@ -25,7 +25,7 @@ on one GPU, as the repository's TP-on-one-GPU tests run):
 NCCL (gloo's default, a host gather per call, would hide a plan cache that drifts between
 ranks). Every ``--report-every`` steps each rank reports: allocated and reserved CUDA memory
 (on the CPU: the bytes of live tensors' storages, and the RSS), the RSS slope since warm-up
-so far, live tensors, open file descriptors, plans held (in all, and per cache: the eager
+so far, live tensors, open file descriptors, Triton kernels compiled, plans held (in all, and per cache: the eager
 forms' group, the compiled form's group, calls without a group), and destroyed groups
 still alive; a float64 check of two small
 calls through the current group. At the end the targets are checked and the exit status is
@@ -47,7 +47,9 @@ calls through the current group. At the end the targets are checked and the exit
 
 Where memory grows, the report says what: the object types (``gc.get_objects()`` grouped by
 type) whose counts grew most between the end of warm-up and the end, and with
-``--tracemalloc`` the source lines whose allocations since warm-up grew most.
+``--tracemalloc`` the source lines whose allocations since warm-up grew most. ``--malloc-trim``
+returns the C heap's free pages to the system before each RSS sample, which tells memory in
+use from pages the allocator keeps for reuse (glibc's arenas grow in steps and keep them).
 
 The output is Markdown (tables, with the command and setup on top): it can be saved under
 ``benchmarks/results/`` as it is and its tables pasted into ``docs/benchmarks.md``.
@@ -163,6 +165,13 @@ def type_counts() -> collections.Counter:
     return collections.Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
 
 
+def compiled_kernels() -> int:
+    """Triton kernels compiled and held in this process (each keeps its binary, a launcher
+    and a metadata class in host memory): a count that grows after warm-up is the JIT
+    compiling new specializations."""
+    return sum(type(o).__name__ == "CompiledKernel" for o in gc.get_objects())
+
+
 def grown(before: collections.Counter, after: collections.Counter, top: int = 8) -> list[tuple[str, int]]:
     """The ``top`` types whose counts grew most, with the growth."""
     return [(name, n) for name, n in (after - before).most_common(top)]
@@ -193,6 +202,19 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def malloc_trim() -> bool:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim(0)``), so that the
+    RSS counts what is in use rather than what the allocator keeps for reuse; False where
+    there is no glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
 def snapshot(device: str, destroyed: list, groups: tuple = (None, None)) -> dict:
     """What is alive now; ``groups``: the eager forms' and the compiled form's groups."""
     import torch
@@ -209,6 +231,7 @@ def snapshot(device: str, destroyed: list, groups: tuple = (None, None)) -> dict
         "groups_destroyed": len(destroyed),
         "groups_alive": sum(ref() is not None for ref in destroyed),
         "rss_mib": rss_bytes() / 2**20,
+        "compiled_kernels": compiled_kernels(),
     }
     if device == "cuda":
         torch.cuda.synchronize()
@@ -424,6 +447,8 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             watchdog.beat(s)
             done = s + 1
             if done % args.sample_every == 0:
+                if args.malloc_trim:
+                    malloc_trim()
                 samples.append((done, rss_bytes(), torch.cuda.memory_allocated() if args.device == "cuda" else None))
             if done == args.warmup_steps:  # what is alive once warm, to compare with the end
                 types_warm = type_counts()
@@ -497,6 +522,7 @@ COLUMNS = (
     ("rss_slope", "RSS slope since warm-up, KiB / 1000 steps", "{:+.1f}"),
     ("live_tensors", "live tensors", "{:d}"),
     ("open_fds", "open fds", "{:d}"),
+    ("compiled_kernels", "Triton kernels compiled", "{:d}"),
     ("plans", "plans", "{:d}"),
     ("plan_caches", "plans: group / compiled form's group / no group", "{}"),
     ("groups_alive", "destroyed groups alive", "{}"),
@@ -625,7 +651,9 @@ def print_header(args, argv: list[str]) -> None:
             if args.recompile_on_rebuild
             else "on a group made once for the job, compiled once per shape family"
         )
-        + f"; RSS sampled every {args.sample_every} steps, its slope fitted from step {args.warmup_steps} on"
+        + f"; RSS sampled every {args.sample_every} steps"
+        + (", each sample after malloc_trim(0)" if args.malloc_trim else "")
+        + f", its slope fitted from step {args.warmup_steps} on"
     )
     if args.device == "cpu":
         print('- on the CPU, "allocated" is the bytes of the live tensors\' storages')
@@ -714,6 +742,12 @@ def parse(argv: list[str]):
         default=None,
         help="plans per cache generation (default the runtime's): a lower bound makes the caches fill and turn "
         "over within the warm-up, so the RSS slope after it measures a job whose caches are full",
+    )
+    p.add_argument(
+        "--malloc-trim",
+        action="store_true",
+        help="before each RSS sample, return the C heap's free pages to the system (glibc malloc_trim): "
+        "the slope then counts memory in use, not pages the allocator keeps for reuse",
     )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

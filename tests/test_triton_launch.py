@@ -299,3 +299,46 @@ def test_every_loss_is_the_same_through_the_launcher_on_cuda(rows):
         assert launch_mod.kept_count() >= 1
     finally:
         REGISTRY.unregister("triton_jit_only")
+
+
+# what follows a call's token count, by parameter name; the fused head's matmul keeps its row
+# count specialized (its tiles' masks), and is compiled per chunk size, which is bounded
+TOKEN_COUNT_PARAMS = {"rows_b", "n_rows", "splits", "n_parts", "n_stats_parts", "n_tiles"}
+SPECIALIZED_ROWS = {"head_matmul_kernel"}
+
+
+def _kernel_definitions():
+    import ast
+    import pathlib
+
+    from vtp_runtime.backends import triton as triton_package
+
+    for path in sorted(pathlib.Path(triton_package.__path__[0]).glob("*kernels.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+                yield path.name, node
+
+
+def test_numbers_that_follow_the_token_count_are_not_specialized():
+    """A job whose token count changes every step compiles no kernel after its first steps:
+    the JIT specializes an int on being 1 or a multiple of 16, so every such number of a
+    kernel is declared ``do_not_specialize``."""
+    import ast
+
+    checked = 0
+    for file, node in _kernel_definitions():
+        params = {a.arg for a in node.args.args}
+        wanted = params & TOKEN_COUNT_PARAMS
+        if node.name == "scale_kernel":
+            wanted = {"n", "programs"}  # a gradient's size and the programs over it
+        if not wanted or node.name in SPECIALIZED_ROWS:
+            continue
+        declared: set[str] = set()
+        for decorator in node.decorator_list:
+            if isinstance(decorator, ast.Call):
+                for keyword in decorator.keywords:
+                    if keyword.arg == "do_not_specialize":
+                        declared |= set(ast.literal_eval(keyword.value))
+        assert wanted <= declared, f"{file}: {node.name} specializes on {sorted(wanted - declared)}"
+        checked += 1
+    assert checked >= 12  # the loss, sampling and head kernels were found

@@ -216,7 +216,7 @@ def head_matmul_kernel(
                 tl.store(label_ptr + rows, picked, mask=mine)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "splits"])
 def head_ce_stats_kernel(
     z_ptr,
     stride_z,
@@ -251,7 +251,7 @@ def head_ce_stats_kernel(
     tl.store(base + n_rows + row, s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts", "n_rows"])
 def head_ce_finish_kernel(
     part_ptr,
     n_parts,
@@ -296,7 +296,7 @@ def head_ce_finish_kernel(
     tl.store(stat_ptr + rows * 2 + 1, log_s, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])
 def head_ce_grad_kernel(
     z_ptr,
     stride_z,
@@ -340,7 +340,7 @@ def head_ce_grad_kernel(
         tl.store(src + cols, d.to(z_ptr.dtype.element_ty), mask=cols < hi)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tiles", "n_rows", "splits"])
 def tile_partials_kernel(
     tile_ptr,
     n_tiles,

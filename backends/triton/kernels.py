@@ -23,6 +23,12 @@ Partials are ``[P, N, F]`` fp32 (P = splits x ranks) and saved statistics ``[N, 
 written contiguous.
 Each stats/divergence/backward program handles one row and one contiguous chunk of its
 local vocabulary (``pid = row * splits + split``), so few rows still fill the GPU.
+
+Numbers that follow a call's token count (``n_rows``, ``rows_b``, ``splits``, ``n_parts``,
+a gradient's size) are ``do_not_specialize``: the JIT would otherwise compile a kernel for
+each of their classes (1, multiples of 16, the rest), so that a job whose token count
+changes every step would compile new kernels, and keep them in host memory, long after
+its first steps.
 """
 
 import triton
@@ -304,7 +310,7 @@ def _upstream(grad_ptr, offset, red_ptr, MEAN: tl.constexpr):
     return g
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_b", "n_rows", "splits"])
 def stats1_kernel(
     z_ptr,
     rows_b,
@@ -621,7 +627,7 @@ def _finish1_rows(
     tl.store(stat_ptr + rows * n_stats + S_LOG2_SUM, log_s, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts", "n_rows"])
 def finish1_kernel(
     part_ptr,
     n_parts,
@@ -690,7 +696,7 @@ def finish1_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_b", "splits"])
 def backward1_kernel(
     z_ptr,
     rows_b,
@@ -855,7 +861,7 @@ def _jsd_value(kl_s, kl_t, ls_s, ls_t, beta):
     return tl.where((ls_s > float("-inf")) & (ls_t > float("-inf")), val, float("nan"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_b", "n_rows", "splits"])
 def stats2_kernel(
     a_ptr,
     b_ptr,
@@ -975,7 +981,7 @@ def _jsd_div_sums(src_s, src_t, lo, hi, a_s, ls_s, a_t, ls_t, k2, beta, FAST_LOG
     return tl.sum(acc_s, 0), tl.sum(acc_t, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_b", "n_stats_parts", "n_rows", "splits"])
 def jsd_div_kernel(
     a_ptr,
     b_ptr,
@@ -1036,7 +1042,7 @@ def jsd_div_kernel(
             _reduce2_if_last(red_ptr, n_rows, out_ptr, val_ptr, n_rows, keep_ptr, HAS_KEEP, REDUCE, BLOCK_REDUCE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_b", "n_rows"])
 def jsd_row_kernel(
     a_ptr,
     b_ptr,
@@ -1173,7 +1179,7 @@ def _reduce2_if_last(
     _reduce_if_last(red_ptr, n_done, out_ptr, val_ptr, n_rows, keep_ptr, keep_ptr, 0, False, HAS_KEEP, REDUCE, BLOCK)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_parts", "n_rows"])
 def finish2_kernel(
     part_ptr,
     n_parts,
@@ -1199,7 +1205,7 @@ def finish2_kernel(
     _reduce2_if_last(red_ptr, tl.num_programs(0), out_ptr, val_ptr, n_rows, keep_ptr, HAS_KEEP, REDUCE, BLOCK_REDUCE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_b", "splits"])
 def backward2_kernel(
     a_ptr,
     b_ptr,
@@ -1279,7 +1285,7 @@ def backward2_kernel(
                 tl.store(db_ptr + out_off + cols, tl.where(keep, db, 0.0).to(db_ptr.dtype.element_ty), mask=inb)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "programs"])
 def scale_kernel(x_ptr, n, scale_ptr, programs, BLOCK: tl.constexpr):
     """``x *= scale`` in fp32 math, in place, over a contiguous ``x`` of ``n`` elements, each
     of ``programs`` programs striding over the tiles. Where the 0-dim ``scale`` is 1 (the

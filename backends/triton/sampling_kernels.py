@@ -90,7 +90,7 @@ def _key(x, x_rel, scale_b, noise):
     return tl.where(tl.abs(x) == float("inf"), x, key)
 
 
-@triton.jit(do_not_specialize=["seed_key", "seed_lo", "seed_hi", "row_offset"])
+@triton.jit(do_not_specialize=["seed_key", "seed_lo", "seed_hi", "row_offset", "rows_b", "n_rows", "splits"])
 def scan_kernel(
     z_ptr,
     rows_b,
@@ -370,7 +370,7 @@ def _draw(
     return tl.min(tl.where(best_k == top[:, None], best_i, NONE_ID), 1)
 
 
-@triton.jit(do_not_specialize=["seed_key", "row_offset"])
+@triton.jit(do_not_specialize=["seed_key", "row_offset", "n_rows", "rows_b"])
 def decode_kernel(
     z_ptr,
     out_ptr,
