@@ -4,7 +4,7 @@
         [--device cuda|cpu] [--json PATH]
 
 For ``vtp.argmax`` and ``vtp.sample`` (plain, ``top_k=50``, ``top_p=0.9``) on bf16 logits
-``[N, V]``, wall µs per call back to back (synchronized once) of:
+``[N, V]``, wall µs per call back to back (the median of five runs, each synchronized once) of:
 
 - ``torch``: the peer (``torch.argmax``; softmax + ``torch.multinomial``; the plain draw's
   peer stands for the others here: ``bench_sample`` has the sort-based top-p);
@@ -26,7 +26,7 @@ import cProfile
 import io
 import json
 import pstats
-import time
+import statistics
 from typing import Any
 
 import torch
@@ -36,23 +36,12 @@ from vtp_runtime import plans
 from vtp_runtime.backends.triton import sampling as triton_sampling  # the backend's decode path
 from vtp_runtime.invocation import Invocation
 from vtp_runtime.registry import REGISTRY
+from vtp_runtime.tools.bench_sample import decode_logits, wall_us
 
 
-def wall_us(fn, reps: int, device: torch.device) -> float:
-    """Median over 5 runs of ``reps`` calls back to back, synchronized once per run."""
-    for _ in range(50):
-        fn()
-    runs = []
-    for _ in range(5):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        runs.append((time.perf_counter() - t0) / reps * 1e6)
-    return sorted(runs)[2]
+def median_us(fn, reps: int) -> float:
+    """The median of five of ``bench_sample.wall_us``'s runs: wall µs per call back to back."""
+    return statistics.median(wall_us(fn, 50, reps) for _ in range(5))
 
 
 ARMS: dict[str, dict[str, Any]] = {
@@ -87,11 +76,11 @@ def layers(arm: str, x: torch.Tensor, reps: int) -> dict[str, float]:
     else:
         peer = lambda: torch.multinomial(torch.softmax(x.float(), -1), 1)  # noqa: E731
     return {
-        "torch": wall_us(peer, reps, dev),
-        "call": wall_us(vtp_call(arm, x), reps, dev),
-        "backend": wall_us(lambda: backend.forward(call, (x,), None, None), reps, dev),
-        "launch": wall_us(lambda: triton_sampling.launch_decode(decode_plan, x, out, seed_key), reps, dev),
-        "empty": wall_us(lambda: torch.empty(n, dtype=torch.int64, device=dev), reps, dev),
+        "torch": median_us(peer, reps),
+        "call": median_us(vtp_call(arm, x), reps),
+        "backend": median_us(lambda: backend.forward(call, (x,), None, None), reps),
+        "launch": median_us(lambda: triton_sampling.launch_decode(decode_plan, x, out, seed_key), reps),
+        "empty": median_us(lambda: torch.empty(n, dtype=torch.int64, device=dev), reps),
     }
 
 
@@ -103,10 +92,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    dev = torch.device(args.device)
     rows = []
     for n in map(int, args.tokens.split(",")):
-        x = torch.randn(n, args.vocab, device=dev).mul(4).bfloat16()
+        x = decode_logits(n, args.vocab, args.device, torch.bfloat16)
         for arm in ARMS:
             row: dict[str, Any] = {"tokens": n, "arm": arm, **layers(arm, x, args.reps)}
             rows.append(row)
@@ -117,7 +105,7 @@ def main() -> None:
                 flush=True,
             )
     n = int(args.tokens.split(",")[0])
-    x = torch.randn(n, args.vocab, device=dev).mul(4).bfloat16()
+    x = decode_logits(n, args.vocab, args.device, torch.bfloat16)
     for arm in ("argmax", "top_p"):
         fn = vtp_call(arm, x)
         for _ in range(50):

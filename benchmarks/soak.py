@@ -202,17 +202,16 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def malloc_trim() -> bool:
+def malloc_trim() -> None:
     """Return the C heap's free pages to the system (glibc's ``malloc_trim(0)``), so that the
-    RSS counts what is in use rather than what the allocator keeps for reuse; False where
+    RSS counts what is in use rather than what the allocator keeps for reuse; nothing where
     there is no glibc."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
-        return False
-    return True
+        pass
 
 
 def snapshot(device: str, destroyed: list, groups: tuple = (None, None)) -> dict:
