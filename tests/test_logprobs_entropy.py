@@ -59,6 +59,21 @@ def test_triton_tp2(ranks, case):
     ranks(2, run_case, case, timeout=300)
 
 
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_reduced_pair_of_a_token_index(backend, reduction):
+    """Both outputs of an ``[N]`` index summed or averaged in one reduction (they count the same
+    tokens): values and the gradient of ``sum(lp * g_lp) + sum(H * g_H)`` against float64, with
+    about a quarter of the labels ignored; with every label ignored, both 0 and no gradient."""
+    options = ON + (("reduction", reduction),)
+    for seed in (4, 5):
+        run_case(0, 1, None, Case("logprobs", shape=(2, 5), masked="labels", backend=backend, seed=seed, options=options))
+    z = torch.randn(3, 40, requires_grad=True)
+    lp, h = vtp.logprobs(z, torch.full((3,), -100), backend=backend, **dict(options))
+    (lp * 2 + h * 3).backward()
+    assert lp.item() == 0.0 and h.item() == 0.0 and z.grad is not None and (z.grad == 0).all()
+
+
 @pytest.mark.parametrize("world", conformance.tp_sizes(2, 4))
 def test_eager_float64_uneven_and_empty(ranks, world):
     for layout in ("uneven", "empty"):

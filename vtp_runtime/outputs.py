@@ -37,6 +37,8 @@ def finish(
     ignore_index = options.get("ignore_index", -100)
     if options.get("return_entropy"):
         assert index is not None  # return_entropy is an option of logprobs, which takes an index
+        if not topk and _plain(options):
+            return _reduced_pair(values, index, options["reduction"], ignore_index)
         lp, h = values[:, :-1], values[:, -1]
         lp = lp.reshape(*lead, lp.shape[1]) if topk else lp.reshape(lead)
         # an entropy counts (for "mean") where some entry of its token's index is not ignored
@@ -55,6 +57,27 @@ def reduce(values: Tensor, options, index: Tensor | None, mask: Tensor | None, i
     ``sp_group`` a sum or mean covers the tokens of every rank of that group (see
     ``SequenceSum``)."""
     return _reduced([(values, index, mask)], options, ignore_index)[0]
+
+
+def _plain(options) -> bool:
+    """Whether a reduction is one number per output from this rank's tokens alone: "sum" or
+    "mean", no ``normalizer``, no ``sp_group`` to sum over."""
+    return (
+        options.get("reduction", "none") != "none"
+        and options.get("normalizer") is None
+        and group_size(options.get("sp_group")) <= 1
+    )
+
+
+def _reduced_pair(values: Tensor, index: Tensor, reduction: str, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """Log-probs and entropy of an ``[N]`` index from the ``[N, 2]`` values, summed or averaged
+    in one reduction of both columns: they count the same tokens (those whose index is not
+    ignored), so each op here serves both outputs, in the forward and the backward."""
+    totals = values.sum(0)
+    if reduction == "mean":
+        totals = totals / (index != ignore_index).sum().clamp(min=1)
+    lp, h = totals.unbind(0)
+    return lp, h
 
 
 def _reduced(parts, options, ignore_index: int) -> list[Tensor]:
