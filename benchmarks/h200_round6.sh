@@ -10,8 +10,9 @@
 #   decode    decode-time draws at N = 1, 8, 64 (TP=1), and at TP=2 (two processes, one GPU)
 #   generate  benchmarks/generate.py --quick: ms per decode step with and without the hook
 #   soak      benchmarks/soak.py: 5,000 steps, RSS and allocated memory slopes after warm-up
-#             (SOAK_ARGS: more of its flags, e.g. --max-plans 256)
-#   head      the fused head at N=8192 (logits GEMM, cuBLAS chunks, materialized)
+#             (SOAK_ARGS: more of its flags, e.g. --max-plans 256; SOAK_TIMEOUT: seconds, 240)
+#   head      the fused head at N=8192 (logits GEMM, cuBLAS chunks, materialized; HEAD_TOKENS,
+#             HEAD_TP: other sizes)
 #   step      the transformers step, fuse_lm_head against use_vocab_parallel_loss
 . "$(dirname "$0")/gpu_setup.sh"
 STEPS=${STEPS:-tests,cpu,decode,generate}
@@ -35,11 +36,11 @@ if [[ $STEPS == *generate* ]]; then
     | tee "$OUT/generate_quick.log" | tail -12
 fi
 if [[ $STEPS == *soak* ]]; then
-  timeout 240 python3 benchmarks/soak.py --device cuda --steps 5000 --warmup-steps 1000 --report-every 1000 ${SOAK_ARGS:-} \
+  timeout ${SOAK_TIMEOUT:-240} python3 benchmarks/soak.py --device cuda --steps 5000 --warmup-steps 1000 --report-every 1000 ${SOAK_ARGS:-} \
     > "$OUT/soak.md" 2> "$OUT/soak.err"; echo "soak exit $?"; tail -30 "$OUT/soak.md"; tail -3 "$OUT/soak.err"
 fi
 if [[ $STEPS == *head* ]]; then
-  timeout 150 vtp-runtime bench --head 4096 --tokens 8192 --tp 1,2,4 --reps 5 --peers torch \
+  timeout 150 vtp-runtime bench --head 4096 --tokens ${HEAD_TOKENS:-8192} --tp ${HEAD_TP:-1,2,4} --reps 5 --peers torch \
     --json "$OUT/head.json" 2>"$OUT/head.err" | tee "$OUT/head.log" | tail -30
 fi
 if [[ $STEPS == *step* ]]; then

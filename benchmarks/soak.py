@@ -34,7 +34,7 @@ calls through the current group. At the end the targets are checked and the exit
 - allocated memory after the loop within ``--memory-slack`` MiB of before it (64; 1 on the
   CPU, whose sizes are a thousandth of the GPU's);
 - the resident set's slope after warm-up (``--warmup-steps``: caches filling, first
-  compilations; ``--max-plans`` lowers the plan caches' bound so that they fill and turn
+  compilations; ``--max-plans`` lowers every runtime cache's bound so that they fill and turn
   over within it, as a long job's do: rank 0's group-less call of a random shape makes a
   new signature at most steps) at most ``--rss-slope-bound`` KiB per 1000 steps (256): a least-squares line
   through RSS samples taken every ``--sample-every`` steps; on CUDA the same for allocated
@@ -388,9 +388,11 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     if args.check:
         os.environ["VTP_CHECK"] = args.check
     if args.max_plans:
-        from vtp_runtime import plans
+        from vtp_runtime import dispatch, plans
 
-        plans.MAX_PLANS = args.max_plans
+        # every cache of the runtime, so that all of them fill and turn over in the warm-up
+        plans.MAX_PLANS = plans.MAX_PLAIN_OPTIONS = plans.MAX_DIRECT = args.max_plans
+        dispatch.MAX_SELECTIONS = args.max_plans
     if args.device == "cpu":
         torch.set_num_threads(1)
     else:
@@ -739,8 +741,9 @@ def parse(argv: list[str]):
         "--max-plans",
         type=positive_int,
         default=None,
-        help="plans per cache generation (default the runtime's): a lower bound makes the caches fill and turn "
-        "over within the warm-up, so the RSS slope after it measures a job whose caches are full",
+        help="bound of every runtime cache (plans per generation, direct plans, plain option forms, dispatch's "
+        "selections; default the runtime's): a lower bound makes the caches fill and turn over within the "
+        "warm-up, so the RSS slope after it measures a job whose caches are full",
     )
     p.add_argument(
         "--malloc-trim",
