@@ -12,7 +12,7 @@
 #   soak      benchmarks/soak.py: 5,000 steps, RSS and allocated memory slopes after warm-up
 #             (SOAK_ARGS: more of its flags, e.g. --max-plans 256; SOAK_TIMEOUT: seconds, 240)
 #   head      the fused head at N=8192 (logits GEMM, cuBLAS chunks, materialized; HEAD_TOKENS,
-#             HEAD_TP: other sizes)
+#             HEAD_TP: other sizes; HEAD_TIMEOUT: seconds, 150)
 #   step      the transformers step, fuse_lm_head against use_vocab_parallel_loss
 . "$(dirname "$0")/gpu_setup.sh"
 STEPS=${STEPS:-tests,cpu,decode,generate}
@@ -40,7 +40,7 @@ if [[ $STEPS == *soak* ]]; then
     > "$OUT/soak.md" 2> "$OUT/soak.err"; echo "soak exit $?"; tail -30 "$OUT/soak.md"; tail -3 "$OUT/soak.err"
 fi
 if [[ $STEPS == *head* ]]; then
-  timeout 150 vtp-runtime bench --head 4096 --tokens ${HEAD_TOKENS:-8192} --tp ${HEAD_TP:-1,2,4} --reps 5 --peers torch \
+  timeout ${HEAD_TIMEOUT:-150} vtp-runtime bench --head 4096 --tokens ${HEAD_TOKENS:-8192} --tp ${HEAD_TP:-1,2,4} --reps 5 --peers torch \
     --json "$OUT/head.json" 2>"$OUT/head.err" | tee "$OUT/head.log" | tail -30
 fi
 if [[ $STEPS == *step* ]]; then

@@ -1,0 +1,73 @@
+"""The resident set of a job that rebuilds its TP group, without vtp_runtime: the control
+for ``soak.py``'s RSS slope.
+
+    python benchmarks/group_rebuild_rss.py [--device cuda|cpu] [--rebuilds 200] [--every 20]
+
+Two gloo ranks (on CUDA, both on GPU 0, as the soak runs them) repeat what the soak does at
+each rebuild, with torch alone: ``new_group``, one all-reduce of a small tensor through it,
+``destroy_process_group(group)``, drop it. Every ``--every`` rebuilds each rank prints its
+RSS; at the end, the RSS growth per rebuild fitted over the second half (a least-squares
+line), which is what a soak that rebuilds its group every 500 steps adds per 1000 steps
+twice over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    x = torch.ones(4, device=device)
+    samples: list[tuple[int, float]] = []
+    for i in range(args.rebuilds + 1):
+        if i % args.every == 0:
+            samples.append((i, rss_mib()))
+            if rank == 0:
+                print(f"rebuild {i:5d}: RSS {samples[-1][1]:.1f} MiB", flush=True)
+        group = dist.new_group(list(range(world)))
+        dist.all_reduce(x, group=group)
+        dist.destroy_process_group(group)
+        del group
+    late = samples[len(samples) // 2 :]
+    per = slope([float(i) for i, _ in late], [m for _, m in late])
+    print(
+        f"rank {rank}: RSS {samples[0][1]:.1f} -> {samples[-1][1]:.1f} MiB; fitted over the second half: "
+        f"{per * 1024:+.1f} KiB per rebuild",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rebuilds", type=int, default=200)
+    p.add_argument("--every", type=int, default=20)
+    p.add_argument("--world", type=int, default=2)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(args.world, port, args), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()
