@@ -210,13 +210,13 @@ def sample(
     where the metadata is checked per call (gloo, ``VTP_CHECK=1``) and get -1 in every row
     otherwise (NCCL, ``VTP_CHECK=once``). Inside a compiled function it is a graph break.
     """
-    given = {"seed": seed, "temperature": temperature, "row_offset": row_offset, **options}
+    sample_options = {"seed": seed, "temperature": temperature, "row_offset": row_offset, **options}
     for name, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if value is not None:
-            given[name] = value
+            sample_options[name] = value
     if torch.compiler.is_compiling():
-        return _eagerly("sample", (logits,), given)
-    return pipeline.ids("sample", logits, given)
+        return _eagerly("sample", (logits,), sample_options)
+    return pipeline.ids("sample", logits, sample_options)
 
 
 @torch.compiler.disable  # inside a compiled function: a graph break, the call runs eagerly

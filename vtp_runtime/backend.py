@@ -231,10 +231,10 @@ class Backend:
         cache = self.__dict__.setdefault("_probe_cache", {})
         if device_type not in cache:
             try:
-                found = list(self.probe(device_type))
+                reasons = list(self.probe(device_type))
             except Exception as exc:  # a probe that raises is a reason, never a crash
-                found = [f"environment probe raised {type(exc).__name__}: {exc}"]
-            cache[device_type] = found
+                reasons = [f"environment probe raised {type(exc).__name__}: {exc}"]
+            cache[device_type] = reasons
         return cache[device_type]
 
     def clear_probe_cache(self) -> None:

@@ -72,17 +72,17 @@ def names(known: Iterable[str] | Callable[[], Iterable[str]], what: str, *, empt
     read). ``empty``: '' means none; else at least one name is needed."""
 
     def parse(text: str) -> list[str]:
-        given = [item.strip() for item in text.split(",") if item.strip()]
+        listed = [item.strip() for item in text.split(",") if item.strip()]
         valid = list(known() if callable(known) else known)
-        if not given and not empty:
+        if not listed and not empty:
             raise argparse.ArgumentTypeError(f"no {what} given; the {what}s are: {', '.join(valid)}")
-        unknown = [name for name in given if name not in valid]
+        unknown = [name for name in listed if name not in valid]
         if unknown:
             raise argparse.ArgumentTypeError(
                 f"unknown {what}{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
                 f"the {what}s are: {', '.join(valid) or '(none)'}"
             )
-        return given
+        return listed
 
     parse.__name__ = f"{what} names"  # argparse's fallback message names the type
     return parse

@@ -543,9 +543,9 @@ class Chunking:
 def chunking(max_v_local: int, heads: Sequence[Any]) -> Chunking:
     """The ``Chunking`` of a call whose inputs include ``heads``; ``max_v_local``: the widest
     shard of the gathered layout."""
-    found = [h for h in heads if isinstance(h, Head)]
-    requested = [h.chunk_rows for h in found if h.chunk_rows is not None]
-    return Chunking(max_v_local, found[0].weight.element_size(), min(requested) if requested else None)
+    head_inputs = [h for h in heads if isinstance(h, Head)]
+    requested = [h.chunk_rows for h in head_inputs if h.chunk_rows is not None]
+    return Chunking(max_v_local, head_inputs[0].weight.element_size(), min(requested) if requested else None)
 
 
 def rows_per_chunk(num_tokens: int, max_v_local: int, heads: Sequence[Any]) -> int:

@@ -99,7 +99,7 @@ def versions() -> dict[str, str | None]:
 
 
 def devices() -> list[dict[str, Any]]:
-    found = [
+    listed = [
         {
             "type": "cpu",
             "count": 1,
@@ -112,11 +112,11 @@ def devices() -> list[dict[str, Any]]:
             f"{torch.cuda.get_device_name(i)} (sm_{''.join(map(str, torch.cuda.get_device_capability(i)))})"
             for i in range(torch.cuda.device_count())
         ]
-        found.append({"type": "cuda", "count": len(names), "names": names})
+        listed.append({"type": "cuda", "count": len(names), "names": names})
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         names = [torch.xpu.get_device_name(i) for i in range(torch.xpu.device_count())]
-        found.append({"type": "xpu", "count": len(names), "names": names})
-    return found
+        listed.append({"type": "xpu", "count": len(names), "names": names})
+    return listed
 
 
 def op_reasons(backend: Backend, op: str, device_type: str) -> list[str] | None:

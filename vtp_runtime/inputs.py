@@ -141,16 +141,16 @@ def _layout_for(mesh, placements: tuple, shape: tuple, names: _Torch, seen: dict
     as it is known, for a failure that follows."""
     cached = _PLACEMENTS.setdefault(mesh, dict)
     key = (placements, len(shape), shape[-1:])
-    found = cached.get(key)
-    if found is None:
-        found = _new_placement(mesh, placements, shape, names)
+    placement = cached.get(key)
+    if placement is None:
+        placement = _new_placement(mesh, placements, shape, names)
         if len(cached) >= MAX_PLACEMENTS:
             cached.clear()
-        cached[key] = found
-    group = None if found.vocab_mesh_dim is None else mesh.get_group(found.vocab_mesh_dim)
+        cached[key] = placement
+    group = None if placement.vocab_mesh_dim is None else mesh.get_group(placement.vocab_mesh_dim)
     if seen is not None and group is not None:
         seen["group"] = group
-    return _Layout(**vars(found), mesh=mesh, group=group)
+    return _Layout(**vars(placement), mesh=mesh, group=group)
 
 
 def _new_placement(mesh, placements: tuple, shape: tuple, names: _Torch) -> _Placement:
@@ -213,10 +213,10 @@ def _normalize(
         lead = tuple(logits.shape[:-1])
     else:
         named = _named_tensors(spec, tensors, options)
-        given = [name for name, t in named if isinstance(t, DTensor) or _sharded_head(t, names)]
-        if given:
+        sharded = [name for name, t in named if isinstance(t, DTensor) or _sharded_head(t, names)]
+        if sharded:
             raise TypeError(
-                f"{', '.join(given)} {'is a DTensor' if len(given) == 1 else 'are DTensors'} but "
+                f"{', '.join(sharded)} {'is a DTensor' if len(sharded) == 1 else 'are DTensors'} but "
                 f"{spec.inputs[0]} is not; pass the logits as a DTensor too, or pass this "
                 f"rank's local parts (.to_local())"
             )
@@ -229,9 +229,9 @@ def _normalize(
             tp_group=lay.group, vocab_start=lay.vocab_start, vocab_end=lay.vocab_end, global_vocab_size=lay.vocab_size
         )
     if "row_offset" in spec.options and lay.batch_sharded:  # sample: rows numbered over the global batch
-        given = spec.options["row_offset"].canonical(options.get("row_offset", 0))
-        if type(given) is int:  # anything else: the option's check says what is wrong
-            options["row_offset"] = given + _row_offset(lay, lead, names)
+        offset = spec.options["row_offset"].canonical(options.get("row_offset", 0))
+        if type(offset) is int:  # anything else: the option's check says what is wrong
+            options["row_offset"] = offset + _row_offset(lay, lead, names)
 
     local = [_local_input(name, t, lay, lead, names) for name, t in zip(spec.inputs, tensors[:n_logits])]
     for name, t in zip((spec.index,) if spec.index else (), tensors[n_logits:]):
@@ -509,9 +509,9 @@ def _check_layout_options(lay: _Layout, options: dict[str, Any]) -> None:
             f"[{lay.vocab_start}, {lay.vocab_end})); leave them out, or pass plain local tensors "
             f"(.to_local()) to use another tiling"
         )
-    given = options.get("global_vocab_size")
-    if given is not None and given != lay.vocab_size:
-        raise ValueError(f"global_vocab_size={given!r} but the logits DTensor's vocabulary has V={lay.vocab_size}")
+    stated = options.get("global_vocab_size")
+    if stated is not None and stated != lay.vocab_size:
+        raise ValueError(f"global_vocab_size={stated!r} but the logits DTensor's vocabulary has V={lay.vocab_size}")
 
 
 def _wrapper(lay: _Layout, lead: tuple, reduced: bool, names: _Torch, sequence_dim: int | None = None) -> Wrap:

@@ -83,10 +83,10 @@ def _group(name: str) -> Any:
     resolve = getattr(c10d, "_resolve_process_group", None)
     if resolve is not None:  # torch 2.11, 2.13
         return resolve(name)
-    found = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
-    if found is None:
+    group = next((pg for pg, pg_name in c10d._world.pg_names.items() if pg_name == name), None)
+    if group is None:
         raise RuntimeError(f"no process group is registered as {name!r}")
-    return found
+    return group
 
 
 def _options(spec: OpSpec, mask: Tensor | None, a: Mapping[str, Any]) -> dict[str, Any]:

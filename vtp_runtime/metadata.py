@@ -451,10 +451,10 @@ def validate(
     else:
         starts = tuple(sum(sizes[:r]) for r in range(world))
     vocab_size = sum(sizes)
-    given = table[0][F["global_vocab_size"]]
-    if given >= 0 and given != vocab_size:
+    stated = table[0][F["global_vocab_size"]]
+    if stated >= 0 and stated != vocab_size:
         raise ShardError(
-            f"global_vocab_size={given} but the shards add up to V={vocab_size} (V_local per rank: {list(sizes)})"
+            f"global_vocab_size={stated} but the shards add up to V={vocab_size} (V_local per rank: {list(sizes)})"
         )
     if vocab_size == 0:
         raise ShardError("the global vocabulary is empty (V_local = 0 on every rank)")

@@ -71,8 +71,8 @@ _SEEN: IdentityMap[_Seen] = IdentityMap()
 
 def seen_calls(group: Any) -> int:
     """How many agreed calls are kept for ``group`` (device-only groups only)."""
-    found = _SEEN.get(group)
-    return 0 if found is None else len(found.rows | found.previous)
+    seen = _SEEN.get(group)
+    return 0 if seen is None else len(seen.rows | seen.previous)
 
 
 def call_text(fingerprint: str, options: Any, extra: str = "") -> str:

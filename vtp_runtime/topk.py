@@ -81,19 +81,19 @@ def kl(student_logits: Any, teacher: TopK, *, reverse: bool = False, tail: bool 
     opts: dict[str, Any] = {}
     try:
         # the layout of DTensor inputs: an error it finds is raised below, on every rank
-        tensors, opts, wrap, found = inputs.normalize(
+        tensors, opts, wrap, layout_error = inputs.normalize(
             "logprobs", (student_logits, getattr(teacher, "index", None)), options
         )
         group = opts.get("tp_group")
-        if found is not None:
-            raise found
+        if layout_error is not None:
+            raise layout_error
         student, index = tensors
         opts = _prepare(teacher, reverse, tail, opts)
         logprobs = teacher.logprobs
         if type(logprobs) is not Tensor:  # a DTensor: this rank's part, as for the index
-            parts, _, _, found = inputs.normalize("logprobs", (student_logits, logprobs), {})
-            if found is not None:
-                raise found
+            parts, _, _, layout_error = inputs.normalize("logprobs", (student_logits, logprobs), {})
+            if layout_error is not None:
+                raise layout_error
             logprobs = parts[1]
         _check_shapes(student, index, opts)
     except Exception as exc:  # the other ranks may be in the log-probs' metadata gather already
@@ -132,7 +132,7 @@ def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **optio
     """Which backend runs the student's log-probs of ``kl(student_logits, teacher)``
     (``gather`` as for ``vtp.explain``)."""
     try:
-        given = _prepare(teacher, options.pop("reverse", False), options.pop("tail", False), options)
+        kl_options = _prepare(teacher, options.pop("reverse", False), options.pop("tail", False), options)
     except Exception as exc:
         if gather:  # the other ranks may be in the metadata gather already
             metadata.fail(exc, options.get("tp_group"), checks.device_of((student_logits,)))
@@ -140,7 +140,7 @@ def explain(student_logits: Any, teacher: TopK, *, gather: bool = False, **optio
     return pipeline.explain(
         "logprobs",
         (student_logits, teacher.index),
-        {"ignore_index": given["ignore_index"], **{k: given[k] for k in _LOGPROBS_OPTIONS}},
+        {"ignore_index": kl_options["ignore_index"], **{k: kl_options[k] for k in _LOGPROBS_OPTIONS}},
         gather=gather,
     )
 
@@ -169,9 +169,9 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
         )
     if not isinstance(tail, bool):
         raise ValueError(f"tail must be a bool, got {tail!r}")
-    given = {**_OPTIONS, **options, "reverse": reverse}
-    normalize_options(_KL, given, [*options, "reverse"])
-    check_options(_KL, given)
+    kl_options = {**_OPTIONS, **options, "reverse": reverse}
+    normalize_options(_KL, kl_options, [*options, "reverse"])
+    check_options(_KL, kl_options)
     lp, index = teacher.logprobs, teacher.index
     if not isinstance(lp, Tensor) or not lp.is_floating_point():
         raise TypeError(
@@ -189,7 +189,7 @@ def _prepare(teacher: TopK, reverse, tail, options: dict[str, Any]) -> dict[str,
         )
     if lp.device != index.device:
         raise ValueError(f"TopK.logprobs ({lp.device}) and TopK.index ({index.device}) must be on one device")
-    return given
+    return kl_options
 
 
 def _check_shapes(student, index: Tensor, options: dict[str, Any]) -> None:
@@ -275,8 +275,8 @@ def _residual(lp: Tensor) -> tuple[Tensor, Tensor]:
     m = lp.detach().amax(-1)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # an all -inf token: L = -inf below
     s = (lp - m[..., None]).exp().sum(-1)
-    found = s > 0
-    lse = torch.where(found, m + torch.where(found, s, torch.ones_like(s)).log(), torch.full_like(s, -math.inf))
+    nonempty = s > 0
+    lse = torch.where(nonempty, m + torch.where(nonempty, s, torch.ones_like(s)).log(), torch.full_like(s, -math.inf))
     r = -torch.expm1(lse.clamp(max=0.0))
     eps = torch.finfo(lp.dtype).eps
     x = lse.clamp(max=math.log1p(-eps))  # r >= eps inside the log

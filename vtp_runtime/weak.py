@@ -29,9 +29,9 @@ class IdentityMap(Generic[V]):
 
     def setdefault(self, obj: object, make: Callable[[], V]) -> V:
         """The value of ``obj``, made with ``make()`` and kept if there is none."""
-        found = self.get(obj)
-        if found is not None:
-            return found
+        value = self.get(obj)
+        if value is not None:
+            return value
         key, entries = id(obj), self._entries
 
         def drop(ref: weakref.ref) -> None:

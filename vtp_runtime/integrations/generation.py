@@ -109,11 +109,11 @@ def _head_layout(model) -> tuple[Any, int | None, int | None, int | None]:
     return group, start, end, size
 
 
-def _global_vocab(model, given: int | None = None) -> int:
-    if given is not None:
-        return given
-    found = _head_layout(model)[3]
-    return found if found is not None else int(model.config.get_text_config().vocab_size)
+def _global_vocab(model, vocab_size: int | None = None) -> int:
+    if vocab_size is not None:
+        return vocab_size
+    head_vocab = _head_layout(model)[3]
+    return head_vocab if head_vocab is not None else int(model.config.get_text_config().vocab_size)
 
 
 def use_vocab_parallel_sampling(
@@ -138,8 +138,8 @@ def use_vocab_parallel_sampling(
     """
     hook = _hook(model)
     if tp_group is None and vocab_start is None and vocab_end is None:
-        tp_group, vocab_start, vocab_end, found = _head_layout(model)
-        vocab_size = vocab_size if vocab_size is not None else found
+        tp_group, vocab_start, vocab_end, head_vocab = _head_layout(model)
+        vocab_size = vocab_size if vocab_size is not None else head_vocab
     hook.layout = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_end": vocab_end}
     hook.vocab_size = vocab_size
     hook.seed = seed

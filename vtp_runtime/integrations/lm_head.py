@@ -306,9 +306,9 @@ def _holders(model: nn.Module, head: nn.Module) -> list[tuple[nn.Module, str]]:
     cached = [(ref(), name) for ref, name in _HOLDERS.get(model, ())]
     if cached and all(parent is not None and parent._modules.get(name) is head for parent, name in cached):
         return cached  # type: ignore[return-value]  # every parent checked not None
-    found = [(parent, name) for parent in model.modules() for name, child in parent._modules.items() if child is head]
-    _HOLDERS[model] = [(weakref.ref(parent), name) for parent, name in found]
-    return found
+    holders = [(parent, name) for parent in model.modules() for name, child in parent._modules.items() if child is head]
+    _HOLDERS[model] = [(weakref.ref(parent), name) for parent, name in holders]
+    return holders
 
 
 @contextlib.contextmanager

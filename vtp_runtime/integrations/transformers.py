@@ -389,10 +389,10 @@ def revert_fused_lm_head(*model_types: str | type) -> None:
 
 def _post_init(self) -> None:
     _POST_INIT[0](self)
-    found = _switch_for(type(self))
-    if found is None or is_fused(self):
+    switch = _switch_for(type(self))
+    if switch is None or is_fused(self):
         return
-    key, options = found
+    key, options = switch
     if key is not None:
         fuse_lm_head(self, **options)
     else:

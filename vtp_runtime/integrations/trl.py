@@ -97,9 +97,9 @@ def generalized_jsd_loss(
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}; got {reduction!r}")
-    given = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_end": vocab_end}
-    student, layout, vocab = _op_input(student_logits, given, temperature)
-    teacher, teacher_layout, _ = _op_input(teacher_logits, given, temperature)
+    shard_options = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_end": vocab_end}
+    student, layout, vocab = _op_input(student_logits, shard_options, temperature)
+    teacher, teacher_layout, _ = _op_input(teacher_logits, shard_options, temperature)
     if layout.get("temperature") != teacher_layout.get("temperature"):
         raise ValueError(
             "the student's and the teacher's forwards scale their logits differently "
@@ -128,15 +128,15 @@ def generalized_jsd_loss(
     return jsd("sum") / (tokens * vocab())
 
 
-def _op_input(x: Any, given: dict, temperature: float):
+def _op_input(x: Any, shard_options: dict, temperature: float):
     """``(op input, op keywords, () -> global V)`` for logits, a DTensor or ``HeadLogits``."""
     if isinstance(x, heads.HeadLogits):
         head, options = x.vtp_inputs(temperature)
         return head, options, lambda: _head_vocab(x, options)
-    options = dict(given, temperature=temperature)
+    options = dict(shard_options, temperature=temperature)
     if is_dtensor(x):
         return x, {k: v for k, v in options.items() if v is not None or k == "temperature"}, lambda: x.shape[-1]
-    return x, options, lambda: _vocab_size(x.shape[-1], given["tp_group"], x.device)
+    return x, options, lambda: _vocab_size(x.shape[-1], shard_options["tp_group"], x.device)
 
 
 def _head_vocab(x: heads.HeadLogits, options: dict) -> int | torch.Tensor:
@@ -199,8 +199,8 @@ def add_fused_lm_head(
         raise ValueError(f"unknown outputs {sorted(unknown)}; add_fused_lm_head computes {', '.join(OUTPUTS)}")
     heads.output_head(model)
     heads.check_fusable(model)
-    given = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_end": vocab_end}
-    layout = given if any(v is not None for v in given.values()) else None
+    shard_options = {"tp_group": tp_group, "vocab_start": vocab_start, "vocab_end": vocab_end}
+    layout = shard_options if any(v is not None for v in shard_options.values()) else None
     text_config = model.config.get_text_config()
     original_forward = model.forward
 

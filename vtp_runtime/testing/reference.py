@@ -73,14 +73,14 @@ def values(
             out = out + z_loss * torch.logsumexp(xs[0], -1) ** 2
         out = torch.where(bad, torch.full_like(out, math.nan), out)
     elif op == "logprobs":
-        given = _needed(op, index)
-        idx = given if given.dim() == 2 else given[:, None]
+        index_ids = _needed(op, index)
+        idx = index_ids if index_ids.dim() == 2 else index_ids[:, None]
         valid = idx != ignore_index
         bad = valid & ((idx < 0) | (idx >= big_v))
         got = logps[0].gather(-1, torch.where(valid & ~bad, idx, torch.zeros_like(idx)))
         got = torch.where(bad, torch.full_like(got, math.nan), got)
         out = torch.where(valid & keep[:, None], got, torch.zeros_like(got))
-        return out if given.dim() == 2 else out[:, 0]
+        return out if index_ids.dim() == 2 else out[:, 0]
     elif op == "entropy":
         out = -_safe_mul(logps[0].exp(), logps[0]).sum(-1)
     elif op == "kl":
