@@ -67,7 +67,8 @@ def test_reduced_pair_of_a_token_index(backend, reduction):
     about a quarter of the labels ignored; with every label ignored, both 0 and no gradient."""
     options = ON + (("reduction", reduction),)
     for seed in (4, 5):
-        run_case(0, 1, None, Case("logprobs", shape=(2, 5), masked="labels", backend=backend, seed=seed, options=options))
+        case = Case("logprobs", shape=(2, 5), masked="labels", backend=backend, seed=seed, options=options)
+        run_case(0, 1, None, case)
     z = torch.randn(3, 40, requires_grad=True)
     lp, h = vtp.logprobs(z, torch.full((3,), -100), backend=backend, **dict(options))
     (lp * 2 + h * 3).backward()
