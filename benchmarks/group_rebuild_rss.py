@@ -1,5 +1,5 @@
-"""The resident set of a job that rebuilds its TP group, without vtp_runtime: the control
-for ``soak.py``'s RSS slope.
+"""The resident set of a job that rebuilds its TP group with torch alone (no vtp_runtime
+call): the control for ``soak.py``'s RSS slope, measured with its helpers.
 
     python benchmarks/group_rebuild_rss.py [--device cuda|cpu] [--rebuilds 200] [--every 20]
 
@@ -14,43 +14,33 @@ twice over.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def slope(xs: list[float], ys: list[float]) -> float:
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+from soak import rss_bytes, slope_per_1000
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     x = torch.ones(4, device=device)
-    samples: list[tuple[int, float]] = []
+    samples: list[tuple[int, float]] = []  # (rebuilds so far, RSS bytes)
     for i in range(args.rebuilds + 1):
         if i % args.every == 0:
-            samples.append((i, rss_mib()))
+            samples.append((i, rss_bytes()))
             if rank == 0:
-                print(f"rebuild {i:5d}: RSS {samples[-1][1]:.1f} MiB", flush=True)
+                print(f"rebuild {i:5d}: RSS {samples[-1][1] / 2**20:.1f} MiB", flush=True)
         group = dist.new_group(list(range(world)))
         dist.all_reduce(x, group=group)
         dist.destroy_process_group(group)
         del group
-    late = samples[len(samples) // 2 :]
-    per = slope([float(i) for i, _ in late], [m for _, m in late])
+    per_1000 = slope_per_1000(samples[len(samples) // 2 :])
+    fitted = "too few samples" if per_1000 is None else f"{per_1000 / 1000:+.1f} KiB per rebuild"
     print(
-        f"rank {rank}: RSS {samples[0][1]:.1f} -> {samples[-1][1]:.1f} MiB; fitted over the second half: "
-        f"{per * 1024:+.1f} KiB per rebuild",
+        f"rank {rank}: RSS {samples[0][1] / 2**20:.1f} -> {samples[-1][1] / 2**20:.1f} MiB; "
+        f"fitted over the second half: {fitted}",
         flush=True,
     )
     dist.destroy_process_group()
