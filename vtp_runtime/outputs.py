@@ -37,7 +37,7 @@ def finish(
     ignore_index = options.get("ignore_index", -100)
     if options.get("return_entropy"):
         assert index is not None  # return_entropy is an option of logprobs, which takes an index
-        if not topk and _plain(options):
+        if not topk and _reduced_here(options):
             return _reduced_pair(values, index, options["reduction"], ignore_index)
         lp, h = values[:, :-1], values[:, -1]
         lp = lp.reshape(*lead, lp.shape[1]) if topk else lp.reshape(lead)
@@ -57,16 +57,6 @@ def reduce(values: Tensor, options, index: Tensor | None, mask: Tensor | None, i
     ``sp_group`` a sum or mean covers the tokens of every rank of that group (see
     ``SequenceSum``)."""
     return _reduced([(values, index, mask)], options, ignore_index)[0]
-
-
-def _plain(options) -> bool:
-    """Whether a reduction is one number per output from this rank's tokens alone: "sum" or
-    "mean", no ``normalizer``, no ``sp_group`` to sum over."""
-    return (
-        options.get("reduction", "none") != "none"
-        and options.get("normalizer") is None
-        and group_size(options.get("sp_group")) <= 1
-    )
 
 
 def _reduced_pair(values: Tensor, index: Tensor, reduction: str, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -123,10 +113,19 @@ def backend_reduction(options: Mapping[str, Any]) -> str:
     these ``options`` (as passed): "sum" or "mean" where the result is one number known on
     this rank alone, "none" where the core reduces (or nothing is reduced): a
     ``normalizer``, sums over ``sp_group``, two outputs (``return_entropy``)."""
-    reduction = options.get("reduction", "none")
-    if reduction == "none" or options.get("normalizer") is not None or options.get("return_entropy"):
+    if options.get("return_entropy") or not _reduced_here(options):
         return "none"
-    return "none" if group_size(options.get("sp_group")) > 1 else reduction
+    return options["reduction"]
+
+
+def _reduced_here(options: Mapping[str, Any]) -> bool:
+    """Whether the reduction makes one number per output from this rank's tokens alone: "sum"
+    or "mean", no ``normalizer``, no ``sp_group`` to sum over."""
+    return (
+        options.get("reduction", "none") != "none"
+        and options.get("normalizer") is None
+        and group_size(options.get("sp_group")) <= 1
+    )
 
 
 def plain_upstream(
@@ -143,11 +142,10 @@ def plain_upstream(
     "mean" (without index or mask, one value per token). None where it is not one number
     known before the reduction runs: per-token results, a ``normalizer``, sums over
     ``sp_group``."""
-    reduction = options.get("reduction", "none")
-    if reduction == "none" or options.get("normalizer") is not None or group_size(options.get("sp_group")) > 1:
+    if not _reduced_here(options):
         return None
     one = torch.ones((), dtype=dtype, device=device)
-    if reduction == "sum" or num_tokens == 0:  # a mean over nothing is a sum over nothing
+    if options["reduction"] == "sum" or num_tokens == 0:  # a mean over nothing is a sum over nothing
         return one
     if index is None and mask is None:  # values.mean(): its backward divides by the count of values
         return one / num_tokens
