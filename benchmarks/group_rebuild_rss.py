@@ -8,7 +8,8 @@ each rebuild, with torch alone: ``new_group``, one all-reduce of a small tensor 
 ``destroy_process_group(group)``, drop it. Every ``--every`` rebuilds each rank prints its
 RSS; at the end, the RSS growth per rebuild fitted over the second half (a least-squares
 line), which is what a soak that rebuilds its group every 500 steps adds per 1000 steps
-twice over.
+twice over. The object types that grew over the second half (``soak.py``'s count) are
+printed too: a type the soak shows growing that grows here alike is torch's, not vtp's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from soak import rss_bytes, slope_per_1000
+from soak import grown, rss_bytes, slope_per_1000, type_counts
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
@@ -27,7 +28,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     x = torch.ones(4, device=device)
     samples: list[tuple[int, float]] = []  # (rebuilds so far, RSS bytes)
+    types_before = None
     for i in range(args.rebuilds + 1):
+        if i == args.rebuilds // 2:
+            types_before = type_counts()
         if i % args.every == 0:
             samples.append((i, rss_bytes()))
             if rank == 0:
@@ -43,6 +47,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
         f"fitted over the second half: {fitted}",
         flush=True,
     )
+    growth = ", ".join(f"{name} +{n}" for name, n in grown(types_before, type_counts()))
+    print(f"rank {rank}: object types grown most over the second half: {growth or 'none'}", flush=True)
     dist.destroy_process_group()
 
 

@@ -158,6 +158,9 @@ def main() -> None:
     p.add_argument("--graph-tokens", type=int, default=1024, help="rows of the loop vs CUDA-graph comparison; 0: none")
     p.add_argument("--no-cprofile", action="store_true")
     p.add_argument("--json", default=None, help="write every number here")
+    p.add_argument(
+        "--cprofile-ops", default="cross_entropy", help="ops to profile with cProfile (and their kernels on CUDA)"
+    )
     args = p.parse_args()
     dev = torch.device(args.device)
     if dev.type == "cpu":  # dispatch, not arithmetic: one thread, no pool contention in the timings
@@ -234,7 +237,8 @@ def main() -> None:
                 indent=1,
             )
     if not args.no_cprofile:
-        _cprofile(int(args.tokens.split(",")[0]), vocab, dtype, dev, found, backends[0], args.reps)
+        ops = args.cprofile_ops.split(",")
+        _cprofile(int(args.tokens.split(",")[0]), vocab, dtype, dev, found, backends[0], args.reps, ops)
 
 
 def _cpu(r: dict[str, float]) -> str:
@@ -305,21 +309,34 @@ def _graph_rows(args, vocab: int, dtype: torch.dtype, dev: torch.device, found) 
     return out
 
 
-def _cprofile(n: int, vocab: int, dtype: torch.dtype, dev: torch.device, found, backend: str, reps: int) -> None:
+def _cprofile(
+    n: int, vocab: int, dtype: torch.dtype, dev: torch.device, found, backend: str, reps: int, ops: list[str]
+) -> None:
+    """cProfile of each op's forward + backward, and on CUDA the kernels one call launches."""
     _, calls, _ = _calls(n, vocab, dtype, dev, found)
-    f = calls["cross_entropy"](backend)
-    f().backward()
-    prof = cProfile.Profile()
-    _sync(dev)
-    prof.enable()
-    for _ in range(reps):
+    for op in ops:
+        f = calls[op](backend)
         f().backward()
-    prof.disable()
-    _sync(dev)
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
-    print(f"cProfile: {backend} cross_entropy forward + backward, N={n}, {reps} calls")
-    print(out.getvalue())
+        prof = cProfile.Profile()
+        _sync(dev)
+        prof.enable()
+        for _ in range(reps):
+            f().backward()
+        prof.disable()
+        _sync(dev)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"cProfile: {backend} {op} forward + backward, N={n}, {reps} calls")
+        print(out.getvalue())
+        if dev.type == "cuda":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+                f().backward()
+                _sync(dev)
+            kernels = [e.name for e in trace.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            print(f"kernels of one {op} forward + backward: {len(kernels)}")
+            for name in kernels:
+                print(f"  {name[:100]}")
+            print()
 
 
 if __name__ == "__main__":

@@ -202,6 +202,21 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def pinned_host_bytes() -> int | None:
+    """Pinned host memory held by torch's CUDA caching host allocator (in use and cached),
+    which gloo's collectives on CUDA tensors stage through: part of the RSS that the
+    allocator keeps for reuse. None without CUDA or where torch has no such count."""
+    import torch
+
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return None
+    stats = torch.cuda.host_memory_stats()
+    for key in ("allocated_bytes.current", "reserved_bytes.current"):  # newer torch, older torch
+        if key in stats:
+            return int(stats[key])
+    return None
+
+
 def malloc_trim() -> None:
     """Return the C heap's free pages to the system (glibc's ``malloc_trim(0)``), so that the
     RSS counts what is in use rather than what the allocator keeps for reuse; nothing where
@@ -236,6 +251,8 @@ def snapshot(device: str, destroyed: list, groups: tuple = (None, None)) -> dict
         torch.cuda.synchronize()
         out["allocated_mib"] = torch.cuda.memory_allocated() / 2**20
         out["reserved_mib"] = torch.cuda.memory_reserved() / 2**20
+        pinned = pinned_host_bytes()
+        out["pinned_mib"] = None if pinned is None else pinned / 2**20
     else:
         out["allocated_mib"] = tensor_bytes / 2**20
         out["reserved_mib"] = None
@@ -413,6 +430,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     compiled: dict = {}
     rows, checks = [], []
     samples: list[tuple[int, int, int | None]] = []  # (step, RSS, allocated CUDA memory)
+    pinned: list[tuple[int, int | None]] = []  # (step, pinned host memory), beside samples
     types_warm: collections.Counter = collections.Counter()
     traced_warm = None
     started = time.monotonic()
@@ -451,6 +469,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                 if args.malloc_trim:
                     malloc_trim()
                 samples.append((done, rss_bytes(), torch.cuda.memory_allocated() if args.device == "cuda" else None))
+                pinned.append((done, pinned_host_bytes()))
             if done == args.warmup_steps:  # what is alive once warm, to compare with the end
                 types_warm = type_counts()
                 if args.tracemalloc:
@@ -477,6 +496,10 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         lines = grown_lines(traced_warm, tracemalloc.take_snapshot()) if traced_warm is not None else []
         tracemalloc.stop()
         warm = [(x, rss, alloc) for x, rss, alloc in samples if x >= args.warmup_steps]
+        # (step, RSS, pinned host memory) after warm-up, where torch counts the pinned memory
+        warm_pinned = [
+            (x, rss, p) for (x, rss, _), (_, p) in zip(samples, pinned) if x >= args.warmup_steps and p is not None
+        ]
         graphs = graphs_compiled()
         for last_group in (group, compiled_group):
             if last_group is not None:
@@ -493,6 +516,10 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             "seconds": seconds,
             "rss_slope": slope_per_1000([(x, rss) for x, rss, _ in warm]),
             "allocated_slope": slope_per_1000([(x, a) for x, _, a in warm if a is not None]),
+            # reported beside the RSS target, not instead of it: how much of the RSS slope is
+            # torch's pinned host cache
+            "pinned_slope": slope_per_1000([(x, p) for x, _, p in warm_pinned]),
+            "rss_less_pinned_slope": slope_per_1000([(x, rss - p) for x, rss, p in warm_pinned]),
             "samples": len(warm),
             "graphs": graphs,
             "plan_caches": rows[-1]["plan_caches"],
@@ -521,6 +548,7 @@ COLUMNS = (
     ("reserved_mib", "reserved MiB", "{:.1f}"),
     ("rss_mib", "RSS MiB", "{:.0f}"),
     ("rss_slope", "RSS slope since warm-up, KiB / 1000 steps", "{:+.1f}"),
+    ("pinned_mib", "pinned host MiB", "{:.1f}"),
     ("live_tensors", "live tensors", "{:d}"),
     ("open_fds", "open fds", "{:d}"),
     ("compiled_kernels", "Triton kernels compiled", "{:d}"),
@@ -679,6 +707,16 @@ def print_targets(args, summaries: list[dict]) -> bool:
         "plans per cache at the end of the loop (the eager forms' group / the compiled form's group / no group): "
         + "; ".join(f"rank {r}: {' / '.join(map(str, s['plan_caches']))}" for r, s in enumerate(summaries))
     )
+    if any(s["pinned_slope"] is not None for s in summaries):
+        kib = "{:+.1f}".format
+        print(
+            "pinned host memory (torch's CUDA caching host allocator) after warm-up, KiB / 1000 steps: "
+            + "; ".join(
+                f"rank {r}: pinned {kib(s['pinned_slope'])}, the RSS less it {kib(s['rss_less_pinned_slope'])}"
+                for r, s in enumerate(summaries)
+                if s["pinned_slope"] is not None
+            )
+        )
     for r, s in enumerate(summaries):
         growth = ", ".join(f"{name} +{n}" for name, n in s["grown_types"]) or "none"
         print(f"\nrank {r}: object types grown most from step {args.warmup_steps} to the end: {growth}")
