@@ -45,6 +45,16 @@ TRITON_TP4 = [
         seed=3,
         options=ON + (("reduction", "sum"), ("normalizer", 5)),
     ),
+    # an [N] index reduced in the kernels (both outputs, one count), an empty shard
+    Case(
+        "logprobs",
+        layout="empty",
+        shape=(2, 3),
+        masked="labels",
+        backend="triton",
+        seed=4,
+        options=ON + (("reduction", "mean"),),
+    ),
 ]
 TRITON_TP2 = [c.with_(layout={"explicit": "uneven"}.get(c.layout, c.layout)) for c in TRITON_TP4]
 

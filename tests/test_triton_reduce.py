@@ -121,9 +121,58 @@ def test_reduced_in_the_kernels(op, n):
         _check(op, n, 64, torch.float32, "cpu", "triton", "triton_separate", atol=1e-5)
 
 
+def _check_pair(n: int, v: int, dtype: torch.dtype, device: str, atol: float) -> None:
+    """Log-probs of an ``[N]`` index with the entropy, both reduced in the kernels over one
+    count: against float64, the gradient of ``0.75 lp + 0.5 H`` too; a plain backward's bits
+    as the core's reduction of the per-token pair sends them; merged rows as the separate
+    finishing kernel reduces them."""
+    g = torch.Generator(device=device).manual_seed(n)
+    z = (torch.randn(n, v, device=device, generator=g) * 3).to(dtype)
+    index = torch.randint(0, v, (n,), device=device, generator=g)
+    index[torch.rand(n, device=device, generator=g) < 0.25] = -100
+    if n > 1:
+        index[0] = -100
+    kept = index != -100
+    for reduction in ("sum", "mean"):
+
+        def run(backend: str, reduction: str = reduction):
+            leaf = z.detach().requires_grad_(True)
+            lp, h = vtp.logprobs(leaf, index, return_entropy=True, reduction=reduction, backend=backend)
+            return lp, h, leaf
+
+        lp, h, leaf = run("triton")
+        assert lp.dim() == 0 and h.dim() == 0
+        ref = z.detach().double().requires_grad_(True)
+        count = kept.sum().clamp(min=1) if reduction == "mean" else 1
+        ref_lp = values("logprobs", (ref,), index).sum() / count
+        ref_h = values("entropy", (ref,), mask=kept).sum() / count
+        torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=5e-5, atol=atol)
+        torch.testing.assert_close(h.double(), ref_h.detach(), rtol=5e-5, atol=atol)
+        (grad,) = torch.autograd.grad(0.75 * lp + 0.5 * h, leaf)
+        (ref_grad,) = torch.autograd.grad(0.75 * ref_lp + 0.5 * ref_h, ref)
+        err = (grad.double() - ref_grad).norm() / ref_grad.norm().clamp_min(1e-30)
+        assert err.item() < (1e-5 if dtype == torch.float32 else 8e-3), f"{reduction}: {err.item():.3g}"
+        lp, h, leaf = run("triton")
+        (plain,) = torch.autograd.grad(lp + h, leaf)
+        lp_t, h_t, leaf_t = run("triton", "none")
+        by_count = kept.sum().clamp(min=1) if reduction == "mean" else 1
+        (by_core,) = torch.autograd.grad(lp_t.sum() / by_count + h_t.sum() / by_count, leaf_t)
+        assert torch.equal(plain, by_core), f"{reduction}: not the core's gradient bits"
+        lp_alone, h_alone, _ = run("triton_separate")
+        lp, h, _ = run("triton")
+        assert torch.equal(lp, lp_alone) and torch.equal(h, h_alone), f"{reduction}: merged rows reduce otherwise"
+
+
+@pytest.mark.parametrize("n", [1, 4, 40])
+def test_reduced_pair_in_the_kernels(n):
+    with registered(_SeparatePlugin(INTERPRETER_CONFIG), name="separate"):
+        _check_pair(n, 64, torch.float32, "cpu", atol=1e-5)
+
+
 def test_the_core_reduces_for_other_backends():
     """The eager backend (no ``Reduces``) still gets per-token calls; a normalizer, or
-    ``return_entropy``, keeps the core's reduction on the triton backend too."""
+    ``return_entropy`` with an ``[N, k]`` index, keeps the core's reduction on the triton
+    backend too; ``return_entropy`` with an ``[N]`` index is reduced in the kernels."""
     seen: list[str] = []
     real = TritonBackend.forward
 
@@ -138,10 +187,11 @@ def test_the_core_reduces_for_other_backends():
         vtp.cross_entropy(z, y, reduction="sum", normalizer=3.0, backend="triton")
         vtp.cross_entropy(z, y, reduction="none", backend="triton")
         lp, h = vtp.logprobs(z, y, reduction="mean", return_entropy=True, backend="triton")
+        lp_k, h_k = vtp.logprobs(z, y[:, None].repeat(1, 2), reduction="mean", return_entropy=True, backend="triton")
     finally:
         TritonBackend.forward = real  # type: ignore[method-assign]
-    assert seen == ["mean", "none", "none", "none"]
-    assert lp.dim() == 0 and h.dim() == 0
+    assert seen == ["mean", "none", "none", "mean", "none"]
+    assert lp.dim() == 0 and h.dim() == 0 and lp_k.dim() == 0 and h_k.dim() == 0
     eager = vtp.cross_entropy(z.double(), y, reduction="mean", backend="eager")
     torch.testing.assert_close(eager, torch.nn.functional.cross_entropy(z.double(), y))
 
@@ -175,3 +225,14 @@ def test_reduced_in_the_kernels_on_cuda(op, n, dtype):
     with registered(_SeparatePlugin(CUDA_CONFIG), name="separate"):
         for _ in range(3):
             _check(op, n, 151936, dtype, "cuda", "triton", "triton_separate", atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 16, 1024])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reduced_pair_in_the_kernels_on_cuda(n, dtype):
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with compiled Triton (TRITON_INTERPRET=0)")
+    with registered(_SeparatePlugin(CUDA_CONFIG), name="separate"):
+        for _ in range(3):
+            _check_pair(n, 151936, dtype, "cuda", atol=1e-4)

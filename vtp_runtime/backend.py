@@ -55,7 +55,7 @@ import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeGuard, TypeVar
 
 import torch
 
@@ -440,9 +440,9 @@ class Reduces(Backend):
     ``reduced_ops``: the core then skips its own reduction (a few torch ops in forward and
     backward) on calls where the result is one number known on this rank alone -- logits
     inputs (not a ``vtp.Head``), outside ``torch.compile``, ``reduction`` "sum" or "mean"
-    with no ``normalizer``, no ``sp_group`` of more than one rank, no ``return_entropy``.
-    Such a call has ``call.reduction`` "sum" or "mean" (else "none": per-token values as
-    always), and then:
+    with no ``normalizer``, no ``sp_group`` of more than one rank, and no ``return_entropy``
+    unless ``reduces_pairs``. Such a call has ``call.reduction`` "sum" or "mean" (else
+    "none": per-token values as always), and then:
 
     - ``forward`` returns a 0-dim value (fp32; fp64 for fp64 inputs): the sum of the
       per-token values, or for "mean" that sum divided by the count of what counts -- the
@@ -452,12 +452,17 @@ class Reduces(Backend):
       every per-token value ("sum"), or ``g / count`` as one correctly rounded division in
       the values' dtype ("mean"): bit for bit what the core's reduction sends for a plain
       ``loss.backward()`` (``outputs.plain_upstream``: exactly ``1 / count``).
+    - with ``reduces_pairs`` True, a ``logprobs`` call with ``return_entropy`` and an
+      ``[N]`` index is reduced too: ``forward`` returns ``[2]``, the log-probs' and the
+      entropy's sum (or mean, over the one count of index entries that are not
+      ``ignore_index``), and ``backward`` gets the ``[2]`` upstream gradient of the two.
     """
 
     reduced_ops: ClassVar[frozenset[str]]
+    reduces_pairs: ClassVar[bool] = False
 
 
-def reduces(backend: Backend, op: str) -> bool:
+def reduces(backend: Backend, op: str) -> TypeGuard[Reduces]:
     """Whether ``backend`` reduces calls of ``op`` itself (the ``Reduces`` protocol)."""
     return isinstance(backend, Reduces) and op in backend.reduced_ops
 

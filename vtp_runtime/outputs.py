@@ -108,12 +108,13 @@ def _mean(values: Tensor, index: Tensor | None, mask: Tensor | None, ignore_inde
     return values.sum() / _count(values, index, mask, ignore_index).clamp(min=1)
 
 
-def backend_reduction(options: Mapping[str, Any]) -> str:
+def backend_reduction(options: Mapping[str, Any], topk: bool, pairs: bool) -> str:
     """The reduction a backend that ``Reduces`` computes itself for a call on logits with
-    these ``options`` (as passed): "sum" or "mean" where the result is one number known on
-    this rank alone, "none" where the core reduces (or nothing is reduced): a
-    ``normalizer``, sums over ``sp_group``, two outputs (``return_entropy``)."""
-    if options.get("return_entropy") or not _reduced_here(options):
+    these ``options`` (as passed): "sum" or "mean" where the result is one number per output
+    known on this rank alone, "none" where the core reduces (or nothing is reduced): a
+    ``normalizer``, sums over ``sp_group``, two outputs (``return_entropy``) unless the
+    backend reduces pairs (``pairs``) and the index is ``[N]`` (not ``topk``)."""
+    if not _reduced_here(options) or (options.get("return_entropy") and (topk or not pairs)):
         return "none"
     return options["reduction"]
 

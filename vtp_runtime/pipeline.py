@@ -122,7 +122,7 @@ def execute(plan: plans.Plan, tensors: tuple, options: Mapping[str, Any]) -> Ten
     # a backend that reduces itself (on logits, with tokens) makes the result in its kernels
     reduction = "none"
     if n and plan.head_rows is None and reduces(plan.backend, spec.name):
-        reduction = backend_reduction(options)
+        reduction = backend_reduction(options, plan.topk, plan.backend.reduces_pairs)
     call = plan.call(options.get("tp_group"), options, reduction)
     inputs_ = tensors[:n_inputs]
     if spec.returns_ids:  # argmax, sample: token ids, no gradient
@@ -142,7 +142,10 @@ def execute(plan: plans.Plan, tensors: tuple, options: Mapping[str, Any]) -> Ten
         )
     else:
         values = autograd.run_logits(plan.backend, call, inputs_, index, mask)
-        if reduction != "none":  # the backend's 0-dim result
+        if reduction != "none":  # the backend's 0-dim result, or [2] with the entropy
+            if values.dim():
+                lp, h = values.unbind(0)
+                return lp, h
             return values
     return finish(values, plan.lead, plan.topk, index, mask, options)
 

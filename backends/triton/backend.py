@@ -176,9 +176,10 @@ def _upstream_args(call: Call, state: OneInputState | PairState, grad: torch.Ten
     """The upstream gradient as the backward kernels read it: in its own strides (0 where
     expanded; a reduced call's is 0-dim), and the scratch holding a mean's count."""
     red = state.scratch if state.scratch is not None else state.stats
-    args = {"grad_ptr": grad, "g_row": grad.stride(0) if grad.dim() else 0, "red_ptr": red}
+    reduced_pair = call.reduction != "none" and grad.dim() == 1  # [2]: the log-probs', the entropy's
+    args = {"grad_ptr": grad, "g_row": grad.stride(0) if grad.dim() and not reduced_pair else 0, "red_ptr": red}
     if isinstance(state, OneInputState):  # [N, k] log-probs: a column stride too
-        args["g_col"] = grad.stride(1) if grad.dim() == 2 else 0
+        args["g_col"] = grad.stride(1) if grad.dim() == 2 else grad.stride(0) if reduced_pair else 0
     args["MEAN"] = call.reduction == "mean"
     return args
 
@@ -208,6 +209,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
     head_ops = {**{op: HeadSupport(sequence_parallel=True) for op in LOSSES}, "argmax": HeadSupport()}
     compiled_ops = frozenset(LOSSES)
     reduced_ops = frozenset(LOSSES)  # the last program of the finishing pass reduces
+    reduces_pairs = True
 
     def __init__(self, config: LaunchConfig | None = None) -> None:
         self._config = config
@@ -381,7 +383,8 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         merge = not finish and tp == 1 and cfg.merge_rows and tiles is None
         reduce = _REDUCE[call.reduction]
         scratch = _scratch(reduce != fields.REDUCE_NONE, n if merge else 0, dev)
-        out = torch.empty((), dtype=torch.float32, device=dev) if reduce else values
+        # reduced: one number, or two for log-probs with the entropy (an [N] index: one column)
+        out = torch.empty((2,) if with_entropy else (), dtype=torch.float32, device=dev) if reduce else values
         state = OneInputState(z, idx, stats, keep, scratch)
         part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
         # what both passes read besides the logits and the partials

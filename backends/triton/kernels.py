@@ -224,20 +224,29 @@ def _reduce_if_last(
     HAS_KEEP: tl.constexpr,
     REDUCE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PAIR: tl.constexpr = False,
 ):
     """With REDUCE, the last of the ``n_done`` programs that write values reduces all
     ``n_vals`` of them into ``out``: their sum, or for a mean that sum over the count of what
     counts (index entries that are not ``ignore_index`` with BY_INDEX, kept tokens with
     HAS_KEEP, else every value), at least 1, the count kept at ``R_COUNT`` for backward. The
     last program reads every value in one fixed order, whichever program it is: the result
-    does not depend on the order the programs ran in."""
+    does not depend on the order the programs ran in. PAIR: the values are ``n_vals`` rows of
+    two columns (log-probs of an ``[N]`` index, then the entropy), reduced column by column
+    into ``out[0]``, ``out[1]``, over one count."""
     if REDUCE != REDUCE_NONE:
         if _arrive(red_ptr + R_DONE, n_done):
             acc = tl.zeros([BLOCK], tl.float32)
+            acc_h = tl.zeros([BLOCK], tl.float32)
             for start in range(0, n_vals, BLOCK):
                 offs = start + tl.arange(0, BLOCK)
-                acc += tl.load(val_ptr + offs, mask=offs < n_vals, other=0.0, cache_modifier=".cg")
+                if PAIR:
+                    acc += tl.load(val_ptr + 2 * offs, mask=offs < n_vals, other=0.0, cache_modifier=".cg")
+                    acc_h += tl.load(val_ptr + 2 * offs + 1, mask=offs < n_vals, other=0.0, cache_modifier=".cg")
+                else:
+                    acc += tl.load(val_ptr + offs, mask=offs < n_vals, other=0.0, cache_modifier=".cg")
             total = tl.sum(acc, 0)
+            total_h = tl.sum(acc_h, 0)
             if REDUCE == REDUCE_MEAN:
                 if BY_INDEX:
                     kept = tl.zeros([BLOCK], tl.int32)
@@ -256,7 +265,10 @@ def _reduce_if_last(
                     count = n_vals + tl.zeros([], tl.int32)
                 tl.store(red_ptr + R_COUNT, count)
                 total = tl.math.div_rn(total, tl.maximum(count, 1).to(tl.float32))
+                total_h = tl.math.div_rn(total_h, tl.maximum(count, 1).to(tl.float32))
             tl.store(out_ptr, total)
+            if PAIR:
+                tl.store(out_ptr + 1, total_h)
 
 
 @triton.jit
@@ -272,12 +284,18 @@ def _reduce1_if_last(
     ignore_index,
     KIND: tl.constexpr,
     HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
     REDUCE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``_reduce_if_last`` of a one-input op: cross entropy and log-probs count their index
-    entries (one value each), entropy its kept tokens."""
-    if KIND == ENTROPY:
+    entries (one value each), entropy its kept tokens; log-probs WITH_ENTROPY (an ``[N]``
+    index) reduce both columns over the index's count."""
+    if KIND == LOGPROBS and WITH_ENTROPY:
+        _reduce_if_last(
+            red_ptr, n_done, out_ptr, val_ptr, n_rows, idx_ptr, keep_ptr, ignore_index, True, False, REDUCE, BLOCK, True
+        )
+    elif KIND == ENTROPY:
         _reduce_if_last(
             red_ptr, n_done, out_ptr, val_ptr, n_rows, idx_ptr, keep_ptr, ignore_index, False, HAS_KEEP, REDUCE, BLOCK
         )
@@ -455,6 +473,7 @@ def stats1_kernel(
             ignore_index,
             KIND,
             HAS_KEEP,
+            WITH_ENTROPY,
             REDUCE,
             BLOCK_REDUCE,
         )
@@ -517,6 +536,7 @@ def stats1_kernel(
                     ignore_index,
                     KIND,
                     HAS_KEEP,
+                    WITH_ENTROPY,
                     REDUCE,
                     BLOCK_REDUCE,
                 )
@@ -691,6 +711,7 @@ def finish1_kernel(
         ignore_index,
         KIND,
         HAS_KEEP,
+        WITH_ENTROPY,
         REDUCE,
         BLOCK_REDUCE,
     )
