@@ -429,8 +429,8 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     group = None
     compiled: dict = {}
     rows, checks = [], []
-    samples: list[tuple[int, int, int | None]] = []  # (step, RSS, allocated CUDA memory)
-    pinned: list[tuple[int, int | None]] = []  # (step, pinned host memory), beside samples
+    # (step, RSS, allocated CUDA memory, pinned host memory)
+    samples: list[tuple[int, int, int | None, int | None]] = []
     types_warm: collections.Counter = collections.Counter()
     traced_warm = None
     started = time.monotonic()
@@ -468,8 +468,8 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             if done % args.sample_every == 0:
                 if args.malloc_trim:
                     malloc_trim()
-                samples.append((done, rss_bytes(), torch.cuda.memory_allocated() if args.device == "cuda" else None))
-                pinned.append((done, pinned_host_bytes()))
+                allocated = torch.cuda.memory_allocated() if args.device == "cuda" else None
+                samples.append((done, rss_bytes(), allocated, pinned_host_bytes()))
             if done == args.warmup_steps:  # what is alive once warm, to compare with the end
                 types_warm = type_counts()
                 if args.tracemalloc:
@@ -483,7 +483,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                         "step": done,
                         **snapshot(args.device, destroyed, (group, compiled_group)),
                         "s_per_step": (now - last) / (done - rows[-1]["step"]),
-                        "rss_slope": slope_per_1000([(x, rss) for x, rss, _ in samples if x >= args.warmup_steps]),
+                        "rss_slope": slope_per_1000([(x, rss) for x, rss, _, _ in samples if x >= args.warmup_steps]),
                     }
                 )
                 last = now
@@ -495,11 +495,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         growth = grown(types_warm, type_counts())
         lines = grown_lines(traced_warm, tracemalloc.take_snapshot()) if traced_warm is not None else []
         tracemalloc.stop()
-        warm = [(x, rss, alloc) for x, rss, alloc in samples if x >= args.warmup_steps]
-        # (step, RSS, pinned host memory) after warm-up, where torch counts the pinned memory
-        warm_pinned = [
-            (x, rss, p) for (x, rss, _), (_, p) in zip(samples, pinned) if x >= args.warmup_steps and p is not None
-        ]
+        warm = [sample for sample in samples if sample[0] >= args.warmup_steps]
         graphs = graphs_compiled()
         for last_group in (group, compiled_group):
             if last_group is not None:
@@ -514,12 +510,12 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             "after": after,
             "worst_check": max(checks) if checks else math.nan,
             "seconds": seconds,
-            "rss_slope": slope_per_1000([(x, rss) for x, rss, _ in warm]),
-            "allocated_slope": slope_per_1000([(x, a) for x, _, a in warm if a is not None]),
+            "rss_slope": slope_per_1000([(x, rss) for x, rss, _, _ in warm]),
+            "allocated_slope": slope_per_1000([(x, a) for x, _, a, _ in warm if a is not None]),
             # reported beside the RSS target, not instead of it: how much of the RSS slope is
             # torch's pinned host cache
-            "pinned_slope": slope_per_1000([(x, p) for x, _, p in warm_pinned]),
-            "rss_less_pinned_slope": slope_per_1000([(x, rss - p) for x, rss, p in warm_pinned]),
+            "pinned_slope": slope_per_1000([(x, p) for x, _, _, p in warm if p is not None]),
+            "rss_less_pinned_slope": slope_per_1000([(x, rss - p) for x, rss, _, p in warm if p is not None]),
             "samples": len(warm),
             "graphs": graphs,
             "plan_caches": rows[-1]["plan_caches"],

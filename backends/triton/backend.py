@@ -176,10 +176,13 @@ def _upstream_args(call: Call, state: OneInputState | PairState, grad: torch.Ten
     """The upstream gradient as the backward kernels read it: in its own strides (0 where
     expanded; a reduced call's is 0-dim), and the scratch holding a mean's count."""
     red = state.scratch if state.scratch is not None else state.stats
-    reduced_pair = call.reduction != "none" and grad.dim() == 1  # [2]: the log-probs', the entropy's
-    args = {"grad_ptr": grad, "g_row": grad.stride(0) if grad.dim() and not reduced_pair else 0, "red_ptr": red}
+    if call.reduction != "none":  # one number, or [2] (log-probs, entropy) for every row alike
+        g_row, g_col = 0, grad.stride(0) if grad.dim() else 0
+    else:  # [N] or [N, k]
+        g_row, g_col = grad.stride(0) if grad.dim() else 0, grad.stride(1) if grad.dim() == 2 else 0
+    args = {"grad_ptr": grad, "g_row": g_row, "red_ptr": red}
     if isinstance(state, OneInputState):  # [N, k] log-probs: a column stride too
-        args["g_col"] = grad.stride(1) if grad.dim() == 2 else grad.stride(0) if reduced_pair else 0
+        args["g_col"] = g_col
     args["MEAN"] = call.reduction == "mean"
     return args
 
