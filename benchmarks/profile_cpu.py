@@ -1,6 +1,6 @@
 """Where the CPU time of one call goes, at TP=1 (Python-side dispatch and launches), beside peers.
 
-    python benchmarks/profile_cpu.py [--tokens 16,1] [--vocab 151936] [--device cuda|cpu]
+    python benchmarks/profile_cpu.py [--tokens 16,1] [--vocab 151936] [--device cuda|cpu] [--reps 60] [--rounds 5]
         [--flash-attn-ce PATH] [--graph-tokens 1024] [--json PATH]
 
 For every op, forward and forward + backward (a mean, then ``.backward()`` into ``.grad``
@@ -37,6 +37,7 @@ import importlib.util
 import io
 import json
 import pstats
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,7 +153,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="16,1", help="row counts, comma-separated")
     p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--reps", type=int, default=60, help="calls per number per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds over every call; each number is their median")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--flash-attn-ce", default=None, help="flash-attn's ops/triton/cross_entropy.py, as a file")
     p.add_argument("--graph-tokens", type=int, default=1024, help="rows of the loop vs CUDA-graph comparison; 0: none")
@@ -175,7 +177,10 @@ def main() -> None:
     backends = ("triton", "eager", "noop_profile") if dev.type == "cuda" else ("eager", "noop_profile")
     noop_ops = ("cross_entropy", "jsd")  # what the do-nothing backend declares
     rows: list[dict[str, Any]] = []
-    print(f"V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1, {args.reps} calls per number")
+    print(
+        f"V={vocab} {dtype_name(dtype)} on {dev.type}, TP=1, {args.reps} calls per number per round, "
+        f"median of {args.rounds} rounds"
+    )
     for line in missing:
         print(f"peer missing: {line}")
     print("µs per call, forward and forward + backward: thread / process / loop (CPU), wall (back to back)")
@@ -183,17 +188,25 @@ def main() -> None:
         s, calls, peer_calls = _calls(n, vocab, dtype, dev, found)
         noop.values = torch.zeros(n, device=dev)
         noop.grad = torch.zeros_like(s)
-        results: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+        # every number is the median of --rounds rounds, each round timing every call in turn:
+        # the host's drift over the run falls on all of them alike
+        timed: list[tuple[tuple[str, str], str, Callable[[], Any]]] = []
         for peer, call in peer_calls.items():
-            results[(peer, "cross_entropy")] = {"forward_backward": per_call_us(call, args.reps, dev)}
+            timed.append(((peer, "cross_entropy"), "forward_backward", call))
         for backend in backends:
             for name, make in calls.items():
                 if backend == "noop_profile" and name not in noop_ops:
                     continue
                 call = make(backend)
-                fwd = per_call_us(call, args.reps, dev)
-                both = per_call_us(lambda call=call: call().backward(), args.reps, dev)
-                results[(backend, name)] = {"forward": fwd, "forward_backward": both}
+                timed.append(((backend, name), "forward", call))
+                timed.append(((backend, name), "forward_backward", lambda call=call: call().backward()))
+        runs: dict[tuple[tuple[str, str], str], list[dict[str, float]]] = {}
+        for _ in range(args.rounds):
+            for key, kind, fn in timed:
+                runs.setdefault((key, kind), []).append(per_call_us(fn, args.reps, dev))
+        results: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
+        for (key, kind), measured in runs.items():
+            results.setdefault(key, {})[kind] = {c: statistics.median(m[c] for m in measured) for c in measured[0]}
         torch_loop = results[("F.cross_entropy", "cross_entropy")]["forward_backward"]["loop"]
         flash = results.get(("flash-attn CE", "cross_entropy"))
         flash_loop = None if flash is None else flash["forward_backward"]["loop"]
@@ -229,6 +242,7 @@ def main() -> None:
                     "dtype": dtype_name(dtype),
                     "device": dev.type,
                     "reps": args.reps,
+                    "rounds": args.rounds,
                     "per_call_us": rows,
                     "graph_ms": graphs,
                     "missing_peers": missing,
@@ -238,7 +252,7 @@ def main() -> None:
             )
     if not args.no_cprofile:
         ops = args.cprofile_ops.split(",")
-        _cprofile(int(args.tokens.split(",")[0]), vocab, dtype, dev, found, backends[0], args.reps, ops)
+        _cprofile(int(args.tokens.split(",")[0]), vocab, dtype, dev, found, backends[0], args.reps * args.rounds, ops)
 
 
 def _cpu(r: dict[str, float]) -> str:
@@ -258,7 +272,9 @@ def _calls(
     calls: dict[str, Callable[[str], Callable[[], Any]]] = {
         "cross_entropy": lambda b: lambda: vtp.cross_entropy(s, y, reduction="mean", backend=b),
         "logprobs": lambda b: lambda: vtp.logprobs(s, y, reduction="mean", backend=b),
-        "logprobs_entropy": lambda b: lambda: sum(vtp.logprobs(s, y, return_entropy=True, reduction="mean", backend=b)),
+        "logprobs_entropy": lambda b: (
+            lambda: _added(vtp.logprobs(s, y, return_entropy=True, reduction="mean", backend=b))
+        ),
         "logprobs_topk": lambda b: lambda: vtp.logprobs(s, idx, reduction="mean", backend=b),
         "entropy": lambda b: lambda: vtp.entropy(s, reduction="mean", backend=b),
         "kl": lambda b: lambda: vtp.kl(s, t, reduction="mean", backend=b),
@@ -266,6 +282,11 @@ def _calls(
     }
     peer_calls: dict[str, Callable[[], Any]] = {name: _backward_of(f, s, y) for name, f in found.items()}
     return s, calls, peer_calls
+
+
+def _added(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A loss of two terms, as a training step adds them (one add; ``sum`` would add 0 first)."""
+    return pair[0] + pair[1]
 
 
 def _step(call: Callable[[], Any]) -> Callable[[], Any]:
@@ -292,9 +313,9 @@ def _graph_rows(args, vocab: int, dtype: torch.dtype, dev: torch.device, found) 
         steps[f"triton {name}"] = _step(make("triton"))
     steps.update(peer_calls)
     for name, step in steps.items():
-        loop = time_stream(step, args.reps)
+        loop = time_stream(step, args.reps * args.rounds)
         try:
-            graph = time_graph(step, args.reps)
+            graph = time_graph(step, args.reps * args.rounds)
         except Exception as exc:  # a peer that reads the device on the host cannot be captured
             print(f"{name:38s} {loop:14.3f} not capturable ({type(exc).__name__})")
             torch.cuda.synchronize()

@@ -38,7 +38,9 @@ calls through the current group. At the end the targets are checked and the exit
   over within it, as a long job's do: rank 0's group-less call of a random shape makes a
   new signature at most steps) at most ``--rss-slope-bound`` KiB per 1000 steps (256): a least-squares line
   through RSS samples taken every ``--sample-every`` steps; on CUDA the same for allocated
-  memory (not checked with ``--recompile-on-rebuild``, whose growth is torch's);
+  memory (not checked with ``--recompile-on-rebuild``, whose growth is torch's); every rise
+  of 1 MiB or more between two samples after warm-up is listed with the call of its last
+  step (with ``--sample-every 1``: the call that made it);
 - live tensors after the loop at most ``--tensor-slack`` (16) more than before it;
 - plans held at most the runtime's bound;
 - no destroyed group alive;
@@ -87,6 +89,7 @@ from vtp_runtime.cli_flags import non_negative_int, positive_int
 OPS = ("cross_entropy", "logprobs", "entropy", "kl", "jsd", "kl_topk")
 FORMS = ("logits", "head", "compiled")
 TOPK = 4
+RISE_BYTES = 2**20  # an RSS rise between two samples after warm-up this large is listed with its step
 CHECK_TOL = 1e-6
 
 
@@ -295,10 +298,10 @@ def _op(op: str, student, teacher, labels, index, mask, topk_lp, topk_ids, group
     return vtp.kl(student, vtp.TopK(topk_lp, topk_ids), tail=True, **common)
 
 
-def step(args, s: int, rank: int, model: Model, group, compiled_group, compiled: dict, device, dtype) -> None:
+def step(args, s: int, rank: int, model: Model, group, compiled_group, compiled: dict, device, dtype) -> str:
     """Step ``s``: its op, form and token count (the same on every rank), fresh inputs,
     forward and backward (the compiled form on ``compiled_group``); nothing of it outlives
-    the call."""
+    the call. Returns what it ran, in words."""
     import torch
 
     import vtp_runtime as vtp
@@ -336,6 +339,7 @@ def step(args, s: int, rank: int, model: Model, group, compiled_group, compiled:
     if not bool(torch.isfinite(out.detach()).all()):
         raise RuntimeError(f"step {s}: {op} on {form} inputs, N={n}: a result that is not finite")
     model.weight.grad = None
+    return f"{op} on {form} inputs, N={n}"
 
 
 def local_call(args, s: int, device, dtype) -> None:
@@ -431,6 +435,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
     rows, checks = [], []
     # (step, RSS, allocated CUDA memory, pinned host memory)
     samples: list[tuple[int, int, int | None, int | None]] = []
+    rises: list[tuple[int, int, str]] = []  # (step, RSS rise since the last sample, the step's call)
     types_warm: collections.Counter = collections.Counter()
     traced_warm = None
     started = time.monotonic()
@@ -460,21 +465,25 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
                 if args.recompile_on_rebuild:
                     drop_compiled(compiled)
                 group = dist.new_group(list(range(world)), timeout=timeout)
-            step(args, s, rank, model, group, compiled_group or group, compiled, device, dtype)
+            ran = step(args, s, rank, model, group, compiled_group or group, compiled, device, dtype)
             if rank == 0 and s % args.local_every == 0:
                 local_call(args, s, device, dtype)
             watchdog.beat(s)
             done = s + 1
+            if done == args.warmup_steps:  # what is alive once warm, to compare with the end;
+                # before the RSS sample: the census's own memory is not the loop's growth
+                types_warm = type_counts()
+                if args.tracemalloc:
+                    tracemalloc.start(1)
+                    traced_warm = tracemalloc.take_snapshot()
             if done % args.sample_every == 0:
                 if args.malloc_trim:
                     malloc_trim()
                 allocated = torch.cuda.memory_allocated() if args.device == "cuda" else None
                 samples.append((done, rss_bytes(), allocated, pinned_host_bytes()))
-            if done == args.warmup_steps:  # what is alive once warm, to compare with the end
-                types_warm = type_counts()
-                if args.tracemalloc:
-                    tracemalloc.start(1)
-                    traced_warm = tracemalloc.take_snapshot()
+                rise = samples[-1][1] - samples[-2][1] if len(samples) > 1 else 0
+                if done > args.warmup_steps and rise >= RISE_BYTES:
+                    rises.append((done, rise, ran))
             if done % args.report_every == 0 or done == args.steps:
                 checks.append(float64_check(args, rank, world, model, group, device))
                 now = time.monotonic()
@@ -521,6 +530,7 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
             "plan_caches": rows[-1]["plan_caches"],
             "grown_types": growth,
             "grown_lines": lines,
+            "rises": rises,
         }
         table = [None] * world
         dist.all_gather_object(table, summary)
@@ -658,6 +668,7 @@ def print_header(args, argv: list[str]) -> None:
     print(
         f"- vtp_runtime {vtp.__version__}, torch {torch.__version__}, {datetime.date.today().isoformat()}; gloo ranks, "
         f"{args.device} tensors{' on one GPU' if args.device == 'cuda' else ''}; VTP_CHECK={args.check or '(unset)'}"
+        + (f"; CUDA_MODULE_LOADING={args.cuda_module_loading.upper()}" if args.device == "cuda" else "")
     )
     print(
         f"- per step: one op of {', '.join(OPS)} (in turn) on {', '.join(FORMS)} inputs (in turn; compiled: "
@@ -718,6 +729,8 @@ def print_targets(args, summaries: list[dict]) -> bool:
         print(f"\nrank {r}: object types grown most from step {args.warmup_steps} to the end: {growth}")
         for where, kib in s["grown_lines"]:
             print(f"- {where}: {kib:+.1f} KiB")
+        for at, rise, ran in s["rises"]:
+            print(f"- RSS +{rise / 2**20:.1f} MiB by step {at} (its last call: {ran})")
     print()
     print("result: all targets met" if not missed else "result: MISSED: " + "; ".join(missed), flush=True)
     return not missed
@@ -785,6 +798,14 @@ def parse(argv: list[str]):
         help="before each RSS sample, return the C heap's free pages to the system (glibc malloc_trim): "
         "the slope then counts memory in use, not pages the allocator keeps for reuse",
     )
+    p.add_argument(
+        "--cuda-module-loading",
+        choices=("eager", "lazy"),
+        default="eager",
+        help="CUDA_MODULE_LOADING of the ranks (default eager): lazily, the driver loads a kernel's module into "
+        "host memory the first time the kernel runs, which can fall after warm-up (a shape that picks a new "
+        "cuBLAS kernel) and steps the RSS by megabytes that are the driver's, bounded by the libraries' kernels",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     cpu = args.device == "cpu"
@@ -814,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.device == "cuda":  # read by each rank's driver when it starts (the ranks are spawned)
+        os.environ["CUDA_MODULE_LOADING"] = args.cuda_module_loading.upper()
     print_header(args, argv)
     from vtp_runtime.testing.distributed import free_port
 
