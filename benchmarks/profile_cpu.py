@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 import vtp_runtime as vtp
-from vtp_runtime.backend import ALL_DTYPES, Backend, OpCapability, SavedState
+from vtp_runtime.backend import ALL_DTYPES, OpCapability, Reduces, SavedState
 from vtp_runtime.ops import dtype_name
 from vtp_runtime.registry import hookimpl
 
@@ -56,10 +56,12 @@ class NoopState(SavedState):
     inputs: torch.Tensor  # saved like a real backend's input, so the core does the same work
 
 
-class Noop(Backend):
-    """Returns preallocated outputs: what is left is the core's dispatch."""
+class Noop(Reduces):
+    """Returns preallocated outputs, and reduces a sum or mean itself as the triton backend
+    does (one preallocated number): what is left is the core's dispatch."""
 
     values: torch.Tensor  # set once the sizes are known
+    reduced: torch.Tensor
     grad: torch.Tensor
 
     name = "noop_profile"
@@ -68,9 +70,10 @@ class Noop(Backend):
         op: OpCapability(device_types=None, dtypes=ALL_DTYPES, features=frozenset({"teacher_grad"}))
         for op in ("cross_entropy", "jsd")
     }
+    reduced_ops = frozenset(ops)
 
     def forward(self, call, inputs, index, mask):
-        return self.values, NoopState(inputs[0])
+        return self.values if call.reduction == "none" else self.reduced, NoopState(inputs[0])
 
     def backward(self, call, state, grad):
         return (self.grad,) + ((None,) if call.op == "jsd" else ())
@@ -187,6 +190,7 @@ def main() -> None:
     for n in [int(x) for x in args.tokens.split(",")]:
         s, calls, peer_calls = _calls(n, vocab, dtype, dev, found)
         noop.values = torch.zeros(n, device=dev)
+        noop.reduced = torch.zeros((), device=dev)
         noop.grad = torch.zeros_like(s)
         # every number is the median of --rounds rounds, each round timing every call in turn:
         # the host's drift over the run falls on all of them alike
