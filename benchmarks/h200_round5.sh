@@ -29,7 +29,7 @@ if [[ $STEPS == *sample* ]]; then
     --json "$OUT/sample.json" 2>"$OUT/sample.err" | tee "$OUT/sample.log" | tail -60
 fi
 if [[ $STEPS == *cpu* ]]; then
-  timeout 90 python3 benchmarks/profile_cpu.py --device cuda --tokens 16 --reps 300 2>&1 | tee "$OUT/cpu.log" | head -48
+  timeout 90 python3 benchmarks/profile_cpu.py --device cuda --tokens 16 --reps 60 --rounds 5 2>&1 | tee "$OUT/cpu.log" | head -48
 fi
 if [[ $STEPS == *head* ]]; then
   timeout 150 vtp-runtime bench --head 4096 --tokens 8192 --tp 1,2,4 --reps 10 \

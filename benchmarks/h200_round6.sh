@@ -5,7 +5,7 @@
 # flash-attn 2.8.3's flash_attn/ops/triton/cross_entropy.py as .whl/peers/. STEPS picks what
 # runs (logs under $OUT):
 #   tests     the GPU tests (all but the TP-on-one-GPU ones, and test_head_variants: the study)
-#   cpu       benchmarks/profile_cpu.py: CPU cost per call at 16 and 1 rows, every op, beside
+#   cpu       benchmarks/profile_cpu.py: CPU cost per call at 16 and 1 rows (medians of 5 rounds), every op, beside
 #             F.cross_entropy, flash-attn's Triton CE and Liger's; N=1024 loop vs graph replay
 #   decode    decode-time draws at N = 1, 8, 64 (TP=1), and at TP=2 (two processes, one GPU)
 #   generate  benchmarks/generate.py --quick: ms per decode step with and without the hook
@@ -23,7 +23,7 @@ if [[ $STEPS == *tests* ]]; then
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|^E |Timeout|SKIP|FAILED" | head -40
 fi
 if [[ $STEPS == *cpu* ]]; then
-  timeout 150 python3 benchmarks/profile_cpu.py --device cuda --tokens 16,1 --reps 300 --no-cprofile \
+  timeout 150 python3 benchmarks/profile_cpu.py --device cuda --tokens 16,1 --reps 60 --rounds 5 --no-cprofile \
     --flash-attn-ce .whl/peers/flash_attn_cross_entropy.py --graph-tokens 1024 --json "$OUT/cpu.json" \
     2>&1 | tee "$OUT/cpu.log" | tail -60
 fi
