@@ -203,7 +203,7 @@ def main() -> None:
                     continue
                 call = make(backend)
                 timed.append(((backend, name), "forward", call))
-                timed.append(((backend, name), "forward_backward", lambda call=call: call().backward()))
+                timed.append(((backend, name), "forward_backward", _step(call)))
         runs: dict[tuple[tuple[str, str], str], list[dict[str, float]]] = {}
         for _ in range(args.rounds):
             for key, kind, fn in timed:
