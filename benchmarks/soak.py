@@ -21,6 +21,12 @@ on one GPU, as the repository's TP-on-one-GPU tests run):
   a constant of the graph (its name), so a new group is a new graph, and torch keeps part of
   every dropped compilation; the run then measures what torch itself retains per rebuild.
 
+On CUDA the ranks load every kernel module of the process when they start
+(``CUDA_MODULE_LOADING=EAGER``; ``--cuda-module-loading lazy`` keeps the driver's default,
+which loads a kernel's module into host memory the first time the kernel runs: megabytes of
+RSS whenever a shape first picks a new cuBLAS or torch kernel, late in a run as often as
+early).
+
 ``VTP_CHECK`` is ``once`` by default, the runtime's mode on a device-only group such as
 NCCL (gloo's default, a host gather per call, would hide a plan cache that drifts between
 ranks). Every ``--report-every`` steps each rank reports: allocated and reserved CUDA memory
