@@ -5,8 +5,9 @@
 # flash-attn 2.8.3's flash_attn/ops/triton/cross_entropy.py as .whl/peers/. STEPS picks what
 # runs (logs under $OUT):
 #   tests     the GPU tests (all but the TP-on-one-GPU ones, and test_head_variants: the study)
-#   cpu       benchmarks/profile_cpu.py: CPU cost per call at 16 and 1 rows (medians of 5 rounds), every op, beside
-#             F.cross_entropy, flash-attn's Triton CE and Liger's; N=1024 loop vs graph replay
+#   cpu       benchmarks/profile_cpu.py: CPU cost per call at 16 and 1 rows (medians of 5 rounds),
+#             every op, beside F.cross_entropy, flash-attn's Triton CE and Liger's; N=1024 loop vs
+#             graph replay
 #   decode    decode-time draws at N = 1, 8, 64 (TP=1), and at TP=2 (two processes, one GPU)
 #   generate  benchmarks/generate.py --quick: ms per decode step with and without the hook
 #   soak      benchmarks/soak.py: 5,000 steps, RSS and allocated memory slopes after warm-up
