@@ -416,10 +416,12 @@ def rank_main(rank: int, world: int, port: int, args, results) -> None:
         os.environ["VTP_CHECK"] = args.check
     if args.max_plans:
         from vtp_runtime import dispatch, plans
+        from vtp_runtime.backends.triton import backend as triton_backend
 
         # every cache of the runtime, so that all of them fill and turn over in the warm-up
         plans.MAX_PLANS = plans.MAX_PLAIN_OPTIONS = plans.MAX_DIRECT = args.max_plans
         dispatch.MAX_SELECTIONS = args.max_plans
+        triton_backend.MAX_CALL_PLANS = args.max_plans
     if args.device == "cpu":
         torch.set_num_threads(1)
     else:

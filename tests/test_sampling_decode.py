@@ -245,7 +245,8 @@ def test_plans_are_bounded_and_hold_no_tensor():
         vtp.argmax(torch.zeros(n, 5), backend="triton")
         assert len(triton_sampling.decode_plans()) <= triton_sampling.MAX_DECODE_PLANS
     for plan in triton_sampling.decode_plans():
-        held = [plan.n, plan.gumbel, plan.fast, plan.device, *plan.args.values(), *plan.values]
+        bound = plan.launch
+        held = [plan.n, plan.gumbel, bound.device, bound.seen, *bound.args.values(), *bound.values]
         assert not any(isinstance(v, torch.Tensor) for v in held)
     x = edge_logits(8, V)
     vtp.sample(x, seed=1, backend="triton")

@@ -3,11 +3,12 @@ backward (a mean, then ``.backward()`` into an existing ``.grad``) at TP=1, pinn
 
 At small sizes a call costs its Python, and each launch and each torch op is a fixed
 price on the host (docs/benchmarks.md, "CPU time per call"): a change that adds one shows
-here first. Launches are counted by wrapping the backend's launcher, torch ops with a
-``TorchDispatchMode`` while the launcher is stubbed out (the interpreter's own tensor work
-is not the call's). Rows split over the vocabulary (4 rows of 64 columns under the
-interpreter's configuration) are merged by the last program of each row; rows that are not
-split are finished by the statistics pass (16 rows). A sum or mean is the kernels' own.
+here first. Launches are counted by wrapping the backend's launchers (``launch`` and the
+call plans' ``launch.Bound``), torch ops with a ``TorchDispatchMode`` while they are stubbed
+out (the interpreter's own tensor work is not the call's). Rows split over the vocabulary
+(4 rows of 64 columns under the interpreter's configuration) are merged by the last program
+of each row; rows that are not split are finished by the statistics pass (16 rows). A sum
+or mean is the kernels' own.
 """
 
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vtp_runtime as vtp
 from vtp_runtime.backends.triton import backend as triton_backend
+from vtp_runtime.backends.triton.launch import Bound
 
 V = 64
 
@@ -81,23 +83,33 @@ WHOLE = {  # 16 rows: one program per row, finished where it is read
 @pytest.mark.parametrize("n, pinned", [(4, SPLIT), (16, WHOLE)], ids=["split_rows", "whole_rows"])
 def test_launches_and_torch_ops_per_call(monkeypatch, n, pinned):
     launched: list[str] = []
-    real = triton_backend.launch
+    real, real_bound = triton_backend.launch, Bound.__call__
+
+    def name_of(kernel) -> str:
+        name = getattr(kernel, "__name__", None) or kernel.fn.__name__  # an interpreted function wraps it
+        return name.removesuffix("_kernel")
 
     def recorded(kernel, grid, fast, **args):
-        name = getattr(kernel, "__name__", None) or kernel.fn.__name__  # an interpreted function wraps it
-        launched.append(name.removesuffix("_kernel"))
+        launched.append(name_of(kernel))
         real(kernel, grid, fast, **args)
+
+    def recorded_bound(bound, *values):
+        launched.append(name_of(bound.kernel))
+        real_bound(bound, *values)
 
     for op, (call, leaf) in _calls(n).items():
         call().backward()  # plans the signature; .grad exists from here on, as in training
         monkeypatch.setattr(triton_backend, "launch", recorded)
+        monkeypatch.setattr(Bound, "__call__", recorded_bound)
         launched.clear()
         call().backward()
         kernels = " ".join(launched)
         monkeypatch.setattr(triton_backend, "launch", lambda kernel, grid, fast, **args: None)
+        monkeypatch.setattr(Bound, "__call__", lambda bound, *values: None)
         with _Ops() as ops:
             call().backward()
         monkeypatch.setattr(triton_backend, "launch", real)
+        monkeypatch.setattr(Bound, "__call__", real_bound)
         assert (kernels, len(ops.names)) == pinned[op], f"{op}: {kernels}; torch ops {ops.names}"
         assert "clone" not in ops.names, op
         assert leaf.grad is not None

@@ -207,6 +207,84 @@ def test_the_interpreter_takes_the_jit_and_keeps_nothing(monkeypatch):
     assert launch_mod.kept_count() == 0
 
 
+# -- launch.Bound: every argument fixed but the per-call ones ---------------------------------
+
+
+def test_a_bound_launch_skips_the_jit_after_its_first(kernel):
+    fn, log, _, _ = kernel
+    bound = launch_mod.Bound(fn, (7,), True, ("y_ptr", "x_ptr"), n=100, scale=0.5, BLOCK=16, num_warps=4)
+    x, y = torch.zeros(32), torch.zeros(32)
+    for _ in range(3):
+        bound(y, x)  # per-call values in the order named, not the signature's
+    assert [entry[0] for entry in log] == ["jit", "launcher", "launcher"]
+    assert log[0][2] == dict(n=100, scale=0.5, BLOCK=16, num_warps=4, y_ptr=y, x_ptr=x)
+    assert log[1][1] == (7, 1, 1, 1234, "function", "metadata", None, None, None, x, y, 100, 0.5, 16)
+
+
+@pytest.mark.parametrize("change", ["dtype", "alignment", "device", "hook"])
+def test_a_bound_launch_takes_the_jit_where_the_specialization_differs(kernel, change):
+    fn, log, runtime, active = kernel
+    bound = launch_mod.Bound(fn, (7,), True, ("x_ptr", "y_ptr"), n=100, scale=0.5, BLOCK=16)
+    base = torch.zeros(64)
+    bound(base[:32], base[:32])
+    x, y = base[:32], base[:32]
+    if change == "dtype":
+        x = torch.zeros(32, dtype=torch.float64)
+    elif change == "alignment":
+        y = base[1:33]  # 4 bytes off a 16-byte boundary
+    elif change == "device":
+        active.device = 1  # another GPU is current: the JIT compiles for it
+    else:
+        runtime.launch_enter_hook = types.SimpleNamespace(calls=[print])  # a profiler's hook chain
+    bound(x, y)
+    if change == "hook":
+        runtime.launch_enter_hook = None
+    bound(x, y)  # the new specialization is kept (or, after the hook, the kept one reused)
+    assert [entry[0] for entry in log] == ["jit", "jit", "launcher"]
+
+
+def test_a_bound_launch_holds_no_tensor(kernel):
+    import gc
+    import weakref
+
+    fn, log, _, _ = kernel
+    bound = launch_mod.Bound(fn, (1,), True, ("x_ptr", "y_ptr"), n=3, scale=0.5, BLOCK=16)
+    x = torch.zeros(8)
+    ref = weakref.ref(x)
+    for _ in range(2):
+        bound(x, x)
+    log.clear()  # the stand-ins record what they were given
+    del x
+    gc.collect()
+    assert ref() is None
+    assert not any(isinstance(v, torch.Tensor) for v in (*bound.args.values(), *bound.values))
+
+
+def test_call_plans_are_bounded_and_hold_no_tensor(monkeypatch):
+    """The triton backend keeps one plan per signature of a loss call (forward and backward),
+    at most ``MAX_CALL_PLANS``, holding sizes and bound launches, never a tensor."""
+    import vtp_runtime as vtp
+    from vtp_runtime.backends.triton import backend as triton_backend
+
+    monkeypatch.setattr(triton_backend, "MAX_CALL_PLANS", 6)
+    triton_backend.clear_call_plans()
+    for n in range(1, 12):  # a new token count: a new signature
+        s = torch.randn(n, 40, requires_grad=True)
+        vtp.cross_entropy(s, torch.randint(0, 40, (n,)), reduction="mean", backend="triton").backward()
+        vtp.jsd(s, torch.randn(n, 40), reduction="sum", backend="triton").backward()
+        assert 0 < len(triton_backend.call_plans()) <= 6
+    for plan in triton_backend.call_plans():
+        for name in plan.__slots__:
+            value = getattr(plan, name)
+            held = [*value.args.values(), *value.values] if isinstance(value, launch_mod.Bound) else [value]
+            assert not any(isinstance(v, torch.Tensor) for v in held), name
+    triton_backend.clear_call_plans()
+    s = torch.randn(3, 40, requires_grad=True)
+    for _ in range(3):  # one signature: one forward plan, one backward plan
+        vtp.entropy(s, reduction="mean", backend="triton").backward()
+        assert len(triton_backend.call_plans()) == 2
+
+
 # -- on a GPU: the kept kernels give the JIT's results ---------------------------------------
 
 

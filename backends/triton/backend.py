@@ -30,6 +30,7 @@ launches the very same kernels. Kernels are launched with keyword arguments, nam
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +53,7 @@ from vtp_runtime.ops import LOSSES, OPS, kl_direction
 
 from . import fields, head_gemm, source
 from .config import CUDA_CONFIG, INTERPRETER_CONFIG, LaunchConfig, cdiv, split_chunk, vocab_splits
-from .launch import launch
+from .launch import Bound, launch
 
 LOG2E = 1.4426950408889634
 _ONE_INPUT_KIND = {"cross_entropy": fields.CE, "logprobs": fields.LOGPROBS, "entropy": fields.ENTROPY}
@@ -137,12 +138,12 @@ def _row_args(z: torch.Tensor) -> dict[str, Any]:
     return {"z_ptr": z, "rows_b": rows_b, "stride_a": stride_a, "stride_b": stride_b}
 
 
-def _pair_args(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
-    """The two inputs of a two-input kernel and their row geometry, as the kernels name them
-    (``sa_*``/``sb_*``: the row strides of a and b; both inputs have one shape)."""
+def _pair_geometry(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
+    """The row geometry of a two-input kernel's inputs, as the kernels name it (``sa_*``/``sb_*``:
+    the row strides of a and b; both inputs have one shape)."""
     rows_b, sa_a, sa_b = geometry(a)
     _, sb_a, sb_b = geometry(b)
-    return {"a_ptr": a, "b_ptr": b, "rows_b": rows_b, "sa_a": sa_a, "sa_b": sa_b, "sb_a": sb_a, "sb_b": sb_b}
+    return {"rows_b": rows_b, "sa_a": sa_a, "sa_b": sa_b, "sb_a": sb_a, "sb_b": sb_b}
 
 
 def _one_input_options(call: Call, kind: int) -> dict[str, Any]:
@@ -164,24 +165,27 @@ def _one_input_options(call: Call, kind: int) -> dict[str, Any]:
 _REDUCE = {"none": fields.REDUCE_NONE, "sum": fields.REDUCE_SUM, "mean": fields.REDUCE_MEAN}
 
 
-def _scratch(reduce: bool, merge_rows: int, dev: torch.device) -> torch.Tensor | None:
-    """The zeroed int32 counters of a call reduced in the kernels or whose ``merge_rows``
-    split rows are merged by their last program (``fields.R_*``), else None."""
-    if not reduce and not merge_rows:
-        return None
-    return torch.zeros(fields.R_ROWS + merge_rows, dtype=torch.int32, device=dev)
+def _scratch_rows(reduce: bool, merge_rows: int) -> int:
+    """How many int32 counters a call needs (``fields.R_*``): a call reduced in the kernels,
+    or whose ``merge_rows`` split rows are merged by their last program; else 0."""
+    return fields.R_ROWS + merge_rows if reduce or merge_rows else 0
 
 
-def _upstream_args(call: Call, state: OneInputState | PairState, grad: torch.Tensor) -> dict[str, Any]:
-    """The upstream gradient as the backward kernels read it: in its own strides (0 where
-    expanded; a reduced call's is 0-dim), and the scratch holding a mean's count."""
-    red = state.scratch if state.scratch is not None else state.stats
+def _scratch(rows: int, dev: torch.device) -> torch.Tensor | None:
+    """``rows`` zeroed int32 counters (``_scratch_rows``), or None for 0."""
+    return torch.zeros(rows, dtype=torch.int32, device=dev) if rows else None
+
+
+def _upstream_layout(call: Call, grad: torch.Tensor, with_column: bool) -> dict[str, Any]:
+    """How the backward kernels read the upstream gradient: in its own strides (0 where
+    expanded; a reduced call's is 0-dim); ``with_column``: ``[N, k]`` log-probs' column
+    stride too; ``MEAN``: divided by the count a mean's scratch holds."""
     if call.reduction != "none":  # one number, or [2] (log-probs, entropy) for every row alike
         g_row, g_col = 0, grad.stride(0) if grad.dim() else 0
     else:  # [N] or [N, k]
         g_row, g_col = grad.stride(0) if grad.dim() else 0, grad.stride(1) if grad.dim() == 2 else 0
-    args = {"grad_ptr": grad, "g_row": g_row, "red_ptr": red}
-    if isinstance(state, OneInputState):  # [N, k] log-probs: a column stride too
+    args: dict[str, Any] = {"g_row": g_row}
+    if with_column:
         args["g_col"] = g_col
     args["MEAN"] = call.reduction == "mean"
     return args
@@ -274,10 +278,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             return sampling.forward(self.config_for(inputs[0].device), call, inputs[0]), None
         if call.op in _ONE_INPUT_KIND:
             return self._forward1(call, inputs[0], index, mask)
-        reverse = kl_direction(call.op, call.options)
-        if reverse is not None:
-            return self._forward_kl(call, inputs, mask, reverse)
-        return self._forward_jsd(call, inputs, mask, call.options["beta"])
+        return self._forward2(call, inputs, mask)
 
     def backward(self, call, state, grad):
         return self.head_backward(call, state, grad, (False, False))
@@ -297,7 +298,7 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             return self.forward(call, inputs, index, mask)
         if call.op in _ONE_INPUT_KIND:
             return self._forward1(call, inputs[0], index, mask, tiles=partials[0])
-        return self._forward_jsd(call, inputs, mask, call.options["beta"], tiles=partials)
+        return self._forward2(call, inputs, mask, tiles=partials)
 
     def head_logits_route(self, device_type, request=None, options=None, parts=()):
         if request is None:
@@ -351,309 +352,101 @@ class TritonBackend(TakesHead, Compiles, Reduces):
     def _forward1(self, call: Call, z: torch.Tensor, index, mask, tiles: torch.Tensor | None = None):
         """``tiles``: the logits GEMM's per-tile partials of ``z`` (``head_gemm``), merged in
         place of the statistics pass."""
-        kind = _ONE_INPUT_KIND[call.op]
-        n, v_local = _num_rows(z), z.shape[-1]
-        dev = z.device
-        idx = _index_arg(call, index)
-        n_idx = 0 if idx is None else 1 if kind == fields.CE else idx.shape[1]
-        keep = _keep(mask)
-        options = _one_input_options(call, kind)
-        zloss = options.pop("ZLOSS")
-        # log-probs with return_entropy: the entropy's sum rides in the same pass
-        with_entropy = options["WITH_ENTROPY"]
-        n_fields = {
-            fields.CE: fields.CE_FIELDS,
-            fields.ENTROPY: fields.ENTROPY_FIELDS,
-            fields.LOGPROBS: (fields.LOGPROBS_ENTROPY_FIELDS if with_entropy else fields.LOGPROBS_FIELDS) + n_idx,
-        }[kind]
-        n_stats = fields.ENTROPY_STATS if kind == fields.ENTROPY or with_entropy else fields.STATS
-        val_shape: tuple[int, ...]
-        if with_entropy:
-            val_shape = (n, n_idx + 1)  # the log-probs, then the entropy
-        else:
-            val_shape = (n, n_idx) if (kind == fields.LOGPROBS and call.topk) else (n,)
-        values = torch.empty(val_shape, dtype=torch.float32, device=dev)
-        stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
+        idx, keep = _index_arg(call, index), _keep(mask)
+        cfg = self.config_for(z.device)
+        plan = _plan(
+            ("forward1", cfg, *_signature(call), *_layout(z), _shape(idx), keep is None, tiles is None),
+            lambda: _one_input_plan(cfg, call, z, idx, keep, tiles is not None),
+        )
+        dev, n = z.device, plan.n
+        values = torch.empty(plan.values_shape, dtype=torch.float32, device=dev)
+        stats = torch.empty((n, plan.n_stats), dtype=torch.float32, device=dev)
         if n == 0:
             return values, OneInputState(z, idx, stats, keep)
-        k = source.module("kernels")
-        cfg = self.config_for(dev)
-        tp = call.request.tp_size
-        splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        # a row that is neither split nor sharded is finished by the program that reads it;
-        # split rows at one rank by the last program of the row (nothing to gather between)
-        finish = splits == 1 and tp == 1 and tiles is None
-        merge = not finish and tp == 1 and cfg.merge_rows and tiles is None
-        reduce = _REDUCE[call.reduction]
-        scratch = _scratch(reduce != fields.REDUCE_NONE, n if merge else 0, dev)
-        # reduced: one number, or two for log-probs with the entropy (an [N] index: one column)
-        out = torch.empty((2,) if with_entropy else (), dtype=torch.float32, device=dev) if reduce else values
+        scratch = _scratch(plan.scratch_rows, dev)
+        # reduced: one number, or two for log-probs with the entropy
+        out = values if plan.out_shape is None else torch.empty(plan.out_shape, dtype=torch.float32, device=dev)
         state = OneInputState(z, idx, stats, keep, scratch)
-        part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=dev)
-        # what both passes read besides the logits and the partials
-        shared = {
-            "idx_ptr": idx if idx is not None else values,
-            "n_idx": n_idx,
-            "keep_ptr": keep if keep is not None else values,
-            "val_ptr": values,
-            "stat_ptr": stats,
-            "n_rows": n,
-            "red_ptr": scratch if scratch is not None else values,
-            "out_ptr": out,
-            "HAS_KEEP": keep is not None,
-            "REDUCE": reduce,
-            "BLOCK_REDUCE": cfg.block_reduce,
-            **options,
-        }
-        if tiles is not None:
-            head_gemm.tile_partials(cfg, call, tiles, part, z, kind=kind, index=idx)
-        else:
-            launch(
-                k.stats1_kernel,
-                (n * splits,),
-                cfg.fast_launch,
-                **_row_args(z),
-                **shared,
-                part_ptr=part,
-                v_local=v_local,
-                vocab_start=call.vocab_start,
-                splits=splits,
-                chunk=split_chunk(v_local, splits, cfg.block_stats),
-                # the z-loss term is added where a row is finished (here with FINISH or MERGE)
-                ZLOSS=zloss and (finish or merge),
-                FINISH=finish,
-                MERGE=merge,
-                BLOCK=cfg.block_stats,
-                num_warps=cfg.warps_stats,
-            )
-        if finish or merge:
-            return out, state
-        part, n_parts = _gather(part, call.group)
-        launch(
-            k.finish1_kernel,
-            (cdiv(n, cfg.block_rows),),
-            cfg.fast_launch,
-            **shared,
-            part_ptr=part,
-            n_parts=n_parts,
-            ZLOSS=zloss,
-            BLOCK_N=cfg.block_rows,
-            num_warps=cfg.warps_finish,
+        part = values if plan.partials_shape is None else plan.partials(dev)
+        # what both passes read besides the logits and the partials (a stand-in for each absent one)
+        shared = (
+            values if idx is None else idx,
+            values if keep is None else keep,
+            values,
+            stats,
+            values if scratch is None else scratch,
+            out,
         )
-        return out, state
-
-    def _forward_kl(self, call: Call, inputs, mask, reverse: bool):
-        student, teacher = inputs
-        a, b = (student, teacher) if reverse else (teacher, student)
-        values, state = _pair_outputs(student, teacher, mask, fields.KL_STATS)
-        n = values.shape[0]
-        if n == 0:
-            return values, state
-        cfg = self.config_for(a.device)
-        tp = call.request.tp_size
-        splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        finish = splits == 1 and tp == 1  # see _forward1
-        merge = not finish and tp == 1 and cfg.merge_rows
-        out = _reduced(call, state, n if merge else 0, values)
-        part = self._stats2(call, cfg, a, b, values, out, state, splits, with_kl=True, finish=finish, merge=merge)
-        if not (finish or merge):
-            self._finish2(call, cfg, part, values, out, state, fields.KL, beta=0.0)  # beta: read only by the JSD kind
-        return out, state
-
-    def _forward_jsd(self, call: Call, inputs, mask, beta: float, tiles: tuple | None = None):
-        """``tiles``: both inputs' per-tile partials from the logits GEMM (``head_gemm``),
-        merged in place of the statistics pass."""
-        student, teacher = inputs
-        values, state = _pair_outputs(student, teacher, mask, fields.JSD_STATS)
-        n, v_local, keep, stats, dev = values.shape[0], student.shape[-1], state.keep, state.stats, student.device
-        if n == 0:
-            return values, state
-        k = source.module("kernels")
-        cfg = self.config_for(dev)
-        tp = call.request.tp_size
-        v_per_rank = cdiv(call.vocab_size, tp)
-        splits = vocab_splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
-        div_splits = vocab_splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
-        whole = splits == 1 and div_splits == 1 and tp == 1 and tiles is None  # one launch, see _forward1
-        merge = not whole and tp == 1 and cfg.merge_rows  # the divergence pass's rows, see _forward1
-        out = _reduced(call, state, n if merge else 0, values)
-        reduce = {
-            "red_ptr": state.scratch if state.scratch is not None else values,
-            "out_ptr": out,
-            "REDUCE": _REDUCE[call.reduction],
-            "BLOCK_REDUCE": cfg.block_reduce,
-        }
-        # what both JSD passes read (a = student, b = teacher) besides their partials
-        shared = {
-            **_pair_args(student, teacher),
-            "keep_ptr": keep if keep is not None else values,
-            "stat_ptr": stats,
-            "v_local": v_local,
-            "k2": LOG2E / call.options["temperature"],
-            "beta": beta,
-            "HAS_KEEP": keep is not None,
-            "FAST_LOG2": cfg.fast_log2,
-        }
         if tiles is not None:
-            part = torch.empty((splits, n, fields.PAIR_FIELDS), dtype=torch.float32, device=dev)
+            head_gemm.tile_partials(cfg, call, tiles, part, z, kind=plan.kind, index=idx)
+        else:
+            plan.stats(z, *shared, part)
+        if plan.finish is not None:
+            plan.finish(*shared, _gather(part, call.group)[0])
+        return out, state
+
+    def _forward2(self, call: Call, inputs, mask, tiles: tuple | None = None):
+        """kl and jsd. ``tiles``: both inputs' per-tile partials from the logits GEMM
+        (``head_gemm``, JSD), merged in place of the statistics pass."""
+        student, teacher = inputs
+        keep = _keep(mask)
+        cfg = self.config_for(student.device)
+        plan = _plan(
+            ("forward2", cfg, *_signature(call), *_layout(student), *_layout(teacher), keep is None, tiles is None),
+            lambda: _pair_plan(cfg, call, student, teacher, keep, tiles is not None),
+        )
+        dev, n = student.device, plan.n
+        values = torch.empty((n,), dtype=torch.float32, device=dev)
+        state = PairState(student, teacher, torch.empty((n, plan.n_stats), dtype=torch.float32, device=dev), keep)
+        if n == 0:
+            return values, state
+        state.scratch = _scratch(plan.scratch_rows, dev)
+        out = values if plan.out_shape is None else torch.empty(plan.out_shape, dtype=torch.float32, device=dev)
+        # what every pass reads besides the inputs and the partials (a stand-in for each absent one)
+        shared = (
+            values if keep is None else keep,
+            values,
+            state.stats,
+            values if state.scratch is None else state.scratch,
+            out,
+        )
+        # KL(A || B): forward A = teacher, reverse A = student; JSD: a = student, b = teacher
+        a, b = (teacher, student) if plan.swapped else (student, teacher)
+        if plan.whole is not None:
+            plan.whole(a, b, *shared)
+            return out, state
+        part = values if plan.partials_shape is None else plan.partials(dev)
+        if tiles is not None:
             for side, (t, z) in enumerate(zip(tiles, inputs)):
                 head_gemm.tile_partials(cfg, call, t, part, z, pair_side=side)
-        elif whole:
-            launch(
-                k.jsd_row_kernel,
-                (n,),
-                cfg.fast_launch,
-                **shared,
-                **reduce,
-                val_ptr=values,
-                n_rows=n,
-                BLOCK_STATS=cfg.block_stats,
-                BLOCK_DIV=cfg.block_div,
-                num_warps=cfg.warps_div,
-            )
-            return out, state
         else:
-            part = self._stats2(call, cfg, student, teacher, values, out, state, splits, with_kl=False)
-        part, n_parts = _gather(part, call.group)
-        part2 = torch.empty((div_splits, n, fields.DIV_FIELDS), dtype=torch.float32, device=dev)
-        launch(
-            k.jsd_div_kernel,
-            (n * div_splits,),
-            cfg.fast_launch,
-            **shared,
-            **(reduce if merge else {**reduce, "REDUCE": fields.REDUCE_NONE}),
-            stats_part_ptr=part,
-            n_stats_parts=n_parts,
-            part_ptr=part2,
-            val_ptr=values,
-            n_rows=n,
-            splits=div_splits,
-            chunk=split_chunk(v_local, div_splits, cfg.block_div),
-            MERGE=merge,
-            BLOCK=cfg.block_div,
-            num_warps=cfg.warps_div,
-        )
-        if not merge:
-            self._finish2(call, cfg, part2, values, out, state, fields.JSD, beta)
+            assert plan.stats is not None  # a plan without tiles has its statistics pass
+            plan.stats(a, b, *shared, part)
+        if plan.divergence is not None:
+            assert plan.divergence_shape is not None
+            divergence = torch.empty(plan.divergence_shape, dtype=torch.float32, device=dev)
+            plan.divergence(a, b, *shared, _gather(part, call.group)[0], divergence)
+            part = divergence
+        if plan.finish is not None:
+            plan.finish(*shared, _gather(part, call.group)[0])
         return out, state
 
-    def _stats2(
-        self,
-        call: Call,
-        cfg: LaunchConfig,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        values: torch.Tensor,
-        out: torch.Tensor,
-        state: PairState,
-        splits: int,
-        with_kl: bool,
-        finish: bool = False,
-        merge: bool = False,
-    ) -> torch.Tensor:
-        """The statistics pass over both inputs (``with_kl``: and the KL(A || B) term): the
-        ``[splits, N, F]`` partials it fills, or with ``finish`` (KL, one split at TP 1) the
-        values, filled with the statistics as ``finish2_kernel`` would; ``merge`` (KL, split
-        rows at TP 1): the partials, and the values merged from them by each row's last
-        program. ``out``: a reduced call's result (with ``finish`` or ``merge``)."""
-        n, v_local, keep = values.shape[0], a.shape[-1], state.keep
-        n_fields = fields.KL_FIELDS if with_kl else fields.PAIR_FIELDS
-        part = values if finish else torch.empty((splits, n, n_fields), dtype=torch.float32, device=a.device)
-        launch(
-            source.module("kernels").stats2_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            **_pair_args(a, b),
-            keep_ptr=keep if keep is not None else values,
-            part_ptr=part,
-            val_ptr=values,
-            stat_ptr=state.stats,
-            red_ptr=state.scratch if state.scratch is not None else values,
-            out_ptr=out,
-            n_rows=n,
-            v_local=v_local,
-            splits=splits,
-            chunk=split_chunk(v_local, splits, cfg.block_stats),
-            k2=LOG2E / call.options["temperature"],
-            WITH_KL=with_kl,
-            HAS_KEEP=keep is not None,
-            FINISH=finish,
-            MERGE=merge,
-            REDUCE=_REDUCE[call.reduction] if finish or merge else fields.REDUCE_NONE,
-            BLOCK=cfg.block_stats,
-            BLOCK_REDUCE=cfg.block_reduce,
-            num_warps=cfg.warps_stats,
-        )
-        return part
-
-    def _finish2(
-        self, call: Call, cfg: LaunchConfig, part: torch.Tensor, values, out, state: PairState, kind: int, beta: float
-    ) -> None:
-        """Gather every rank's ``[S, N, F]`` partials and merge them into the values and the
-        statistics (``kind``: KL or JSD)."""
-        part, n_parts = _gather(part, call.group)
-        n, keep = values.shape[0], state.keep
-        launch(
-            source.module("kernels").finish2_kernel,
-            (cdiv(n, cfg.block_rows),),
-            cfg.fast_launch,
-            part_ptr=part,
-            n_parts=n_parts,
-            n_rows=n,
-            keep_ptr=keep if keep is not None else values,
-            val_ptr=values,
-            stat_ptr=state.stats,
-            red_ptr=state.scratch if state.scratch is not None else values,
-            out_ptr=out,
-            k2=LOG2E / call.options["temperature"],
-            beta=beta,
-            KIND=kind,
-            HAS_KEEP=keep is not None,
-            REDUCE=_REDUCE[call.reduction],
-            BLOCK_N=cfg.block_rows,
-            BLOCK_REDUCE=cfg.block_reduce,
-            num_warps=cfg.warps_finish,
-        )
-
     # -- backward ----------------------------------------------------------------------
-    def _bwd_splits(self, cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
-        tiles = max(1, cdiv(v_local, cfg.block_bwd))
-        splits = max(1, min(cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
-        return splits, split_chunk(v_local, splits, cfg.block_bwd)
-
     def _backward1(self, call: Call, state: OneInputState, grad, in_place: bool = False):
-        kind = _ONE_INPUT_KIND[call.op]
         z, idx, stats, keep = state.logits, state.index, state.stats, state.keep
         if not call.needs_grad[0]:
             return (None,)
-        n, v_local = _num_rows(z), z.shape[-1]
         dz = z if in_place else torch.empty(z.shape, dtype=z.dtype, device=z.device)
-        if n == 0 or v_local == 0:
+        if _num_rows(z) == 0 or z.shape[-1] == 0:
             return (dz,)
-        k = source.module("kernels")
         cfg = self.config_for(z.device)
-        splits, chunk = self._bwd_splits(cfg, n, v_local)
-        launch(
-            k.backward1_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            **_row_args(z),
-            **_one_input_options(call, kind),
-            dz_ptr=dz,
-            **_upstream_args(call, state, grad),
-            idx_ptr=idx if idx is not None else stats,
-            n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
-            keep_ptr=keep if keep is not None else stats,
-            stat_ptr=stats,
-            v_local=v_local,
-            vocab_start=call.vocab_start,
-            splits=splits,
-            chunk=chunk,
-            inv_t=1.0 / call.options["temperature"],
-            HAS_KEEP=keep is not None,
-            BLOCK=cfg.block_bwd,
-            num_warps=cfg.warps_bwd,
+        upstream = (grad.shape, grad.stride(), state.scratch is None)
+        plan = _plan(
+            ("backward1", cfg, *_signature(call), *_layout(z), _shape(idx), keep is None, *upstream),
+            lambda: _backward1_plan(cfg, call, state, grad),
         )
+        red = state.scratch if state.scratch is not None else stats
+        plan.launch(z, dz, grad, red, stats if idx is None else idx, stats if keep is None else keep, stats)
         return (dz,)
 
     def _backward2(
@@ -670,57 +463,415 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             in_place_a, in_place_b = scratch
         da = (a if in_place_a else torch.empty(a.shape, dtype=a.dtype, device=a.device)) if need_a else None
         db = (b if in_place_b else torch.empty(b.shape, dtype=b.dtype, device=b.device)) if need_b else None
-        n, v_local = _num_rows(a), a.shape[-1]
-        if (need_a or need_b) and n > 0 and v_local > 0:
-            k = source.module("kernels")
+        if (need_a or need_b) and _num_rows(a) > 0 and a.shape[-1] > 0:
             cfg = self.config_for(a.device)
-            splits, chunk = self._bwd_splits(cfg, n, v_local)
-            launch(
-                k.backward2_kernel,
-                (n * splits,),
-                cfg.fast_launch,
-                **_pair_args(a, b),
-                da_ptr=da if need_a else db,
-                db_ptr=db if need_b else da,  # NEED_A / NEED_B gate the writes
-                **_upstream_args(call, state, grad),
-                keep_ptr=keep if keep is not None else stats,
-                stat_ptr=stats,
-                v_local=v_local,
-                splits=splits,
-                chunk=chunk,
-                k2=LOG2E / call.options["temperature"],
-                inv_t=1.0 / call.options["temperature"],
-                beta=call.options["beta"] if kind == fields.JSD else 0.0,  # read only by the JSD kind
-                KIND=kind,
-                NEED_A=need_a,
-                NEED_B=need_b,
-                HAS_KEEP=keep is not None,
-                FAST_LOG2=cfg.fast_log2 and kind == fields.JSD,
-                BLOCK=cfg.block_bwd,
-                num_warps=cfg.warps_bwd,
+            upstream = (grad.shape, grad.stride(), state.scratch is None)
+            plan = _plan(
+                ("backward2", cfg, *_signature(call), *_layout(a), *_layout(b), keep is None, kind, *upstream),
+                lambda: _backward2_plan(cfg, call, a, b, keep, grad, kind, (need_a, need_b)),
             )
+            red = state.scratch if state.scratch is not None else stats
+            keep_or = stats if keep is None else keep
+            # NEED_A / NEED_B gate the writes: a gradient not asked for has the other's stand in
+            plan.launch(a, b, da if need_a else db, db if need_b else da, grad, red, keep_or, stats)
         if kind == fields.KL and not reverse:
             return db, da
         return da, db
 
 
-def _pair_outputs(student: torch.Tensor, teacher: torch.Tensor, mask, n_stats: int) -> tuple[torch.Tensor, PairState]:
-    """kl/jsd: the values ``[N]`` to fill, and the state holding the ``[N, n_stats]`` statistics
-    to fill and the mask as uint8 (what the kernels read)."""
-    n, dev = _num_rows(student), student.device
-    keep = _keep(mask)
-    values = torch.empty((n,), dtype=torch.float32, device=dev)
-    stats = torch.empty((n, n_stats), dtype=torch.float32, device=dev)
-    return values, PairState(student, teacher, stats, keep)
-
-
-def _reduced(call: Call, state: PairState, merge_rows: int, values: torch.Tensor) -> torch.Tensor:
-    """kl/jsd: the 0-dim result of a call the kernels reduce (its scratch set in ``state``),
-    else the values."""
-    reduce = call.reduction != "none"
-    state.scratch = _scratch(reduce, merge_rows, values.device)
-    return torch.empty((), dtype=torch.float32, device=values.device) if reduce else values
-
-
 def _num_rows(z: torch.Tensor) -> int:
     return z.shape[0] * z.shape[1] if z.dim() == 3 else z.shape[0]
+
+
+# -- call plans: what every call of one signature launches ------------------------------------
+
+MAX_CALL_PLANS = 256  # signatures kept; past it the kept plans are dropped and made again
+_CALL_PLANS: dict[tuple, Any] = {}
+# the per-call tensors that a one-input call's passes read besides the logits and the partials
+_SHARED = ("idx_ptr", "keep_ptr", "val_ptr", "stat_ptr", "red_ptr", "out_ptr")
+
+
+def _signature(call: Call) -> tuple:
+    """What of ``call`` a plan's arguments follow (the request holds the op, dtype, TP size,
+    V and the token count; the group is read per call)."""
+    return (call.request, call.vocab_start, call.reduction, call.topk, call.needs_grad, tuple(call.options.items()))
+
+
+def _layout(z: torch.Tensor) -> tuple:
+    return z.shape, z.stride(), z.dtype, z.device
+
+
+def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else t.shape
+
+
+def _plan(key: tuple, make: Callable[[], Any]) -> Any:
+    """The plan kept for ``key``, or ``make()``'s, kept."""
+    plan = _CALL_PLANS.get(key)
+    if plan is None:
+        plan = make()
+        if len(_CALL_PLANS) >= MAX_CALL_PLANS:
+            _CALL_PLANS.clear()
+        _CALL_PLANS[key] = plan
+    return plan
+
+
+def call_plans() -> list[Any]:
+    """The loss calls' plans kept now (at most ``MAX_CALL_PLANS``)."""
+    return list(_CALL_PLANS.values())
+
+
+def clear_call_plans() -> None:
+    """Drop every kept plan: the next call of each signature makes its plan again."""
+    _CALL_PLANS.clear()
+
+
+class OneInputPlan:
+    """A one-input forward (cross_entropy, logprobs, entropy) of one signature: the sizes of
+    what it allocates and its launches with every argument bound but the tensors (no
+    tensor, no group). ``stats`` is None for a fused head's (its GEMM made the partials);
+    ``finish`` is None where the statistics pass finishes the rows itself."""
+
+    __slots__ = (
+        "n",
+        "kind",
+        "values_shape",
+        "n_stats",
+        "scratch_rows",
+        "out_shape",
+        "partials_shape",
+        "stats",
+        "finish",
+    )
+
+    def __init__(self, n: int, kind: int, values_shape: tuple[int, ...], n_stats: int) -> None:
+        self.n, self.kind, self.values_shape, self.n_stats = n, kind, values_shape, n_stats
+        self.scratch_rows = 0
+        self.out_shape: tuple[int, ...] | None = None  # a reduced call's result; None: the values
+        self.partials_shape: tuple[int, ...] | None = None  # None: the values stand in
+        self.stats: Bound | None = None
+        self.finish: Bound | None = None
+
+    def partials(self, dev: torch.device) -> torch.Tensor:
+        assert self.partials_shape is not None
+        return torch.empty(self.partials_shape, dtype=torch.float32, device=dev)
+
+
+def _one_input_plan(cfg: LaunchConfig, call: Call, z: torch.Tensor, idx, keep, tiled: bool) -> OneInputPlan:
+    kind = _ONE_INPUT_KIND[call.op]
+    n, v_local = _num_rows(z), z.shape[-1]
+    n_idx = 0 if idx is None else 1 if kind == fields.CE else idx.shape[1]
+    options = _one_input_options(call, kind)
+    zloss = options.pop("ZLOSS")
+    # log-probs with return_entropy: the entropy's sum rides in the same pass
+    with_entropy = options["WITH_ENTROPY"]
+    n_fields = {
+        fields.CE: fields.CE_FIELDS,
+        fields.ENTROPY: fields.ENTROPY_FIELDS,
+        fields.LOGPROBS: (fields.LOGPROBS_ENTROPY_FIELDS if with_entropy else fields.LOGPROBS_FIELDS) + n_idx,
+    }[kind]
+    n_stats = fields.ENTROPY_STATS if kind == fields.ENTROPY or with_entropy else fields.STATS
+    values_shape: tuple[int, ...]
+    if with_entropy:
+        values_shape = (n, n_idx + 1)  # the log-probs, then the entropy
+    else:
+        values_shape = (n, n_idx) if (kind == fields.LOGPROBS and call.topk) else (n,)
+    plan = OneInputPlan(n, kind, values_shape, n_stats)
+    if n == 0:
+        return plan
+    k = source.module("kernels")
+    tp = call.request.tp_size
+    splits = vocab_splits(n, cdiv(call.vocab_size, tp), cfg.block_stats, cfg.target_programs, cfg.max_splits)
+    # a row that is neither split nor sharded is finished by the program that reads it;
+    # split rows at one rank by the last program of the row (nothing to gather between)
+    finish = splits == 1 and tp == 1 and not tiled
+    merge = not finish and tp == 1 and cfg.merge_rows and not tiled
+    reduce = _REDUCE[call.reduction]
+    plan.scratch_rows = _scratch_rows(reduce != fields.REDUCE_NONE, n if merge else 0)
+    if reduce:  # one number, or two for log-probs with the entropy (an [N] index: one column)
+        plan.out_shape = (2,) if with_entropy else ()
+    if not finish:
+        plan.partials_shape = (splits, n, n_fields)
+    shared = {
+        "n_idx": n_idx,
+        "n_rows": n,
+        "HAS_KEEP": keep is not None,
+        "REDUCE": reduce,
+        "BLOCK_REDUCE": cfg.block_reduce,
+        **options,
+    }
+    if not tiled:
+        rows_b, stride_a, stride_b = geometry(z)
+        plan.stats = Bound(
+            k.stats1_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            ("z_ptr", *_SHARED, "part_ptr"),
+            rows_b=rows_b,
+            stride_a=stride_a,
+            stride_b=stride_b,
+            **shared,
+            v_local=v_local,
+            vocab_start=call.vocab_start,
+            splits=splits,
+            chunk=split_chunk(v_local, splits, cfg.block_stats),
+            # the z-loss term is added where a row is finished (here with FINISH or MERGE)
+            ZLOSS=zloss and (finish or merge),
+            FINISH=finish,
+            MERGE=merge,
+            BLOCK=cfg.block_stats,
+            num_warps=cfg.warps_stats,
+        )
+    if not (finish or merge):
+        plan.finish = Bound(
+            k.finish1_kernel,
+            (cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
+            (*_SHARED, "part_ptr"),
+            **shared,
+            n_parts=tp * splits,  # every rank's partials, gathered
+            ZLOSS=zloss,
+            BLOCK_N=cfg.block_rows,
+            num_warps=cfg.warps_finish,
+        )
+    return plan
+
+
+class Backward1Plan:
+    """A one-input backward of one signature: its launch, bound but the tensors."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch: Bound) -> None:
+        self.launch = launch
+
+
+def _backward1_plan(cfg: LaunchConfig, call: Call, state: OneInputState, grad: torch.Tensor) -> Backward1Plan:
+    z, idx = state.logits, state.index
+    n, v_local = _num_rows(z), z.shape[-1]
+    splits, chunk = _bwd_splits(cfg, n, v_local)
+    rows_b, stride_a, stride_b = geometry(z)
+    return Backward1Plan(
+        Bound(
+            source.module("kernels").backward1_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            ("z_ptr", "dz_ptr", "grad_ptr", "red_ptr", "idx_ptr", "keep_ptr", "stat_ptr"),
+            rows_b=rows_b,
+            stride_a=stride_a,
+            stride_b=stride_b,
+            **_one_input_options(call, _ONE_INPUT_KIND[call.op]),
+            **_upstream_layout(call, grad, with_column=True),
+            n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
+            v_local=v_local,
+            vocab_start=call.vocab_start,
+            splits=splits,
+            chunk=chunk,
+            inv_t=1.0 / call.options["temperature"],
+            HAS_KEEP=state.keep is not None,
+            BLOCK=cfg.block_bwd,
+            num_warps=cfg.warps_bwd,
+        )
+    )
+
+
+def _bwd_splits(cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
+    tiles = max(1, cdiv(v_local, cfg.block_bwd))
+    splits = max(1, min(cdiv(cfg.bwd_target_programs, max(n, 1)), tiles))
+    return splits, split_chunk(v_local, splits, cfg.block_bwd)
+
+
+# the per-call tensors that every pass of a pair call reads besides its inputs and partials
+_PAIR_SHARED = ("keep_ptr", "val_ptr", "stat_ptr", "red_ptr", "out_ptr")
+
+
+class PairPlan:
+    """A kl or jsd forward of one signature: the sizes of what it allocates and its launches
+    bound but the tensors (no tensor, no group). ``swapped``: the kernels' A is the teacher
+    (forward KL); ``whole``: JSD rows that one program reads and finishes (the only launch);
+    ``stats`` is None for a fused head's (its GEMM made the partials); ``divergence``: JSD's
+    second pass; ``finish``: None where a pass finishes the rows itself."""
+
+    __slots__ = (
+        "n",
+        "n_stats",
+        "swapped",
+        "scratch_rows",
+        "out_shape",
+        "partials_shape",
+        "divergence_shape",
+        "whole",
+        "stats",
+        "divergence",
+        "finish",
+    )
+
+    def __init__(self, n: int, n_stats: int, swapped: bool) -> None:
+        self.n, self.n_stats, self.swapped = n, n_stats, swapped
+        self.scratch_rows = 0
+        self.out_shape: tuple[int, ...] | None = None  # a reduced call's result; None: the values
+        self.partials_shape: tuple[int, ...] | None = None  # None: the values stand in
+        self.divergence_shape: tuple[int, ...] | None = None
+        self.whole: Bound | None = None
+        self.stats: Bound | None = None
+        self.divergence: Bound | None = None
+        self.finish: Bound | None = None
+
+    def partials(self, dev: torch.device) -> torch.Tensor:
+        assert self.partials_shape is not None
+        return torch.empty(self.partials_shape, dtype=torch.float32, device=dev)
+
+
+def _pair_plan(cfg: LaunchConfig, call: Call, student, teacher, keep, tiled: bool) -> PairPlan:
+    reverse = kl_direction(call.op, call.options)
+    is_kl = reverse is not None
+    n, v_local = _num_rows(student), student.shape[-1]
+    plan = PairPlan(n, fields.KL_STATS if is_kl else fields.JSD_STATS, swapped=is_kl and not reverse)
+    if n == 0:
+        return plan
+    a, b = (teacher, student) if plan.swapped else (student, teacher)
+    k = source.module("kernels")
+    tp = call.request.tp_size
+    v_per_rank = cdiv(call.vocab_size, tp)
+    splits = vocab_splits(n, v_per_rank, cfg.block_stats, cfg.target_programs, cfg.max_splits)
+    div_splits = 0 if is_kl else vocab_splits(n, v_per_rank, cfg.block_div, cfg.target_programs, cfg.max_splits)
+    # KL: the statistics pass finishes a row that is neither split nor sharded, and merges split
+    # rows at one rank (see _forward1); JSD: one launch for rows neither split nor sharded, else
+    # the divergence pass merges its split rows at one rank
+    if is_kl:
+        whole, finish = False, splits == 1 and tp == 1
+    else:
+        whole, finish = splits == 1 and div_splits == 1 and tp == 1 and not tiled, False
+    merge = not (whole or finish) and tp == 1 and cfg.merge_rows
+    reduce = _REDUCE[call.reduction]
+    plan.scratch_rows = _scratch_rows(reduce != fields.REDUCE_NONE, n if merge else 0)
+    if reduce:
+        plan.out_shape = ()
+    k2 = LOG2E / call.options["temperature"]
+    geometry_ab = _pair_geometry(a, b)
+    if whole:
+        plan.whole = Bound(
+            k.jsd_row_kernel,
+            (n,),
+            cfg.fast_launch,
+            ("a_ptr", "b_ptr", *_PAIR_SHARED),
+            **geometry_ab,
+            v_local=v_local,
+            k2=k2,
+            beta=call.options["beta"],
+            HAS_KEEP=keep is not None,
+            FAST_LOG2=cfg.fast_log2,
+            REDUCE=reduce,
+            BLOCK_REDUCE=cfg.block_reduce,
+            n_rows=n,
+            BLOCK_STATS=cfg.block_stats,
+            BLOCK_DIV=cfg.block_div,
+            num_warps=cfg.warps_div,
+        )
+        return plan
+    if not finish:
+        plan.partials_shape = (splits, n, fields.KL_FIELDS if is_kl else fields.PAIR_FIELDS)
+    if not tiled:
+        plan.stats = Bound(
+            k.stats2_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            ("a_ptr", "b_ptr", *_PAIR_SHARED, "part_ptr"),
+            **geometry_ab,
+            n_rows=n,
+            v_local=v_local,
+            splits=splits,
+            chunk=split_chunk(v_local, splits, cfg.block_stats),
+            k2=k2,
+            WITH_KL=is_kl,
+            HAS_KEEP=keep is not None,
+            FINISH=finish,
+            MERGE=is_kl and merge,
+            REDUCE=reduce if is_kl and (finish or merge) else fields.REDUCE_NONE,
+            BLOCK=cfg.block_stats,
+            BLOCK_REDUCE=cfg.block_reduce,
+            num_warps=cfg.warps_stats,
+        )
+    finish_parts = tp * splits
+    if not is_kl:
+        plan.divergence_shape = (div_splits, n, fields.DIV_FIELDS)
+        plan.divergence = Bound(
+            k.jsd_div_kernel,
+            (n * div_splits,),
+            cfg.fast_launch,
+            ("a_ptr", "b_ptr", *_PAIR_SHARED, "stats_part_ptr", "part_ptr"),
+            **geometry_ab,
+            v_local=v_local,
+            k2=k2,
+            beta=call.options["beta"],
+            HAS_KEEP=keep is not None,
+            FAST_LOG2=cfg.fast_log2,
+            REDUCE=reduce if merge else fields.REDUCE_NONE,
+            BLOCK_REDUCE=cfg.block_reduce,
+            n_stats_parts=tp * splits,
+            n_rows=n,
+            splits=div_splits,
+            chunk=split_chunk(v_local, div_splits, cfg.block_div),
+            MERGE=merge,
+            BLOCK=cfg.block_div,
+            num_warps=cfg.warps_div,
+        )
+        finish_parts = tp * div_splits
+    if not (finish or merge):
+        plan.finish = Bound(
+            k.finish2_kernel,
+            (cdiv(n, cfg.block_rows),),
+            cfg.fast_launch,
+            (*_PAIR_SHARED, "part_ptr"),
+            n_parts=finish_parts,  # every rank's partials, gathered
+            n_rows=n,
+            k2=k2,
+            beta=0.0 if is_kl else call.options["beta"],  # read only by the JSD kind
+            KIND=fields.KL if is_kl else fields.JSD,
+            HAS_KEEP=keep is not None,
+            REDUCE=reduce,
+            BLOCK_N=cfg.block_rows,
+            BLOCK_REDUCE=cfg.block_reduce,
+            num_warps=cfg.warps_finish,
+        )
+    return plan
+
+
+class Backward2Plan:
+    """A kl or jsd backward of one signature: its launch, bound but the tensors."""
+
+    __slots__ = ("launch",)
+
+    def __init__(self, launch: Bound) -> None:
+        self.launch = launch
+
+
+def _backward2_plan(
+    cfg: LaunchConfig, call: Call, a, b, keep, grad, kind: int, need: tuple[bool, bool]
+) -> Backward2Plan:
+    """``need``: whether A's and B's gradients are asked for."""
+    n, v_local = _num_rows(a), a.shape[-1]
+    splits, chunk = _bwd_splits(cfg, n, v_local)
+    return Backward2Plan(
+        Bound(
+            source.module("kernels").backward2_kernel,
+            (n * splits,),
+            cfg.fast_launch,
+            ("a_ptr", "b_ptr", "da_ptr", "db_ptr", "grad_ptr", "red_ptr", "keep_ptr", "stat_ptr"),
+            **_pair_geometry(a, b),
+            **_upstream_layout(call, grad, with_column=False),
+            v_local=v_local,
+            splits=splits,
+            chunk=chunk,
+            k2=LOG2E / call.options["temperature"],
+            inv_t=1.0 / call.options["temperature"],
+            beta=call.options["beta"] if kind == fields.JSD else 0.0,  # read only by the JSD kind
+            KIND=kind,
+            NEED_A=need[0],
+            NEED_B=need[1],
+            HAS_KEEP=keep is not None,
+            FAST_LOG2=cfg.fast_log2 and kind == fields.JSD,
+            BLOCK=cfg.block_bwd,
+            num_warps=cfg.warps_bwd,
+        )
+    )

@@ -22,6 +22,14 @@ profiler's) or pre-run hooks send every launch through the JIT, as do objects th
 plain JIT functions (Triton's interpreter, test doubles). Nothing here holds a tensor.
 ``kept_count``, ``form_count`` and ``forget`` show and drop what is kept; ``use_runtime``
 puts stand-ins for Triton's runtime in its place.
+
+A ``Bound`` launch is the leaner form for a call site that launches one kernel the same way
+on every call but for a few arguments (the tensors of the call, a seed): every other
+argument is fixed when it is made, so a launch builds no key and no keyword arguments. It
+keeps the compiled kernel its first launch returned, with what the JIT specialized on in
+the per-call arguments (each tensor's dtype and 16-byte alignment, the current device), and
+launches through the JIT again where one of those differs. It holds no tensor between
+launches.
 """
 
 from __future__ import annotations
@@ -190,6 +198,54 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
         return
     assert form is not None  # a kept kernel has a form
     run_compiled(compiled, grid, runtime, driver, device, form.ordered(args))
+
+
+def _alignment(values: tuple) -> tuple:
+    """What the JIT specializes on in per-call values: a tensor's dtype and 16-byte alignment,
+    a non-tensor's type (the per-call ints a kernel declares ``do_not_specialize``)."""
+    return tuple(
+        (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else (type(v), -(2**31) <= v < 2**31)
+        for v in values
+    )
+
+
+class Bound:
+    """``kernel[grid]`` with every argument fixed but ``per_call`` (passed positionally to
+    ``__call__``, in that order): after its first launch, straight to the compiled kernel's
+    launcher while nothing the JIT specializes on has changed; else through the JIT (and
+    always where ``fast`` is off, a launch hook is set, or ``kernel`` is not a plain JIT
+    function). The non-tensor ``per_call`` values must be ints the kernel does not
+    specialize on (``do_not_specialize``)."""
+
+    __slots__ = ("kernel", "grid", "args", "per_call", "fast", "compiled", "device", "seen", "values", "slots")
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], fast: bool, per_call: tuple[str, ...], **args: Any) -> None:
+        self.kernel, self.grid, self.args, self.per_call, self.fast = kernel, grid, args, per_call, fast
+        self.compiled: Any = None
+        self.device: Any = None
+        self.seen: tuple = ()  # the per-call values' dtypes and alignment the kept kernel was compiled for
+        self.values: list[Any] = []  # every argument in signature order, the per-call slots None
+        self.slots: tuple[int, ...] = ()  # where the per-call values go in ``values``
+
+    def __call__(self, *values: Any) -> None:
+        found = direct(self.kernel) if self.fast else None
+        if found is not None and self.compiled is not None:
+            runtime, driver = found
+            device = driver.active.get_current_device()
+            if device == self.device and _alignment(values) == self.seen:
+                ordered = self.values.copy()
+                for slot, value in zip(self.slots, values):
+                    ordered[slot] = value
+                run_compiled(self.compiled, self.grid, runtime, driver, device, ordered)
+                return
+        given = dict(zip(self.per_call, values))
+        launched = self.kernel[self.grid](**self.args, **given)
+        if found is not None and launchable(launched) and set(self.kernel.arg_names) <= {*self.args, *given}:
+            names = list(self.kernel.arg_names)
+            self.slots = tuple(names.index(name) for name in self.per_call)
+            self.values = [None if name in given else self.args[name] for name in names]
+            self.compiled, self.device = launched, found[1].active.get_current_device()
+            self.seen = _alignment(values)
 
 
 def form_count(kernel: Any) -> int:

@@ -3,8 +3,8 @@
 At TP = 1 a call is one launch of ``sampling_kernels.decode_kernel`` (``decode``), which
 finds the ids in the kernel with the keys and kept sets of ``vtp_runtime.sampling.run``;
 the call signature's plan (``decode_plan``, at most ``MAX_DECODE_PLANS``; ``decode_plans``
-and ``clear_decode_plans`` show and drop them) keeps its arguments and, once launched, the
-compiled kernel, launched directly (``launch_decode``).
+and ``clear_decode_plans`` show and drop them) keeps its arguments bound and, once launched,
+the compiled kernel, launched directly (``launch.Bound``).
 At TP > 1, the local primitives of ``vtp_runtime.sampling.run`` (which holds the algorithm
 and the collectives):
 
@@ -35,7 +35,7 @@ from vtp_runtime.sampling import FIELDS, SEED_WORDS, Scale, Scan
 
 from . import source
 from .config import LaunchConfig, cdiv, split_chunk, vocab_splits
-from .launch import direct, launch, launchable, run_compiled
+from .launch import Bound, launch
 
 Tensor = torch.Tensor
 
@@ -150,23 +150,21 @@ MAX_DECODE_PLANS = 64  # signatures kept; past it the kept plans are dropped and
 GRAIN = {torch.float32: 0, torch.bfloat16: 16, torch.float16: 13}  # low fp32 bits always 0
 
 
+# the per-call arguments of decode_kernel (the rest is bound in the plan)
+PER_CALL = ("z_ptr", "out_ptr", "seed_key")
+
+
 class DecodePlan:
-    """What every call of one signature needs (no tensor, no group): the kernel's arguments
-    but the logits, the ids and the seed's key; the row count (the grid); once a launch
-    returned the compiled kernel, that kernel, the current device it was compiled for and
-    its arguments in signature order (``launch_decode``)."""
+    """What every call of one signature needs (no tensor, no group): the row count and the
+    kernel's launch with every argument bound but the logits, the ids and the seed's key
+    (``launch.Bound``: once launched, straight to the compiled kernel)."""
 
-    __slots__ = ("n", "programs", "args", "gumbel", "fast", "compiled", "device", "values")
+    __slots__ = ("n", "gumbel", "launch")
 
-    def __init__(self, n: int, programs: int, args: dict[str, Any], gumbel: bool, fast: bool) -> None:
+    def __init__(self, n: int, gumbel: bool, launch: Bound) -> None:
         self.n = n
-        self.programs = programs
-        self.args = args
         self.gumbel = gumbel
-        self.fast = fast
-        self.compiled: Any = None
-        self.device: Any = None
-        self.values: list[Any] = []
+        self.launch = launch
 
 
 _DECODE_PLANS: dict[tuple, DecodePlan] = {}
@@ -175,7 +173,7 @@ _DECODE_PLANS: dict[tuple, DecodePlan] = {}
 def decode_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
     """The plan of a TP = 1 call's signature: looked up, or made and kept. The signature:
     the config, the request, the shard's bounds, the options but the seed, the logits'
-    shape, strides, dtype, device and 16-byte alignment (what the kernel is specialized on)."""
+    shape, strides, dtype and device (their alignment is the ``Bound`` launch's to check)."""
     key = (
         cfg,
         call.request,
@@ -186,7 +184,6 @@ def decode_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
         z.stride(),
         z.dtype,
         z.device,
-        z.data_ptr() % 16 == 0,
     )
     plan = _DECODE_PLANS.get(key)
     if plan is None:
@@ -218,28 +215,32 @@ def _make_plan(cfg: LaunchConfig, call: Call, z: Tensor) -> DecodePlan:
     p = restrict.p if restrict is not None else None
     min_p = restrict.min_p if restrict is not None else None
     bisects = k is not None or p is not None
-    args = {
-        "n_rows": n,
+    launch = Bound(
+        source.module("sampling_kernels").decode_kernel,
+        (cdiv(n, cfg.decode_rows),),
+        cfg.fast_launch,
+        PER_CALL,
+        n_rows=n,
         **geometry,
-        "v_local": v_local,
-        "vocab_start": call.vocab_start,
-        "scale_s": scale.s,
-        "scale_b": scale.b,
-        "row_offset": sampling.as_int32(call.options.get("row_offset", 0) % 2**32),
-        "top_k": 0 if k is None else k,
-        "top_p": 1.0 if p is None else float(p),
-        "log2_min_p": -math.inf if min_p is None else math.log2(min_p),
-        "GUMBEL": gumbel,
-        "TOP_K": k is not None,
-        "TOP_P": p is not None,
-        "MIN_P": min_p is not None,
-        "GRAIN": GRAIN[z.dtype],
-        "FAST_LOG2": cfg.fast_log2,
-        "ROWS": cfg.decode_rows,
-        "BLOCK": cfg.decode_bisect_block if bisects else cfg.decode_block,
-        "num_warps": cfg.decode_bisect_warps if bisects else cfg.decode_warps,
-    }
-    return DecodePlan(n, cdiv(n, cfg.decode_rows), args, gumbel, cfg.fast_launch)
+        v_local=v_local,
+        vocab_start=call.vocab_start,
+        scale_s=scale.s,
+        scale_b=scale.b,
+        row_offset=sampling.as_int32(call.options.get("row_offset", 0) % 2**32),
+        top_k=0 if k is None else k,
+        top_p=1.0 if p is None else float(p),
+        log2_min_p=-math.inf if min_p is None else math.log2(min_p),
+        GUMBEL=gumbel,
+        TOP_K=k is not None,
+        TOP_P=p is not None,
+        MIN_P=min_p is not None,
+        GRAIN=GRAIN[z.dtype],
+        FAST_LOG2=cfg.fast_log2,
+        ROWS=cfg.decode_rows,
+        BLOCK=cfg.decode_bisect_block if bisects else cfg.decode_block,
+        num_warps=cfg.decode_bisect_warps if bisects else cfg.decode_warps,
+    )
+    return DecodePlan(n, gumbel, launch)
 
 
 def decode(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
@@ -249,35 +250,8 @@ def decode(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
     out = torch.empty(plan.n, dtype=torch.int64, device=z.device)
     if plan.n:
         seed = sampling.as_int32(sampling.seed_key(call.options["seed"])) if plan.gumbel else 0
-        launch_decode(plan, z, out, seed)
+        plan.launch(z, out, seed)
     return out
-
-
-# the per-call arguments of decode_kernel (the rest is the plan's)
-PER_CALL = ("z_ptr", "out_ptr", "seed_key")
-
-
-def launch_decode(plan: DecodePlan, z: Tensor, out: Tensor, seed_key: int) -> None:
-    """Launch ``decode_kernel`` for ``plan`` on ``z``, writing ``out``: through the compiled
-    kernel's own launcher once a launch has returned it (no JIT dispatch: the plan's
-    signature fixes everything the JIT specializes on), else through the JIT. Written for
-    this one kernel; ``launch.launch`` is the general form for the loss kernels."""
-    kernel = source.module("sampling_kernels").decode_kernel
-    found = direct(kernel) if plan.fast else None
-    if found is not None and plan.compiled is not None:
-        runtime, driver = found
-        device = driver.active.get_current_device()
-        if device == plan.device:
-            values = plan.values.copy()
-            values[0], values[1], values[2] = z, out, seed_key  # PER_CALL, first in the signature
-            run_compiled(plan.compiled, (plan.programs,), runtime, driver, device, values)
-            return
-    launched = kernel[(plan.programs,)](z_ptr=z, out_ptr=out, seed_key=seed_key, **plan.args)
-    if found is not None and launchable(launched) and tuple(kernel.arg_names[:3]) == PER_CALL:
-        # the per-call slots stay empty: a plan holds no tensor
-        given = {**plan.args, "z_ptr": None, "out_ptr": None, "seed_key": None}
-        plan.values = [given[name] for name in kernel.arg_names]
-        plan.compiled, plan.device = launched, found[1].active.get_current_device()
 
 
 def forward(cfg: LaunchConfig, call: Call, z: Tensor) -> Tensor:
