@@ -50,22 +50,9 @@ def busy(us: float) -> None:
         pass
 
 
-class Busy(torch.autograd.Function):
-    """The floor with 100 µs of Python in backward: whether the caller's thread pays for it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, value: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        ctx.grad = grad
-        return value
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        busy(100.0)
-        return ctx.grad, None, None
-
-
 class Worked(torch.autograd.Function):
-    """The floor with ``work()`` in backward (on CUDA, on autograd's device thread)."""
+    """The autograd floor: a 0-dim value out, a preallocated gradient back, and ``work()`` in
+    backward (on CUDA, on autograd's device thread)."""
 
     work: Callable[[], Any] = staticmethod(lambda: None)
 
@@ -93,19 +80,6 @@ def worked(work: Callable[[], Any], s: torch.Tensor, value: torch.Tensor, grad: 
     return step
 
 
-class Preallocated(torch.autograd.Function):
-    """The autograd floor: a 0-dim value out, a preallocated gradient back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, value: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        ctx.grad = grad
-        return value
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.grad, None, None
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -126,9 +100,9 @@ def main() -> None:
         "torch.zeros [17] int32": lambda: torch.zeros(n + 1, dtype=torch.int32, device=dev),
         "tensor.view": lambda: small.view(-1),
         "tensor.contiguous (already)": lambda: y.contiguous(),
-        "autograd.Function forward": lambda: Preallocated.apply(s, value, grad),
-        "autograd.Function forward + backward": lambda: Preallocated.apply(s, value, grad).backward(),
-        "autograd.Function + backward, 100 µs of Python in it": lambda: Busy.apply(s, value, grad).backward(),
+        "autograd.Function forward": lambda: Worked.apply(s, value, grad),
+        "autograd.Function forward + backward": worked(lambda: None, s, value, grad),
+        "autograd.Function + backward, 100 µs of Python in it": worked(lambda: busy(100.0), s, value, grad),
         "F.cross_entropy forward": lambda: torch.nn.functional.cross_entropy(s, y),
         "F.cross_entropy forward + backward": lambda: torch.nn.functional.cross_entropy(s, y).backward(),
     }

@@ -79,7 +79,7 @@ def layers(arm: str, x: torch.Tensor, reps: int) -> dict[str, float]:
         "torch": median_us(peer, reps),
         "call": median_us(vtp_call(arm, x), reps),
         "backend": median_us(lambda: backend.forward(call, (x,), None, None), reps),
-        "launch": median_us(lambda: decode_plan.launch(x, out, seed_key), reps),
+        "launch": median_us(lambda: decode_plan.launch.launch((x, out, seed_key), checked=True), reps),
         "empty": median_us(lambda: torch.empty(n, dtype=torch.int64, device=dev), reps),
     }
 

@@ -246,7 +246,7 @@ def test_plans_are_bounded_and_hold_no_tensor():
         assert len(triton_sampling.decode_plans()) <= triton_sampling.MAX_DECODE_PLANS
     for plan in triton_sampling.decode_plans():
         bound = plan.launch
-        held = [plan.n, plan.gumbel, bound.device, bound.seen, *bound.args.values(), *bound.values]
+        held = [plan.n, plan.gumbel, bound.device, bound.dtypes, bound.aligned, *bound.args.values(), *bound.values]
         assert not any(isinstance(v, torch.Tensor) for v in held)
     x = edge_logits(8, V)
     vtp.sample(x, seed=1, backend="triton")

@@ -243,6 +243,19 @@ def test_a_bound_launch_takes_the_jit_where_the_specialization_differs(kernel, c
     assert [entry[0] for entry in log] == ["jit", "jit", "launcher"]
 
 
+def test_a_checked_bound_launch_compares_the_device_only(kernel):
+    """A caller whose own key fixes the per-call values' dtypes and alignment (a decode plan)
+    launches with ``checked``: the kept kernel is reused without looking at them."""
+    fn, log, _, active = kernel
+    bound = launch_mod.Bound(fn, (7,), True, ("x_ptr", "y_ptr"), n=100, scale=0.5, BLOCK=16)
+    base = torch.zeros(64)
+    bound.launch((base[:32], base[:32]), checked=True)
+    bound.launch((base[1:33], base[:32]), checked=True)  # the caller's key would differ here
+    active.device = 1
+    bound.launch((base[:32], base[:32]), checked=True)
+    assert [entry[0] for entry in log] == ["jit", "launcher", "jit"]
+
+
 def test_a_bound_launch_holds_no_tensor(kernel):
     import gc
     import weakref
@@ -274,7 +287,7 @@ def test_call_plans_are_bounded_and_hold_no_tensor(monkeypatch):
         vtp.jsd(s, torch.randn(n, 40), reduction="sum", backend="triton").backward()
         assert 0 < len(triton_backend.call_plans()) <= 6
     for plan in triton_backend.call_plans():
-        for name in plan.__slots__:
+        for name in {name for kind in type(plan).__mro__ for name in getattr(kind, "__slots__", ())}:
             value = getattr(plan, name)
             held = [*value.args.values(), *value.values] if isinstance(value, launch_mod.Bound) else [value]
             assert not any(isinstance(v, torch.Tensor) for v in held), name

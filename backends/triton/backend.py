@@ -526,35 +526,37 @@ def clear_call_plans() -> None:
     _CALL_PLANS.clear()
 
 
-class OneInputPlan:
-    """A one-input forward (cross_entropy, logprobs, entropy) of one signature: the sizes of
-    what it allocates and its launches with every argument bound but the tensors (no
-    tensor, no group). ``stats`` is None for a fused head's (its GEMM made the partials);
-    ``finish`` is None where the statistics pass finishes the rows itself."""
+class _ForwardPlan:
+    """What every forward plan holds: the row count, the statistics' width, the counters, a
+    reduced result's shape and the partials' (each None where the values stand in), the
+    statistics pass and the finishing launch (each None where the call has none)."""
 
-    __slots__ = (
-        "n",
-        "kind",
-        "values_shape",
-        "n_stats",
-        "scratch_rows",
-        "out_shape",
-        "partials_shape",
-        "stats",
-        "finish",
-    )
+    __slots__ = ("n", "n_stats", "scratch_rows", "out_shape", "partials_shape", "stats", "finish")
 
-    def __init__(self, n: int, kind: int, values_shape: tuple[int, ...], n_stats: int) -> None:
-        self.n, self.kind, self.values_shape, self.n_stats = n, kind, values_shape, n_stats
+    def __init__(self, n: int, n_stats: int) -> None:
+        self.n, self.n_stats = n, n_stats
         self.scratch_rows = 0
-        self.out_shape: tuple[int, ...] | None = None  # a reduced call's result; None: the values
-        self.partials_shape: tuple[int, ...] | None = None  # None: the values stand in
+        self.out_shape: tuple[int, ...] | None = None
+        self.partials_shape: tuple[int, ...] | None = None
         self.stats: Bound | None = None
         self.finish: Bound | None = None
 
     def partials(self, dev: torch.device) -> torch.Tensor:
         assert self.partials_shape is not None
         return torch.empty(self.partials_shape, dtype=torch.float32, device=dev)
+
+
+class OneInputPlan(_ForwardPlan):
+    """A one-input forward (cross_entropy, logprobs, entropy) of one signature: the sizes of
+    what it allocates and its launches with every argument bound but the tensors (no
+    tensor, no group). ``stats`` is None for a fused head's (its GEMM made the partials);
+    ``finish`` is None where the statistics pass finishes the rows itself."""
+
+    __slots__ = ("kind", "values_shape")
+
+    def __init__(self, n: int, kind: int, values_shape: tuple[int, ...], n_stats: int) -> None:
+        super().__init__(n, n_stats)
+        self.kind, self.values_shape = kind, values_shape
 
 
 def _one_input_plan(cfg: LaunchConfig, call: Call, z: torch.Tensor, idx, keep, tiled: bool) -> OneInputPlan:
@@ -685,41 +687,21 @@ def _bwd_splits(cfg: LaunchConfig, n: int, v_local: int) -> tuple[int, int]:
 _PAIR_SHARED = ("keep_ptr", "val_ptr", "stat_ptr", "red_ptr", "out_ptr")
 
 
-class PairPlan:
+class PairPlan(_ForwardPlan):
     """A kl or jsd forward of one signature: the sizes of what it allocates and its launches
     bound but the tensors (no tensor, no group). ``swapped``: the kernels' A is the teacher
     (forward KL); ``whole``: JSD rows that one program reads and finishes (the only launch);
     ``stats`` is None for a fused head's (its GEMM made the partials); ``divergence``: JSD's
     second pass; ``finish``: None where a pass finishes the rows itself."""
 
-    __slots__ = (
-        "n",
-        "n_stats",
-        "swapped",
-        "scratch_rows",
-        "out_shape",
-        "partials_shape",
-        "divergence_shape",
-        "whole",
-        "stats",
-        "divergence",
-        "finish",
-    )
+    __slots__ = ("swapped", "divergence_shape", "whole", "divergence")
 
     def __init__(self, n: int, n_stats: int, swapped: bool) -> None:
-        self.n, self.n_stats, self.swapped = n, n_stats, swapped
-        self.scratch_rows = 0
-        self.out_shape: tuple[int, ...] | None = None  # a reduced call's result; None: the values
-        self.partials_shape: tuple[int, ...] | None = None  # None: the values stand in
+        super().__init__(n, n_stats)
+        self.swapped = swapped
         self.divergence_shape: tuple[int, ...] | None = None
         self.whole: Bound | None = None
-        self.stats: Bound | None = None
         self.divergence: Bound | None = None
-        self.finish: Bound | None = None
-
-    def partials(self, dev: torch.device) -> torch.Tensor:
-        assert self.partials_shape is not None
-        return torch.empty(self.partials_shape, dtype=torch.float32, device=dev)
 
 
 def _pair_plan(cfg: LaunchConfig, call: Call, student, teacher, keep, tiled: bool) -> PairPlan:

@@ -200,39 +200,58 @@ def launch(kernel: Any, grid: tuple[int, ...], fast: bool, **args: Any) -> None:
     run_compiled(compiled, grid, runtime, driver, device, form.ordered(args))
 
 
-def _alignment(values: tuple) -> tuple:
-    """What the JIT specializes on in per-call values: a tensor's dtype and 16-byte alignment,
-    a non-tensor's type (the per-call ints a kernel declares ``do_not_specialize``)."""
-    return tuple(
-        (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else (type(v), -(2**31) <= v < 2**31)
-        for v in values
-    )
-
-
 class Bound:
     """``kernel[grid]`` with every argument fixed but ``per_call`` (passed positionally to
-    ``__call__``, in that order): after its first launch, straight to the compiled kernel's
-    launcher while nothing the JIT specializes on has changed; else through the JIT (and
-    always where ``fast`` is off, a launch hook is set, or ``kernel`` is not a plain JIT
-    function). The non-tensor ``per_call`` values must be ints the kernel does not
-    specialize on (``do_not_specialize``)."""
+    ``__call__``, in that order: the tensors first, then any ints, which must be ints the
+    kernel does not specialize on, ``do_not_specialize``): after its first launch, straight
+    to the compiled kernel's launcher while nothing the JIT specializes on has changed (each
+    tensor's dtype and 16-byte alignment, each int's range, the current device); else through
+    the JIT (and always where ``fast`` is off, a launch hook is set, or ``kernel`` is not a
+    plain JIT function)."""
 
-    __slots__ = ("kernel", "grid", "args", "per_call", "fast", "compiled", "device", "seen", "values", "slots")
+    __slots__ = (
+        "kernel",
+        "grid",
+        "args",
+        "per_call",
+        "fast",
+        "compiled",
+        "device",
+        "dtypes",
+        "aligned",
+        "values",
+        "slots",
+    )
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], fast: bool, per_call: tuple[str, ...], **args: Any) -> None:
         self.kernel, self.grid, self.args, self.per_call, self.fast = kernel, grid, args, per_call, fast
         self.compiled: Any = None
         self.device: Any = None
-        self.seen: tuple = ()  # the per-call values' dtypes and alignment the kept kernel was compiled for
+        self.dtypes: tuple = ()  # the per-call tensors' dtypes the kept kernel was compiled for
+        self.aligned: Any = True  # ... their alignment: True (all 16-byte aligned), or one flag each
         self.values: list[Any] = []  # every argument in signature order, the per-call slots None
         self.slots: tuple[int, ...] = ()  # where the per-call values go in ``values``
 
     def __call__(self, *values: Any) -> None:
+        self.launch(values, checked=False)
+
+    def launch(self, values: tuple, checked: bool) -> None:
+        """Launch with ``values`` (``per_call``'s). ``checked``: the caller's own key already
+        fixes what the JIT specializes on in them (the dtypes, the alignment, the ints'
+        ranges), so only the current device is compared (a decode step's plan)."""
         found = direct(self.kernel) if self.fast else None
         if found is not None and self.compiled is not None:
             runtime, driver = found
             device = driver.active.get_current_device()
-            if device == self.device and _alignment(values) == self.seen:
+            tensors = values[: len(self.dtypes)]
+            if device == self.device and (
+                checked
+                or (
+                    tuple(map(_DTYPE, tensors)) == self.dtypes
+                    and _aligned(tensors) == self.aligned
+                    and all(-(2**31) <= v < 2**31 for v in values[len(tensors) :])
+                )
+            ):
                 ordered = self.values.copy()
                 for slot, value in zip(self.slots, values):
                     ordered[slot] = value
@@ -241,11 +260,23 @@ class Bound:
         given = dict(zip(self.per_call, values))
         launched = self.kernel[self.grid](**self.args, **given)
         if found is not None and launchable(launched) and set(self.kernel.arg_names) <= {*self.args, *given}:
+            count = next((i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)), len(values))
+            tensors = values[:count]
+            if not all(type(v) is int and -(2**31) <= v < 2**31 for v in values[count:]):
+                return  # not in the form a kept kernel can be checked against: always the JIT
             names = list(self.kernel.arg_names)
             self.slots = tuple(names.index(name) for name in self.per_call)
             self.values = [None if name in given else self.args[name] for name in names]
             self.compiled, self.device = launched, found[1].active.get_current_device()
-            self.seen = _alignment(values)
+            self.dtypes, self.aligned = tuple(map(_DTYPE, tensors)), _aligned(tensors)
+
+
+def _aligned(tensors: tuple) -> Any:
+    """True where every tensor's address is a multiple of 16 (one bitwise or of them all),
+    else whether each one's is."""
+    if not reduce(or_, map(_DATA_PTR, tensors), 0) & 15:
+        return True
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def form_count(kernel: Any) -> int:
