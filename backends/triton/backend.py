@@ -25,7 +25,10 @@ the inputs plus O(N) fp32 statistics.
 XPU backend subclasses it with its own name, probe, device types and configuration and
 launches the very same kernels. Kernels are launched with keyword arguments, named as in
 ``kernels.py``; the sizes of the partials and statistics it allocates come from
-``fields.py``, which the kernels read too. Importing this module never imports triton.
+``fields.py``, which the kernels read too. A loss call's forward and backward each have a
+plan per signature (``call_plans``, at most ``MAX_CALL_PLANS``): what the call allocates and
+its launches as ``launch.Bound``, every argument fixed but the call's tensors, made once, so
+a repeated call builds no arguments. Importing this module never imports triton.
 """
 
 from __future__ import annotations
@@ -130,12 +133,6 @@ def geometry(z: torch.Tensor) -> tuple[int, int, int]:
         return max(z.shape[0], 1), 0, z.stride(0)
     a, b, _ = z.shape
     return max(b, 1), z.stride(0), z.stride(1)
-
-
-def _row_args(z: torch.Tensor) -> dict[str, Any]:
-    """The logits of a one-input kernel and their row geometry, as the kernels name them."""
-    rows_b, stride_a, stride_b = geometry(z)
-    return {"z_ptr": z, "rows_b": rows_b, "stride_a": stride_a, "stride_b": stride_b}
 
 
 def _pair_geometry(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any]:
