@@ -3,7 +3,8 @@ interpreter configurations; the XPU backend has its own (``backends/triton_xpu``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,14 @@ class LaunchConfig:
     head_flatten: bool = True
     head_programs: int = 0
     head_merge_tiles: int = 16  # tile partials merged per step, per block of block_rows rows
+
+    # every call plan's key holds the config: its hash is computed once, not per call
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 CUDA_CONFIG = LaunchConfig(fast_log2=True, fast_launch=True)
