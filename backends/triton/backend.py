@@ -349,13 +349,13 @@ class TritonBackend(TakesHead, Compiles, Reduces):
     def _forward1(self, call: Call, z: torch.Tensor, index, mask, tiles: torch.Tensor | None = None):
         """``tiles``: the logits GEMM's per-tile partials of ``z`` (``head_gemm``), merged in
         place of the statistics pass."""
-        idx, keep = _index_arg(call, index), _keep(mask)
-        cfg = self.config_for(z.device)
+        idx, keep, dev = _index_arg(call, index), _keep(mask), z.device
+        cfg = self.config_for(dev)
         plan = _plan(
             ("forward1", cfg, *_signature(call), *_layout(z), _shape(idx), keep is None, tiles is None),
             lambda: _one_input_plan(cfg, call, z, idx, keep, tiles is not None),
         )
-        dev, n = z.device, plan.n
+        n = plan.n
         values = torch.empty(plan.values_shape, dtype=torch.float32, device=dev)
         stats = torch.empty((n, plan.n_stats), dtype=torch.float32, device=dev)
         if n == 0:
@@ -386,13 +386,13 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         """kl and jsd. ``tiles``: both inputs' per-tile partials from the logits GEMM
         (``head_gemm``, JSD), merged in place of the statistics pass."""
         student, teacher = inputs
-        keep = _keep(mask)
-        cfg = self.config_for(student.device)
+        keep, dev = _keep(mask), student.device
+        cfg = self.config_for(dev)
         plan = _plan(
             ("forward2", cfg, *_signature(call), *_layout(student), *_layout(teacher), keep is None, tiles is None),
             lambda: _pair_plan(cfg, call, student, teacher, keep, tiles is not None),
         )
-        dev, n = student.device, plan.n
+        n = plan.n
         values = torch.empty((n,), dtype=torch.float32, device=dev)
         state = PairState(student, teacher, torch.empty((n, plan.n_stats), dtype=torch.float32, device=dev), keep)
         if n == 0:
@@ -438,12 +438,12 @@ class TritonBackend(TakesHead, Compiles, Reduces):
             return (dz,)
         cfg = self.config_for(z.device)
         upstream = (grad.shape, grad.stride(), state.scratch is None)
-        plan = _plan(
+        launch = _plan(
             ("backward1", cfg, *_signature(call), *_layout(z), _shape(idx), keep is None, *upstream),
             lambda: _backward1_plan(cfg, call, state, grad),
         )
         red = state.scratch if state.scratch is not None else stats
-        plan.launch(z, dz, grad, red, stats if idx is None else idx, stats if keep is None else keep, stats)
+        launch(z, dz, grad, red, stats if idx is None else idx, stats if keep is None else keep, stats)
         return (dz,)
 
     def _backward2(
@@ -463,14 +463,14 @@ class TritonBackend(TakesHead, Compiles, Reduces):
         if (need_a or need_b) and _num_rows(a) > 0 and a.shape[-1] > 0:
             cfg = self.config_for(a.device)
             upstream = (grad.shape, grad.stride(), state.scratch is None)
-            plan = _plan(
+            launch = _plan(
                 ("backward2", cfg, *_signature(call), *_layout(a), *_layout(b), keep is None, kind, *upstream),
                 lambda: _backward2_plan(cfg, call, a, b, keep, grad, kind, (need_a, need_b)),
             )
             red = state.scratch if state.scratch is not None else stats
             keep_or = stats if keep is None else keep
             # NEED_A / NEED_B gate the writes: a gradient not asked for has the other's stand in
-            plan.launch(a, b, da if need_a else db, db if need_b else da, grad, red, keep_or, stats)
+            launch(a, b, da if need_a else db, db if need_b else da, grad, red, keep_or, stats)
         if kind == fields.KL and not reverse:
             return db, da
         return da, db
@@ -636,41 +636,31 @@ def _one_input_plan(cfg: LaunchConfig, call: Call, z: torch.Tensor, idx, keep, t
     return plan
 
 
-class Backward1Plan:
+def _backward1_plan(cfg: LaunchConfig, call: Call, state: OneInputState, grad: torch.Tensor) -> Bound:
     """A one-input backward of one signature: its launch, bound but the tensors."""
-
-    __slots__ = ("launch",)
-
-    def __init__(self, launch: Bound) -> None:
-        self.launch = launch
-
-
-def _backward1_plan(cfg: LaunchConfig, call: Call, state: OneInputState, grad: torch.Tensor) -> Backward1Plan:
     z, idx = state.logits, state.index
     n, v_local = _num_rows(z), z.shape[-1]
     splits, chunk = _bwd_splits(cfg, n, v_local)
     rows_b, stride_a, stride_b = geometry(z)
-    return Backward1Plan(
-        Bound(
-            source.module("kernels").backward1_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            ("z_ptr", "dz_ptr", "grad_ptr", "red_ptr", "idx_ptr", "keep_ptr", "stat_ptr"),
-            rows_b=rows_b,
-            stride_a=stride_a,
-            stride_b=stride_b,
-            **_one_input_options(call, _ONE_INPUT_KIND[call.op]),
-            **_upstream_layout(call, grad, with_column=True),
-            n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
-            v_local=v_local,
-            vocab_start=call.vocab_start,
-            splits=splits,
-            chunk=chunk,
-            inv_t=1.0 / call.options["temperature"],
-            HAS_KEEP=state.keep is not None,
-            BLOCK=cfg.block_bwd,
-            num_warps=cfg.warps_bwd,
-        )
+    return Bound(
+        source.module("kernels").backward1_kernel,
+        (n * splits,),
+        cfg.fast_launch,
+        ("z_ptr", "dz_ptr", "grad_ptr", "red_ptr", "idx_ptr", "keep_ptr", "stat_ptr"),
+        rows_b=rows_b,
+        stride_a=stride_a,
+        stride_b=stride_b,
+        **_one_input_options(call, _ONE_INPUT_KIND[call.op]),
+        **_upstream_layout(call, grad, with_column=True),
+        n_idx=0 if idx is None else (1 if idx.dim() == 1 else idx.shape[1]),
+        v_local=v_local,
+        vocab_start=call.vocab_start,
+        splits=splits,
+        chunk=chunk,
+        inv_t=1.0 / call.options["temperature"],
+        HAS_KEEP=state.keep is not None,
+        BLOCK=cfg.block_bwd,
+        num_warps=cfg.warps_bwd,
     )
 
 
@@ -816,41 +806,29 @@ def _pair_plan(cfg: LaunchConfig, call: Call, student, teacher, keep, tiled: boo
     return plan
 
 
-class Backward2Plan:
-    """A kl or jsd backward of one signature: its launch, bound but the tensors."""
-
-    __slots__ = ("launch",)
-
-    def __init__(self, launch: Bound) -> None:
-        self.launch = launch
-
-
-def _backward2_plan(
-    cfg: LaunchConfig, call: Call, a, b, keep, grad, kind: int, need: tuple[bool, bool]
-) -> Backward2Plan:
-    """``need``: whether A's and B's gradients are asked for."""
+def _backward2_plan(cfg: LaunchConfig, call: Call, a, b, keep, grad, kind: int, need: tuple[bool, bool]) -> Bound:
+    """A kl or jsd backward of one signature: its launch, bound but the tensors; ``need``:
+    whether A's and B's gradients are asked for."""
     n, v_local = _num_rows(a), a.shape[-1]
     splits, chunk = _bwd_splits(cfg, n, v_local)
-    return Backward2Plan(
-        Bound(
-            source.module("kernels").backward2_kernel,
-            (n * splits,),
-            cfg.fast_launch,
-            ("a_ptr", "b_ptr", "da_ptr", "db_ptr", "grad_ptr", "red_ptr", "keep_ptr", "stat_ptr"),
-            **_pair_geometry(a, b),
-            **_upstream_layout(call, grad, with_column=False),
-            v_local=v_local,
-            splits=splits,
-            chunk=chunk,
-            k2=LOG2E / call.options["temperature"],
-            inv_t=1.0 / call.options["temperature"],
-            beta=call.options["beta"] if kind == fields.JSD else 0.0,  # read only by the JSD kind
-            KIND=kind,
-            NEED_A=need[0],
-            NEED_B=need[1],
-            HAS_KEEP=keep is not None,
-            FAST_LOG2=cfg.fast_log2 and kind == fields.JSD,
-            BLOCK=cfg.block_bwd,
-            num_warps=cfg.warps_bwd,
-        )
+    return Bound(
+        source.module("kernels").backward2_kernel,
+        (n * splits,),
+        cfg.fast_launch,
+        ("a_ptr", "b_ptr", "da_ptr", "db_ptr", "grad_ptr", "red_ptr", "keep_ptr", "stat_ptr"),
+        **_pair_geometry(a, b),
+        **_upstream_layout(call, grad, with_column=False),
+        v_local=v_local,
+        splits=splits,
+        chunk=chunk,
+        k2=LOG2E / call.options["temperature"],
+        inv_t=1.0 / call.options["temperature"],
+        beta=call.options["beta"] if kind == fields.JSD else 0.0,  # read only by the JSD kind
+        KIND=kind,
+        NEED_A=need[0],
+        NEED_B=need[1],
+        HAS_KEEP=keep is not None,
+        FAST_LOG2=cfg.fast_log2 and kind == fields.JSD,
+        BLOCK=cfg.block_bwd,
+        num_warps=cfg.warps_bwd,
     )

@@ -109,10 +109,7 @@ class _Form:
 
     def key(self, device: Any, args: dict[str, Any]) -> tuple:
         tensors = self.tensors(args)
-        # the tensors' alignment: one bitwise or of every address, each apart only if some is off
-        aligned: Any = not reduce(or_, map(_DATA_PTR, tensors), 0) & 15
-        if not aligned:
-            aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+        aligned = _aligned(tensors)
         ranges = () if self.unspecialized is None else tuple(-(2**31) <= v < 2**31 for v in self.unspecialized(args))
         types = tuple(map(type, self.scalars(args)))
         return (device, self.exact(args), types, tuple(map(_DTYPE, tensors)), aligned, ranges)
@@ -235,6 +232,17 @@ class Bound:
     def __call__(self, *values: Any) -> None:
         self.launch(values, checked=False)
 
+    def _specialized_alike(self, values: tuple) -> bool:
+        """Whether ``values`` match what the kept kernel was compiled for: the tensors'
+        dtypes and alignment, the ints' range."""
+        count = len(self.dtypes)
+        tensors = values[:count]
+        return (
+            tuple(map(_DTYPE, tensors)) == self.dtypes
+            and _aligned(tensors) == self.aligned
+            and all(-(2**31) <= v < 2**31 for v in values[count:])
+        )
+
     def launch(self, values: tuple, checked: bool) -> None:
         """Launch with ``values`` (``per_call``'s). ``checked``: the caller's own key already
         fixes what the JIT specializes on in them (the dtypes, the alignment, the ints'
@@ -243,15 +251,7 @@ class Bound:
         if found is not None and self.compiled is not None:
             runtime, driver = found
             device = driver.active.get_current_device()
-            tensors = values[: len(self.dtypes)]
-            if device == self.device and (
-                checked
-                or (
-                    tuple(map(_DTYPE, tensors)) == self.dtypes
-                    and _aligned(tensors) == self.aligned
-                    and all(-(2**31) <= v < 2**31 for v in values[len(tensors) :])
-                )
-            ):
+            if device == self.device and (checked or self._specialized_alike(values)):
                 ordered = self.values.copy()
                 for slot, value in zip(self.slots, values):
                     ordered[slot] = value
@@ -272,8 +272,8 @@ class Bound:
 
 
 def _aligned(tensors: tuple) -> Any:
-    """True where every tensor's address is a multiple of 16 (one bitwise or of them all),
-    else whether each one's is."""
+    """What the JIT specializes on in the tensors' addresses: True where every one is a
+    multiple of 16 (one bitwise or of them all), else whether each one is."""
     if not reduce(or_, map(_DATA_PTR, tensors), 0) & 15:
         return True
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
