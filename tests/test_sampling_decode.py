@@ -99,6 +99,22 @@ def test_rows_per_program_change_no_id(rows):
     assert torch.equal(one, rounds)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_first_probe_far_above_the_min_changes_no_id(dtype):
+    """Rows spread over many binades (a cut far above the row's min: top-p's first probe is
+    its bound on the cut, not the midpoint), with ties at the cut and at the probe."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(12, V, generator=g) * 8
+    x[1] = torch.randint(-40, 12, (V,), generator=g).float()  # ties everywhere
+    x[2, :5] = 1e4  # tied maxima far above the rest
+    x[3] = torch.linspace(-300, 30, V)
+    x = x.to(dtype)
+    for seed in (0, 9):
+        for options in ({"top_p": 0.3}, {"top_p": 0.9}, {"top_p": 0.999}, {"top_p": 0.95, "temperature": 0.25}):
+            one, rounds = one_launch_and_rounds(x, "sample", {"seed": seed, **options})
+            assert torch.equal(one, rounds), options
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_launch_gives_the_ids_of_the_rounds_in_half_precision(dtype):
     """bf16 and fp16 logits: the cuts are searched in their coarser steps."""

@@ -441,8 +441,18 @@ def decode_kernel(
             limit = top_p * total
             lo = _ordered(tl.maximum(x_min, vk)) >> GRAIN
             hi = _ordered(m) >> GRAIN
+            # The first probe: at most v_local tokens of weight w(t) or less lie at or below t
+            # (the max weighs 1, so total >= 1), hence the mass above t is still >= limit where
+            # v_local w(t) <= (1 - top_p) total; with half that as margin, the probe is t_low,
+            # the largest such t. Logits spread over many binades put the cut far above the
+            # row's min, and this first step skips most of the bisection's range. Any probe in
+            # [lo, hi) keeps the search exact: it moves lo or hi as a midpoint would.
+            q = tl.log2((1.0 - top_p) * 0.5 * total / v_local)
+            t_low = (a + q / scale_b) / scale_s
+            first = tl.minimum(tl.maximum(_ordered(t_low) >> GRAIN, lo), hi)
             while tl.max(hi - lo, 0) > 0:
-                mid = lo + (hi - lo) // 2
+                mid = tl.where((lo < first) & (first < hi), first, lo + (hi - lo) // 2)
+                first = lo  # probed once
                 above, _ = _mass_above(
                     z_ptr, base, live, v_local, _value(mid << GRAIN), vk, a, scale_s, scale_b, ROWS, BLOCK
                 )
